@@ -1,0 +1,76 @@
+"""Base config: declares every key the launcher reads, each with a one-line comment.
+
+Experiment configs import this module, call `get_config()` and change fields.
+Nothing here trains anything on its own; `configs/default.py` is the default job.
+"""
+
+from ml_collections import config_dict
+
+
+def get_config() -> config_dict.ConfigDict:
+  c = config_dict.ConfigDict()
+
+  c.train = config_dict.ConfigDict()
+  c.train.steps = 1000  # Total optimizer steps of the run (a resumed run stops here too).
+  c.train.batch_size = 64  # Global batch in sequences, summed over every device and process.
+  c.train.seed = 0  # Seeds parameter init and the data shuffle.
+  c.train.learning_rate = 3e-4  # Peak learning rate, reached after warmup.
+  c.train.warmup_steps = 100  # Linear warmup from 0, then cosine decay to end_learning_rate_ratio.
+  c.train.end_learning_rate_ratio = 0.1  # Final learning rate as a fraction of the peak.
+  c.train.weight_decay = 0.1  # AdamW decoupled weight decay (applied to every parameter).
+  c.train.adam_b1 = 0.9  # AdamW first-moment decay.
+  c.train.adam_b2 = 0.95  # AdamW second-moment decay.
+  c.train.grad_clip_norm = 1.0  # Clip gradients to this global norm; 0 disables clipping.
+  c.train.compute_dtype = 'auto'  # 'auto' (bfloat16 on GPU/TPU, float32 on CPU), 'float32' or 'bfloat16'.
+  c.train.param_dtype = 'float32'  # Storage dtype of parameters and optimizer state.
+  c.train.remat_policy = 'none'  # Per-block rematerialization: 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'.
+  c.train.eval_every_steps = 200  # Evaluate on held-out data every N steps and at the last step; 0 = only at the end.
+  c.train.eval_batches = 8  # Global batches per evaluation (fewer if the held-out set is smaller).
+
+  c.mesh = config_dict.ConfigDict()
+  c.mesh.data = -1  # Devices on the data-parallel axis; -1 fills with the devices left over.
+  c.mesh.fsdp = 1  # Devices on the fully-sharded data-parallel axis (parameters sharded, batch split).
+  c.mesh.tensor = 1  # Devices on the tensor-parallel axis (heads, mlp and vocab split).
+
+  c.parallel = config_dict.ConfigDict()
+  c.parallel.strategy = 'jit'  # How the step is partitioned: 'jit' (GSPMD via NamedShardings).
+  # Logical axis name -> mesh axis (or tuple of axes, or None = replicated).
+  c.parallel.logical_axis_rules = (
+      ('batch', ('data', 'fsdp')),
+      ('embed', 'fsdp'),
+      ('heads', 'tensor'),
+      ('mlp', 'tensor'),
+      ('vocab', 'tensor'),
+      ('head_dim', None),
+      ('length', None),
+      ('norm', None),
+  )
+
+  c.ckpt = config_dict.ConfigDict()
+  c.ckpt.every_steps = 500  # Save a checkpoint every N steps; the last step is always saved.
+  c.ckpt.max_to_keep = 3  # Newest checkpoints kept on disk; older ones are deleted after a save.
+  c.ckpt.async_save = True  # Write checkpoints in the background while training goes on.
+
+  c.log = config_dict.ConfigDict()
+  c.log.every_steps = 50  # Write metrics and a progress line every N steps (and at step 1).
+
+  c.data = config_dict.ConfigDict()
+  c.data.source = 'text'  # 'text': byte-level windows over the files under text_dir.
+  c.data.text_dir = config_dict.placeholder(str)  # Folder of text files; None = the running Python's stdlib.
+  c.data.file_glob = '**/*.py'  # Files under text_dir to read, as a pathlib glob.
+  c.data.eval_percent = 5  # Percent of files (by a hash of their path) held out for eval.
+  c.data.seq_len = 256  # Tokens per training sequence.
+  c.data.num_threads = 4  # Grain read threads per process.
+  c.data.prefetch_buffer_size = 64  # Grain prefetch buffer, in batches-of-elements, per process.
+
+  c.model = config_dict.ConfigDict()
+  c.model.name = 'llama'  # Model family; 'llama' is the Llama-style decoder LM (RMSNorm, RoPE, SwiGLU).
+  c.model.num_layers = 4  # Transformer blocks.
+  c.model.d_model = 256  # Residual stream width.
+  c.model.num_heads = 4  # Attention heads; d_model must divide by it.
+  c.model.mlp_dim = 1024  # Hidden width of the SwiGLU MLP.
+  c.model.vocab_size = 256  # Vocabulary; 256 = raw bytes, no tokenizer.
+  c.model.rope_max_wavelength = 10_000  # RoPE base wavelength.
+  c.model.norm_eps = 1e-6  # RMSNorm epsilon.
+
+  return c

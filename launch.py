@@ -1,0 +1,55 @@
+"""Train a config: `python launch.py --config=configs/default.py --workdir=DIR [--config.train.steps=N ...]`.
+
+Flags in, one call out; everything a user can get wrong ends in one line on
+stderr and exit code 2.
+"""
+
+import re
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file, e.g. configs/default.py.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Folder for checkpoints, metrics and TensorBoard logs.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def _fail(message: str) -> None:
+  print(f'launch.py: error: {" ".join(message.split())}', file=sys.stderr)
+  sys.exit(2)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing, with config_flags' errors (tracebacks for unknown keys) turned into one line."""
+  try:
+    argv = flags.FLAGS(argv)
+    _CONFIG.value.keys()  # config_flags defers a failed file load to the first access.
+    return argv
+  except flags.Error as e:
+    _fail(str(e))
+  except OSError as e:
+    _fail(f'cannot load the --config file: {str(e).strip().splitlines()[-1].strip()}')
+  except (AttributeError, KeyError) as e:  # config_flags raises these for an override key that does not exist.
+    text = str(e).replace('\\n', ' ').replace('\\', '').strip('\'"')
+    bad = re.search(r'instead of "(\w+)"', text) or re.search(r'(\w+)', text)
+    overrides = [a.lstrip('-').split('=')[0] for a in argv[1:] if a.lstrip('-').startswith('config.')]
+    culprit = next((o for o in overrides if bad and bad.group(1) in o.split('.')), 'a --config override')
+    hint = text[text.find('Did you mean'):] if 'Did you mean' in text else ''
+    _fail(f'unknown config key --{culprit}. {hint} Every key is declared in configs/base.py.')
+
+
+def main(argv):
+  if len(argv) > 1:
+    _fail(f'unexpected arguments: {" ".join(argv[1:])}')
+  from trainer import console, loop  # After flag parsing, so --help does not wait for jax.
+  from trainer.errors import UserError
+  console.quiet_library_info()
+  try:
+    loop.run(_CONFIG.value, _WORKDIR.value)
+  except UserError as e:
+    _fail(str(e))
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=_parse_flags)

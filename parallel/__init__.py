@@ -1,0 +1,1 @@
+"""Device mesh, shardings and partitioning strategies."""

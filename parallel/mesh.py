@@ -1,0 +1,83 @@
+"""The device mesh, built once from `config.mesh` and passed explicitly everywhere.
+
+Axes, outermost first: `data` (pure data parallel), `fsdp` (data parallel with
+parameters sharded), `tensor` (heads / mlp / vocab split). A size of -1 fills
+the axis with whatever devices the others leave.
+"""
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from trainer.errors import UserError
+
+AXES = ('data', 'fsdp', 'tensor')
+# Mesh axes the global batch is split over: every device on them sees different examples.
+BATCH_AXES = ('data', 'fsdp')
+
+
+def _fitting_shapes(num_devices: int, limit: int = 4) -> list[str]:
+  """A few (data, fsdp, tensor) shapes whose product is num_devices, data-parallel first."""
+  shapes = [s for s in itertools.product(range(1, num_devices + 1), repeat=3) if math.prod(s) == num_devices]
+  shapes.sort(key=lambda s: (-s[0], -s[1]))
+  return [f'data={d},fsdp={f},tensor={t}' for d, f, t in shapes[:limit]]
+
+
+def resolve_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
+  """Turns config.mesh (with at most one -1) into concrete axis sizes for num_devices."""
+  sizes = []
+  for axis in AXES:
+    size = mesh_config[axis]
+    if not isinstance(size, int) or size == 0 or size < -1:
+      raise UserError(f'mesh.{axis}={size!r} is not a device count: use a positive integer, or -1 to fill.')
+    sizes.append(size)
+  fills = [a for a, s in zip(AXES, sizes) if s == -1]
+  if len(fills) > 1:
+    raise UserError(
+        f'mesh.{fills[0]} and mesh.{fills[1]} are both -1; at most one mesh axis can fill the '
+        f'remaining devices. Set all but one to explicit sizes.')
+  fixed = math.prod(s for s in sizes if s != -1)
+  if fills:
+    if num_devices % fixed:
+      raise UserError(
+          f'mesh {dict(zip(AXES, sizes))} cannot fill {num_devices} devices: the fixed axes use '
+          f'{fixed}, which does not divide {num_devices}. Shapes that fit: {"; ".join(_fitting_shapes(num_devices))}.')
+    sizes = [num_devices // fixed if s == -1 else s for s in sizes]
+  elif fixed != num_devices:
+    raise UserError(
+        f'mesh {dict(zip(AXES, sizes))} needs {fixed} devices but {num_devices} are available. '
+        f'Shapes that fit: {"; ".join(_fitting_shapes(num_devices))} (or set one axis to -1).')
+  return tuple(sizes)
+
+
+def build_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds the (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = resolve_shape(mesh_config, len(devices))
+  # Auto axis types on purpose: jax 0.10's default (Explicit) puts shardings into
+  # the types and asks every op to agree, while this launcher states shardings
+  # once at the jit boundary (params, optimizer state, batch) and lets GSPMD
+  # propagate them through the model, the way logical-axis rules are meant to work.
+  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  """Number of distinct batch shards: the product of the batch axes' sizes."""
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def check_batch_size(batch_size: int, mesh: Mesh, process_count: int) -> None:
+  """Fails with the nearest valid sizes unless the global batch splits evenly over devices and hosts."""
+  dp = data_parallel_size(mesh)
+  unit = math.lcm(dp, process_count)
+  if batch_size <= 0 or batch_size % unit:
+    lower, upper = (batch_size // unit) * unit, (batch_size // unit + 1) * unit
+    nearest = ' or '.join(str(b) for b in (lower, upper) if b > 0)
+    hosts = f' and {process_count} processes' if process_count > 1 else ''
+    raise UserError(
+        f'train.batch_size={batch_size} does not divide over the {dp} data-parallel devices '
+        f'(mesh data={mesh.shape["data"]} x fsdp={mesh.shape["fsdp"]}){hosts}. '
+        f'Nearest valid batch sizes: {nearest}.')

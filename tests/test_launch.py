@@ -1,0 +1,105 @@
+"""End to end through `python launch.py`: it learns, logs, checkpoints, resumes, and fails clearly."""
+
+import json
+import pathlib
+import shutil
+
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+
+TINY = '--config=configs/tiny.py'
+
+
+def _records(workdir: pathlib.Path) -> list[dict]:
+  return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+
+
+@pytest.fixture(scope='module')
+def finished_run(tmp_path_factory):
+  """A tiny run of 8 steps on 8 fake devices, then a relaunch to 12 steps in the same workdir."""
+  from conftest import run_launcher
+  workdir = tmp_path_factory.mktemp('run')
+  first = run_launcher(TINY, f'--workdir={workdir}')
+  assert first.returncode == 0, first.stderr[-3000:]
+  records_after_first = _records(workdir)
+  second = run_launcher(TINY, f'--workdir={workdir}', '--config.train.steps=12')
+  assert second.returncode == 0, second.stderr[-3000:]
+  return workdir, first, second, records_after_first
+
+
+def test_loss_falls_and_metrics_are_written(finished_run):
+  workdir, first, _, records = finished_run
+  assert [r['step'] for r in records] == [1, 2, 4, 6, 8]
+  for record in records:
+    assert {'step', 'loss', 'step_time_s', 'tokens_per_s', 'learning_rate', 'grad_norm'} <= record.keys()
+    assert record['tokens_per_s'] > 0
+  assert records[-1]['loss'] < records[0]['loss'] - 0.5
+  assert 'eval_loss' in records[-1]
+  assert 'Mesh {\'data\': 8, \'fsdp\': 1, \'tensor\': 1} over 8 devices' in first.stderr
+  assert 'step 8/8 | loss' in first.stderr
+
+
+def test_tensorboard_events_read_back_with_tensorboards_reader(finished_run):
+  workdir, _, _, records = finished_run
+  acc = event_accumulator.EventAccumulator(str(workdir / 'tensorboard'))
+  acc.Reload()
+  tags = set(acc.Tags()['scalars'])
+  assert {'train/loss', 'train/learning_rate', 'train/grad_norm', 'train/step_time_s', 'train/tokens_per_s',
+          'eval/loss'} <= tags
+  losses = {e.step: e.value for e in acc.Scalars('train/loss')}
+  for record in records:
+    assert losses[record['step']] == pytest.approx(record['loss'], rel=1e-6)
+
+
+def test_checkpoints_and_relaunch_resumes_at_saved_step(finished_run):
+  workdir, _, second, _ = finished_run
+  assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir() if p.name.isdigit()) == [4, 8, 12]
+  assert 'Resuming from checkpoint at step 8' in second.stderr
+  steps = [r['step'] for r in _records(workdir)]
+  assert steps == [1, 2, 4, 6, 8, 9, 10, 12]
+
+
+def test_workdir_of_another_model_is_refused_and_untouched(finished_run, launcher, tmp_path):
+  workdir = tmp_path / 'copy'
+  shutil.copytree(finished_run[0], workdir)
+  before = sorted(p.relative_to(workdir) for p in workdir.rglob('*'))
+  result = launcher(TINY, f'--workdir={workdir}', '--config.model.d_model=64', '--config.train.steps=20')
+  assert result.returncode == 2
+  assert 'holds checkpoints of a different model' in result.stderr
+  assert 'model.d_model: checkpoint 32 vs config 64' in result.stderr
+  assert 'Traceback' not in result.stderr
+  assert sorted(p.relative_to(workdir) for p in workdir.rglob('*')) == before
+
+
+def _error_line(result) -> str:
+  lines = [l for l in result.stderr.splitlines() if l.startswith('launch.py: error:')]
+  assert len(lines) == 1, result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr
+  return lines[0]
+
+
+def test_unknown_override_key_names_the_key(launcher, tmp_path):
+  result = launcher(TINY, f'--workdir={tmp_path}', '--config.train.stpes=5')
+  assert result.returncode == 2
+  line = _error_line(result)
+  assert '--config.train.stpes' in line and '"steps"' in line
+  assert not (tmp_path / 'checkpoints').exists()
+
+
+def test_batch_size_not_dividing_the_data_axis(launcher, tmp_path):
+  result = launcher(TINY, f'--workdir={tmp_path}', '--config.train.batch_size=12')
+  assert result.returncode == 2
+  line = _error_line(result)
+  assert 'train.batch_size=12' in line and '8 data-parallel devices' in line and '8 or 16' in line
+
+
+def test_missing_text_dir_is_one_line(launcher, tmp_path):
+  result = launcher(TINY, f'--workdir={tmp_path}', f'--config.data.text_dir={tmp_path}/none')
+  assert result.returncode == 2
+  assert f"data.text_dir='{tmp_path}/none' does not exist" in _error_line(result)
+
+
+def test_missing_config_file(launcher, tmp_path):
+  result = launcher('--config=configs/nope.py', f'--workdir={tmp_path}')
+  assert result.returncode == 2
+  assert 'configs/nope.py' in _error_line(result)

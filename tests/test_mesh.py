@@ -1,0 +1,50 @@
+"""Mesh shapes from config, and the errors that say what to change."""
+
+import jax
+import pytest
+from ml_collections import config_dict
+
+from parallel import mesh as mesh_lib
+from trainer.errors import UserError
+
+
+def _mesh_config(data, fsdp=1, tensor=1):
+  return config_dict.ConfigDict({'data': data, 'fsdp': fsdp, 'tensor': tensor})
+
+
+@pytest.mark.parametrize('sizes,expected', [
+    ((-1, 1, 1), (8, 1, 1)), ((2, -1, 1), (2, 4, 1)), ((2, 2, -1), (2, 2, 2)), ((1, 8, 1), (1, 8, 1))])
+def test_resolve_shape_fills_one_axis(sizes, expected):
+  assert mesh_lib.resolve_shape(_mesh_config(*sizes), 8) == expected
+
+
+def test_two_fills_is_an_error_naming_both():
+  with pytest.raises(UserError, match=r'mesh.data and mesh.fsdp are both -1'):
+    mesh_lib.resolve_shape(_mesh_config(-1, -1), 8)
+
+
+def test_wrong_product_suggests_shapes_that_fit():
+  with pytest.raises(UserError, match=r'needs 6 devices but 8 are available.*data=8,fsdp=1,tensor=1'):
+    mesh_lib.resolve_shape(_mesh_config(3, 2), 8)
+
+
+def test_fill_that_cannot_divide():
+  with pytest.raises(UserError, match=r'fixed axes use 3, which does not divide 8'):
+    mesh_lib.resolve_shape(_mesh_config(-1, 3), 8)
+
+
+def test_build_mesh_uses_all_devices_with_auto_axes():
+  mesh = mesh_lib.build_mesh(_mesh_config(2, -1))
+  assert dict(mesh.shape) == {'data': 2, 'fsdp': 4, 'tensor': 1}
+  assert set(mesh.axis_types) == {jax.sharding.AxisType.Auto}
+  assert mesh.size == len(jax.devices()) == 8
+
+
+def test_batch_size_error_names_both_numbers_and_nearest_sizes():
+  mesh = mesh_lib.build_mesh(_mesh_config(-1))
+  with pytest.raises(UserError) as err:
+    mesh_lib.check_batch_size(12, mesh, process_count=1)
+  message = str(err.value)
+  assert 'train.batch_size=12' in message and '8 data-parallel devices' in message
+  assert 'Nearest valid batch sizes: 8 or 16' in message
+  mesh_lib.check_batch_size(16, mesh, process_count=1)

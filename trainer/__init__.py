@@ -1,0 +1,1 @@
+"""The training side of the launcher: state, step, loop, data, checkpoints, metrics, models."""

@@ -1,0 +1,195 @@
+"""The run: build everything once from the config, then train, evaluate, log and checkpoint.
+
+Host-device sync is deliberate: each iteration dispatches step k, then fetches
+step k-1's metrics, so the device always has the next step queued while the host
+logs, and never more than two steps are in flight.
+"""
+
+import dataclasses
+import functools
+import json
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from parallel import mesh as mesh_lib
+from parallel import sharding, strategy
+from trainer import checkpoint, data, optimizer, step as step_lib, validation
+from trainer import state as state_lib
+from trainer.metrics import MetricsWriter
+from trainer.models import llama
+
+
+def compute_dtype(name: str) -> jnp.dtype:
+  """'auto' is bfloat16 on accelerators and float32 on CPU, where bfloat16 is emulated and slower."""
+  if name == 'auto':
+    return jnp.float32 if jax.default_backend() == 'cpu' else jnp.bfloat16
+  return jnp.dtype(name)
+
+
+def build_model(config) -> llama.Llama:
+  m = config.model
+  return llama.Llama(llama.LlamaConfig(
+      num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
+      vocab_size=m.vocab_size, rope_max_wavelength=m.rope_max_wavelength, norm_eps=m.norm_eps,
+      dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
+      remat_policy=config.train.remat_policy))
+
+
+def manifest_for(config, abstract: state_lib.TrainState, mesh) -> dict[str, Any]:
+  """What a checkpoint was made from; compared on resume to refuse a different model."""
+  import flax, optax, orbax.checkpoint, grain  # noqa: E401  (versions only)
+  return {
+      'model': config.model.to_dict(),
+      'param_shapes': checkpoint.param_shapes(abstract.params),
+      'mesh': dict(mesh.shape),
+      'strategy': config.parallel.strategy,
+      'process_count': jax.process_count(),
+      'versions': {m.__name__: m.__version__ for m in (jax, flax, optax, orbax.checkpoint, grain)},
+      'config': json.loads(config.to_json_best_effort()),
+  }
+
+
+@dataclasses.dataclass
+class Window:
+  """Per-step host measurements accumulated between two log lines."""
+  losses: list[float] = dataclasses.field(default_factory=list)
+  step_times: list[float] = dataclasses.field(default_factory=list)
+  data_waits: list[float] = dataclasses.field(default_factory=list)
+
+  def summary(self, last_metrics: dict[str, float], tokens_per_step: int) -> dict[str, float]:
+    step_time = float(np.mean(self.step_times))
+    return {
+        'loss': float(np.mean(self.losses)),
+        'learning_rate': last_metrics['learning_rate'],
+        'grad_norm': last_metrics['grad_norm'],
+        'step_time_s': step_time,
+        'tokens_per_s': tokens_per_step / step_time,
+        'data_wait_s': float(np.mean(self.data_waits)),
+    }
+
+
+def run(config, workdir: str) -> None:
+  """Trains `config` in `workdir`, resuming from its newest checkpoint if there is one."""
+  validation.validate_config(config)
+  process_index, process_count = jax.process_index(), jax.process_count()
+  mesh = mesh_lib.build_mesh(config.mesh)
+  mesh_lib.check_batch_size(config.train.batch_size, mesh, process_count)
+  validation.validate_against_mesh(config, mesh)
+  rules = sharding.rules_from_config(config.parallel)
+  batch_size, seq_len = config.train.batch_size, config.data.seq_len
+
+  corpus = data.load_text_corpus(config.data)
+  train_iter = data.train_iterator(corpus, config.data, batch_size, config.train.seed, process_index, process_count)
+  batch_sharding = sharding.named_sharding(mesh, rules, ('batch', 'length'))
+  eval_set = [data.to_global(b, batch_sharding, process_count) for b in data.eval_batches(
+      corpus, config.data, batch_size, config.train.eval_batches, process_index, process_count)]
+  logging.info('Data: %d train files (%d bytes), %d held out (%d bytes) from %s', corpus.num_train_files,
+               corpus.train_tokens.size, corpus.num_eval_files, corpus.eval_tokens.size, corpus.root)
+
+  model = build_model(config)
+  tx, schedule = optimizer.build_optimizer(config.train)
+  example = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+  abstract, shardings = state_lib.abstract_state(model, tx, example, mesh, rules)
+  manifest = manifest_for(config, abstract, mesh)
+  num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
+  logging.info('Mesh %s over %d devices (%d processes); model: %s parameters', dict(mesh.shape), mesh.size,
+               process_count, f'{num_params:,}')
+
+  ckpt = checkpoint.Checkpointer(workdir, config.ckpt)
+  latest = ckpt.latest_step()
+  if latest is not None:  # Before compiling: a foreign workdir should fail in seconds, not minutes.
+    ckpt.check_compatible(latest, manifest)
+
+  apply_fn = model.apply
+  train_step = strategy.partition_train_step(
+      config.parallel.strategy,
+      functools.partial(step_lib.train_step, apply_fn=apply_fn, tx=tx, schedule=schedule),
+      mesh, shardings, batch_sharding)
+  eval_step = strategy.partition_eval_step(
+      config.parallel.strategy, functools.partial(step_lib.eval_step, apply_fn=apply_fn),
+      mesh, shardings.params, batch_sharding)
+  abstract_sharded = sharding.with_shardings(abstract, shardings)
+  start = time.perf_counter()
+  abstract_batch = {k: jax.ShapeDtypeStruct(example.shape, example.dtype, sharding=batch_sharding)
+                    for k in ('inputs', 'targets')}
+  compiled_step = train_step.lower(abstract_sharded, abstract_batch).compile()
+  logging.info('Compiled the train step in %.1fs', time.perf_counter() - start)
+
+  if latest is not None:
+    state = ckpt.restore(latest, abstract_sharded, train_iter)
+    logging.info('Resuming from checkpoint at step %d in %s (data iterator position restored)',
+                 latest, ckpt.directory)
+  else:
+    state = state_lib.create_state(config.train.seed, model, tx, example, shardings)
+
+  writer = MetricsWriter(workdir, enabled=process_index == 0, total_steps=config.train.steps)
+  if process_index == 0:
+    (pathlib.Path(workdir) / 'config.json').write_text(config.to_json_best_effort(indent=2))
+    writer.write_text('config', f'```\n{config}\n```')
+  try:
+    _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_sharding, process_count,
+           ckpt, manifest, writer, start_step=latest or 0)
+  finally:
+    ckpt.close()  # Waits for an async save in flight: a finished run never leaves a half-written checkpoint.
+    writer.close()
+
+
+def _evaluate(eval_step, params, eval_set) -> dict[str, float]:
+  losses = [float(eval_step(params, batch)['loss']) for batch in eval_set]
+  loss = float(np.mean(losses))
+  return {'eval_loss': loss, 'eval_perplexity': float(np.exp(loss))}
+
+
+def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_sharding, process_count,
+           ckpt, manifest, writer, start_step: int) -> None:
+  total = config.train.steps
+  if start_step >= total:
+    logging.info('Checkpoint step %d already reaches train.steps=%d: nothing to train.', start_step, total)
+    return
+  tokens_per_step = config.train.batch_size * config.data.seq_len
+  eval_every = config.train.eval_every_steps
+
+  def is_log_step(s):
+    return s == start_step + 1 or s % config.log.every_steps == 0 or s == total or s in evals
+
+  window, evals, pending = Window(), {}, None
+  last_fetch, side_time = time.perf_counter(), 0.0
+  for step in range(start_step + 1, total + 1):
+    t0 = time.perf_counter()
+    batch = data.to_global(next(train_iter), batch_sharding, process_count)
+    data_wait = time.perf_counter() - t0
+    state, metrics = compiled_step(state, batch)
+    if pending is not None:  # Fetch step-1's metrics while step runs: the one sync point per step.
+      last_fetch, side_time = _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step,
+                                      tokens_per_step)
+    pending = (step, metrics, data_wait)
+
+    t_side = time.perf_counter()
+    if eval_set and (step == total or (eval_every and step % eval_every == 0)):
+      evals[step] = _evaluate(eval_step, state.params, eval_set)
+    if step % config.ckpt.every_steps == 0 or step == total:
+      ckpt.save(step, state, train_iter, manifest, force=True)
+    side_time += time.perf_counter() - t_side
+  _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step, tokens_per_step)
+
+
+def _finish(pending, window: Window, last_fetch: float, side_time: float, writer: MetricsWriter,
+            evals: dict[int, dict[str, float]], is_log_step, tokens_per_step: int) -> tuple[float, float]:
+  """Fetches one step's metrics, adds them to the window, and logs the window if the step is due."""
+  step, metrics, data_wait = pending
+  metrics = jax.device_get(metrics)
+  now = time.perf_counter()
+  window.losses.append(float(metrics['loss']))
+  # Eval and checkpoint time spent since the last fetch is not step time.
+  window.step_times.append(max(now - last_fetch - side_time, 1e-9))
+  window.data_waits.append(data_wait)
+  if is_log_step(step):
+    writer.write(step, {**window.summary(metrics, tokens_per_step), **evals.pop(step, {})})
+    window.__init__()
+  return now, 0.0
