@@ -1,7 +1,8 @@
 """Train a config: `python launch.py --config=configs/default.py --workdir=DIR [--config.train.steps=N ...]`.
 
-Flags in, one call out; everything a user can get wrong ends in one line on
-stderr and exit code 2.
+Flags in, the processes joined (parallel/distributed.py; a no-op for one process),
+one run out; everything a user can get wrong ends in one line on stderr and
+exit code 2.
 """
 
 import re
@@ -13,6 +14,11 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file, e.g. configs/default.py.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Folder for checkpoints, metrics and TensorBoard logs.')
 flags.mark_flags_as_required(['config', 'workdir'])
+# Multi-process runs; see parallel/distributed.py. Unset under SLURM or on a TPU pod, where jax detects them.
+_COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'HOST:PORT of process 0, the same on every process.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the run, all hosts together.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, "This process's index, 0 .. num_processes-1.")
+_TIMEOUT = flags.DEFINE_integer('distributed_timeout_s', 300, 'Seconds to wait for every process to join.')
 
 
 def _fail(message: str) -> None:
@@ -42,10 +48,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
 def main(argv):
   if len(argv) > 1:
     _fail(f'unexpected arguments: {" ".join(argv[1:])}')
-  from trainer import console, loop  # After flag parsing, so --help does not wait for jax.
+  from parallel import distributed  # After flag parsing, so --help does not wait for jax.
+  from trainer import console, loop
   from trainer.errors import UserError
   console.quiet_library_info()
   try:
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _TIMEOUT.value)
     loop.run(_CONFIG.value, _WORKDIR.value)
   except UserError as e:
     _fail(str(e))

@@ -31,9 +31,13 @@ def get_config() -> config_dict.ConfigDict:
   c.mesh.data = -1  # Devices on the data-parallel axis; -1 fills with the devices left over.
   c.mesh.fsdp = 1  # Devices on the fully-sharded data-parallel axis (parameters sharded, batch split).
   c.mesh.tensor = 1  # Devices on the tensor-parallel axis (heads, mlp and vocab split).
+  # data/fsdp/tensor above are per slice (fast ICI links); these multiply them across slices or
+  # hosts joined by the slower data-centre network, which should carry only batch-parallel traffic.
+  c.mesh.dcn_data = 1  # Slices (or host groups) on the data axis.
+  c.mesh.dcn_fsdp = 1  # Slices (or host groups) on the fsdp axis.
 
   c.parallel = config_dict.ConfigDict()
-  c.parallel.strategy = 'jit'  # How the step is partitioned: 'jit' (GSPMD via NamedShardings).
+  c.parallel.strategy = 'jit'  # 'jit' (GSPMD), 'shard_map' (explicit collectives; tensor=1) or 'pmap' (replicated; fsdp=tensor=1).
   # Logical axis name -> mesh axis (or tuple of axes, or None = replicated).
   c.parallel.logical_axis_rules = (
       ('batch', ('data', 'fsdp')),

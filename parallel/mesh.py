@@ -3,6 +3,13 @@
 Axes, outermost first: `data` (pure data parallel), `fsdp` (data parallel with
 parameters sharded), `tensor` (heads / mlp / vocab split). A size of -1 fills
 the axis with whatever devices the others leave.
+
+Two levels, as in MaxText: `mesh.data/fsdp/tensor` lay out the devices of one
+slice (chips on fast ICI links); `mesh.dcn_data/dcn_fsdp` repeat that layout
+across slices (or groups of hosts) joined by the data-centre network. The final
+axis sizes are products: data = dcn_data * data, fsdp = dcn_fsdp * fsdp.
+Room is left for 'sequence' and 'expert' axes: they would be new names in AXES
+and new rules, not a new mechanism.
 """
 
 import itertools
@@ -10,6 +17,8 @@ import math
 from collections.abc import Sequence
 
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from trainer.errors import UserError
@@ -27,7 +36,7 @@ def _fitting_shapes(num_devices: int, limit: int = 4) -> list[str]:
 
 
 def resolve_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
-  """Turns config.mesh (with at most one -1) into concrete axis sizes for num_devices."""
+  """Turns config.mesh's per-slice sizes (at most one -1) into concrete sizes for num_devices per slice."""
   sizes = []
   for axis in AXES:
     size = mesh_config[axis]
@@ -53,15 +62,44 @@ def resolve_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
   return tuple(sizes)
 
 
+def dcn_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
+  """(dcn_data, dcn_fsdp, 1): how many slices each axis spans; checked against the device count."""
+  shape = (mesh_config.dcn_data, mesh_config.dcn_fsdp, 1)
+  for axis, size in zip(('dcn_data', 'dcn_fsdp'), shape):
+    if not isinstance(size, int) or size < 1:
+      raise UserError(f'mesh.{axis}={size!r} must be a positive integer (1 = no split across slices).')
+  slices = math.prod(shape)
+  if num_devices % slices:
+    raise UserError(f'mesh.dcn_data={shape[0]} x mesh.dcn_fsdp={shape[1]} = {slices} slices does not divide '
+                    f'the {num_devices} devices; choose DCN sizes whose product divides {num_devices}.')
+  return shape
+
+
+def _host_major(devices: list[jax.Device], ici: tuple[int, ...], dcn: tuple[int, ...]) -> np.ndarray:
+  """Device grid for the DCN split when devices carry no slice_index: consecutive hosts form a slice."""
+  devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+  grid = np.array(devices, dtype=object).reshape(*dcn, *ici)  # (dcn_d, dcn_f, 1, d, f, t)
+  grid = grid.transpose(0, 3, 1, 4, 2, 5)  # Each DCN axis just outside its ICI axis.
+  return grid.reshape([a * b for a, b in zip(dcn, ici)])
+
+
 def build_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """Builds the (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes)."""
   devices = list(jax.devices() if devices is None else devices)
-  shape = resolve_shape(mesh_config, len(devices))
+  dcn = dcn_shape(mesh_config, len(devices))
+  ici = resolve_shape(mesh_config, len(devices) // math.prod(dcn))
   # Auto axis types on purpose: jax 0.10's default (Explicit) puts shardings into
   # the types and asks every op to agree, while this launcher states shardings
   # once at the jit boundary (params, optimizer state, batch) and lets GSPMD
   # propagate them through the model, the way logical-axis rules are meant to work.
-  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+  axis_types = (AxisType.Auto,) * len(AXES)
+  if math.prod(dcn) == 1:
+    return jax.make_mesh(ici, AXES, axis_types=axis_types, devices=devices)
+  if getattr(devices[0], 'slice_index', None) is not None:  # TPU multislice: let JAX order by slice.
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+  else:
+    grid = _host_major(devices, ici, dcn)
+  return Mesh(grid, AXES, axis_types=axis_types)
 
 
 def data_parallel_size(mesh: Mesh) -> int:

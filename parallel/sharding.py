@@ -4,6 +4,7 @@ Model code names the axes of its parameters ('embed', 'mlp', ...); the rules say
 which mesh axis each name is split over. Changing parallelism is a config edit.
 """
 
+import math
 from collections.abc import Sequence
 
 import flax.linen as nn
@@ -40,3 +41,35 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def with_shardings(abstract_tree, shardings):
   """ShapeDtypeStructs that carry their target sharding (for restores and AOT lowering)."""
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_tree, shardings)
+
+
+def _path_name(path) -> str:
+  return '/'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path)
+
+
+def _bytes_per_device(abstract, named: NamedSharding) -> int:
+  return math.prod(named.shard_shape(abstract.shape)) * abstract.dtype.itemsize
+
+
+def sharding_table(abstract_state, shardings) -> tuple[str, dict[str, int]]:
+  """A table of every parameter (path, shape, PartitionSpec, bytes per device) and per-device totals.
+
+  Returns (text, totals) where totals has params / opt_state bytes per device and in total.
+  """
+  rows = [('parameter', 'shape', 'spec', 'bytes/device')]
+  for (path, leaf), named in zip(jax.tree_util.tree_flatten_with_path(abstract_state.params)[0],
+                                 jax.tree.leaves(shardings.params)):
+    rows.append((_path_name(path), str(tuple(leaf.shape)), str(tuple(named.spec)),
+                 f'{_bytes_per_device(leaf, named):,}'))
+  totals = {}
+  for part in ('params', 'opt_state'):
+    leaves = jax.tree.leaves(getattr(abstract_state, part))
+    named = jax.tree.leaves(getattr(shardings, part))
+    totals[f'{part}_bytes_per_device'] = sum(_bytes_per_device(a, n) for a, n in zip(leaves, named))
+    totals[f'{part}_bytes_total'] = sum(a.size * a.dtype.itemsize for a in leaves)
+  widths = [max(len(r[i]) for r in rows) for i in range(4)]
+  lines = ['  '.join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+  for part in ('params', 'opt_state'):
+    lines.append(f'{part} per device: {totals[f"{part}_bytes_per_device"]:,} bytes '
+                 f'of {totals[f"{part}_bytes_total"]:,} in total')
+  return '\n'.join(lines), totals

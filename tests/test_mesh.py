@@ -8,8 +8,9 @@ from parallel import mesh as mesh_lib
 from trainer.errors import UserError
 
 
-def _mesh_config(data, fsdp=1, tensor=1):
-  return config_dict.ConfigDict({'data': data, 'fsdp': fsdp, 'tensor': tensor})
+def _mesh_config(data, fsdp=1, tensor=1, dcn_data=1, dcn_fsdp=1):
+  return config_dict.ConfigDict({'data': data, 'fsdp': fsdp, 'tensor': tensor,
+                                 'dcn_data': dcn_data, 'dcn_fsdp': dcn_fsdp})
 
 
 @pytest.mark.parametrize('sizes,expected', [
@@ -48,3 +49,21 @@ def test_batch_size_error_names_both_numbers_and_nearest_sizes():
   assert 'train.batch_size=12' in message and '8 data-parallel devices' in message
   assert 'Nearest valid batch sizes: 8 or 16' in message
   mesh_lib.check_batch_size(16, mesh, process_count=1)
+
+
+def test_dcn_axes_multiply_per_slice_sizes_host_major():
+  """dcn_fsdp=2 over 8 devices: two slices of 4, each (data=2, fsdp=2); slice 0 is devices 0-3."""
+  mesh = mesh_lib.build_mesh(_mesh_config(2, 2, 1, dcn_fsdp=2))
+  assert dict(mesh.shape) == {'data': 2, 'fsdp': 4, 'tensor': 1}
+  ids = [[d.id for d in row] for row in mesh.devices[:, :, 0]]
+  assert ids == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+def test_dcn_fill_uses_devices_per_slice():
+  mesh = mesh_lib.build_mesh(_mesh_config(-1, 1, 2, dcn_data=2))
+  assert dict(mesh.shape) == {'data': 4, 'fsdp': 1, 'tensor': 2}
+
+
+def test_dcn_that_does_not_divide_devices():
+  with pytest.raises(UserError, match=r'mesh.dcn_data=3 x mesh.dcn_fsdp=1 = 3 slices does not divide the 8'):
+    mesh_lib.build_mesh(_mesh_config(-1, dcn_data=3))

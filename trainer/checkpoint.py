@@ -52,6 +52,12 @@ class Checkpointer:
       raise UserError(f'--workdir holds checkpoints of a different model ({"; ".join(diffs[:4])}) in '
                       f'{self.directory}. Resume with the config it was trained with, or use a fresh --workdir; '
                       f'nothing was changed.')
+    saved_count, count = saved.get('process_count'), manifest['process_count']
+    if saved_count is not None and saved_count != count:
+      # Grain saves one iterator position per process (data/process_I-of-N.json); another count finds none.
+      raise UserError(f'the checkpoint at step {step} in {self.directory} was written by {saved_count} '
+                      f'process(es) and this launch has {count}: each process saved its own data position, so '
+                      f'resume with --num_processes={saved_count}, or use a fresh --workdir.')
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator, manifest: dict[str, Any],
            force: bool = False) -> bool:

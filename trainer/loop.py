@@ -6,39 +6,21 @@ logs, and never more than two steps are in flight.
 """
 
 import dataclasses
-import functools
 import json
 import pathlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from parallel import mesh as mesh_lib
-from parallel import sharding, strategy
-from trainer import checkpoint, data, optimizer, step as step_lib, validation
+from parallel import sharding
+from trainer import checkpoint, data
+from trainer import job as job_lib
 from trainer import state as state_lib
 from trainer.metrics import MetricsWriter
-from trainer.models import llama
-
-
-def compute_dtype(name: str) -> jnp.dtype:
-  """'auto' is bfloat16 on accelerators and float32 on CPU, where bfloat16 is emulated and slower."""
-  if name == 'auto':
-    return jnp.float32 if jax.default_backend() == 'cpu' else jnp.bfloat16
-  return jnp.dtype(name)
-
-
-def build_model(config) -> llama.Llama:
-  m = config.model
-  return llama.Llama(llama.LlamaConfig(
-      num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
-      vocab_size=m.vocab_size, rope_max_wavelength=m.rope_max_wavelength, norm_eps=m.norm_eps,
-      dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
-      remat_policy=config.train.remat_policy))
 
 
 def manifest_for(config, abstract: state_lib.TrainState, mesh) -> dict[str, Any]:
@@ -74,66 +56,56 @@ class Window:
     }
 
 
-def run(config, workdir: str) -> None:
-  """Trains `config` in `workdir`, resuming from its newest checkpoint if there is one."""
-  validation.validate_config(config)
+def run(config, workdir: str, devices: Sequence[jax.Device] | None = None) -> None:
+  """Trains `config` in `workdir`, resuming from its newest checkpoint if there is one.
+
+  `devices` (default: every device of every process) is what the mesh is built
+  over; tests pass a subset to run the same job on fewer devices.
+  """
+  job = job_lib.build_job(config, devices)
+  mesh, batch_sharding, abstract, shardings = job.mesh, job.batch_sharding, job.abstract, job.shardings
   process_index, process_count = jax.process_index(), jax.process_count()
-  mesh = mesh_lib.build_mesh(config.mesh)
-  mesh_lib.check_batch_size(config.train.batch_size, mesh, process_count)
-  validation.validate_against_mesh(config, mesh)
-  rules = sharding.rules_from_config(config.parallel)
-  batch_size, seq_len = config.train.batch_size, config.data.seq_len
+  batch_size = config.train.batch_size
 
   corpus = data.load_text_corpus(config.data)
   train_iter = data.train_iterator(corpus, config.data, batch_size, config.train.seed, process_index, process_count)
-  batch_sharding = sharding.named_sharding(mesh, rules, ('batch', 'length'))
   eval_set = [data.to_global(b, batch_sharding, process_count) for b in data.eval_batches(
       corpus, config.data, batch_size, config.train.eval_batches, process_index, process_count)]
   logging.info('Data: %d train files (%d bytes), %d held out (%d bytes) from %s', corpus.num_train_files,
                corpus.train_tokens.size, corpus.num_eval_files, corpus.eval_tokens.size, corpus.root)
 
-  model = build_model(config)
-  tx, schedule = optimizer.build_optimizer(config.train)
-  example = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-  abstract, shardings = state_lib.abstract_state(model, tx, example, mesh, rules)
   manifest = manifest_for(config, abstract, mesh)
   num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
   logging.info('Mesh %s over %d devices (%d processes); model: %s parameters', dict(mesh.shape), mesh.size,
                process_count, f'{num_params:,}')
+  table, _ = sharding.sharding_table(abstract, shardings)
+  if process_index == 0:
+    logging.info('Sharding (also in %s/sharding.txt):\n%s', workdir, table)
+    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+    (pathlib.Path(workdir) / 'sharding.txt').write_text(table + '\n')
 
   ckpt = checkpoint.Checkpointer(workdir, config.ckpt)
   latest = ckpt.latest_step()
   if latest is not None:  # Before compiling: a foreign workdir should fail in seconds, not minutes.
     ckpt.check_compatible(latest, manifest)
 
-  apply_fn = model.apply
-  train_step = strategy.partition_train_step(
-      config.parallel.strategy,
-      functools.partial(step_lib.train_step, apply_fn=apply_fn, tx=tx, schedule=schedule),
-      mesh, shardings, batch_sharding)
-  eval_step = strategy.partition_eval_step(
-      config.parallel.strategy, functools.partial(step_lib.eval_step, apply_fn=apply_fn),
-      mesh, shardings.params, batch_sharding)
-  abstract_sharded = sharding.with_shardings(abstract, shardings)
   start = time.perf_counter()
-  abstract_batch = {k: jax.ShapeDtypeStruct(example.shape, example.dtype, sharding=batch_sharding)
-                    for k in ('inputs', 'targets')}
-  compiled_step = train_step.lower(abstract_sharded, abstract_batch).compile()
+  compiled_step = job.compile_train_step()
   logging.info('Compiled the train step in %.1fs', time.perf_counter() - start)
 
   if latest is not None:
-    state = ckpt.restore(latest, abstract_sharded, train_iter)
+    state = ckpt.restore(latest, sharding.with_shardings(abstract, shardings), train_iter)
     logging.info('Resuming from checkpoint at step %d in %s (data iterator position restored)',
                  latest, ckpt.directory)
   else:
-    state = state_lib.create_state(config.train.seed, model, tx, example, shardings)
+    state = job.init_state(config.train.seed)
 
   writer = MetricsWriter(workdir, enabled=process_index == 0, total_steps=config.train.steps)
   if process_index == 0:
     (pathlib.Path(workdir) / 'config.json').write_text(config.to_json_best_effort(indent=2))
     writer.write_text('config', f'```\n{config}\n```')
   try:
-    _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_sharding, process_count,
+    _train(config, state, compiled_step, job.eval_step, eval_set, train_iter, batch_sharding, process_count,
            ckpt, manifest, writer, start_step=latest or 0)
   finally:
     ckpt.close()  # Waits for an async save in flight: a finished run never leaves a half-written checkpoint.

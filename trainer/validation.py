@@ -62,3 +62,17 @@ def validate_against_mesh(config, mesh: Mesh) -> None:
              f'pick a tensor size that divides it, or change model.{key}.')
   _require(config.model.d_model % fsdp == 0, f'model.d_model={config.model.d_model} does not divide over '
            f'mesh.fsdp={fsdp}; pick an fsdp size that divides it.')
+
+
+def validate_strategy(config, mesh: Mesh) -> None:
+  """Checks that `parallel.strategy` can run on the mesh's shape."""
+  name, tensor, fsdp = config.parallel.strategy, mesh.shape['tensor'], mesh.shape['fsdp']
+  if name == 'shard_map':
+    # The per-device step gathers whole parameters: a tensor axis would only hold copies of the same work.
+    _require(tensor == 1, f"parallel.strategy='shard_map' does not support tensor parallelism (mesh.tensor={tensor}); "
+             f"set mesh.tensor=1, or use parallel.strategy='jit' for tensor parallelism.")
+  if name == 'pmap':
+    _require(fsdp == 1 and tensor == 1,
+             f"parallel.strategy='pmap' replicates the parameters on every device, so it needs mesh.fsdp=1 and "
+             f"mesh.tensor=1 (got mesh.fsdp={fsdp}, mesh.tensor={tensor}); set them to 1 (mesh.data=-1 takes "
+             f"every device), or use parallel.strategy='jit' or 'shard_map' to shard the parameters.")

@@ -2,7 +2,10 @@
 
 Shape letters: B batch, L sequence length, D d_model, H heads, K head dim,
 F mlp hidden, V vocabulary. Parameters carry logical axis names ('embed',
-'heads', 'head_dim', 'mlp', 'vocab', 'norm') that config rules map to mesh axes.
+'heads', 'head_dim', 'mlp', 'vocab', 'norm') that config rules map to mesh axes;
+so do the key activations ('batch', 'length', ...), as sharding constraints,
+when the config gives the model a mesh (the 'jit' strategy: per-device
+strategies run the model on local shards, where constraints do not apply).
 """
 
 import dataclasses
@@ -10,6 +13,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 REMAT_POLICIES = {
     'full': None,  # Save nothing: recompute the whole block in the backward pass.
@@ -30,10 +34,19 @@ class LlamaConfig:
   dtype: jnp.dtype = jnp.float32  # Compute dtype of matmuls; norms, softmax and logits stay float32.
   param_dtype: jnp.dtype = jnp.float32
   remat_policy: str = 'none'
+  mesh: Mesh | None = None  # Set to pin activation shardings under jit; None leaves them to the caller.
+  rules: tuple = ()  # Logical axis rules for the activation constraints.
 
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+
+def constrain(x, axes: tuple[str, ...], cfg: LlamaConfig):
+  """Pins an activation's sharding by logical names; a no-op without a mesh."""
+  if cfg.mesh is None:
+    return x
+  return nn.with_logical_constraint(x, axes, rules=cfg.rules, mesh=cfg.mesh)
 
 
 def _init(axes: tuple[str, ...], stddev: float | None = None):
@@ -75,8 +88,10 @@ class Attention(nn.Module):
     q_BLHK = dense('query', ('embed', 'heads', 'head_dim'))(x_BLD)
     k_BLHK = dense('key', ('embed', 'heads', 'head_dim'))(x_BLD)
     v_BLHK = dense('value', ('embed', 'heads', 'head_dim'))(x_BLD)
-    q_BLHK = rope(q_BLHK, positions_BL, cfg.rope_max_wavelength)
-    k_BLHK = rope(k_BLHK, positions_BL, cfg.rope_max_wavelength)
+    qkv_axes = ('batch', 'length', 'heads', 'head_dim')
+    q_BLHK = constrain(rope(q_BLHK, positions_BL, cfg.rope_max_wavelength), qkv_axes, cfg)
+    k_BLHK = constrain(rope(k_BLHK, positions_BL, cfg.rope_max_wavelength), qkv_axes, cfg)
+    v_BLHK = constrain(v_BLHK, qkv_axes, cfg)
     # jax.nn.dot_product_attention takes the fused cuDNN path on GPU when it can.
     out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True)
     return nn.DenseGeneral(
@@ -95,7 +110,8 @@ class Mlp(nn.Module):
         param_dtype=cfg.param_dtype, name=name)
     gate_BLF = dense(cfg.mlp_dim, ('embed', 'mlp'), 'gate')(x_BLD)
     up_BLF = dense(cfg.mlp_dim, ('embed', 'mlp'), 'up')(x_BLD)
-    return dense(cfg.d_model, ('mlp', 'embed'), 'down')(nn.silu(gate_BLF) * up_BLF)
+    hidden_BLF = constrain(nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'), cfg)
+    return dense(cfg.d_model, ('mlp', 'embed'), 'down')(hidden_BLF)
 
 
 class Block(nn.Module):
@@ -104,7 +120,22 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x_BLD, positions_BL):
     x_BLD = x_BLD + Attention(self.cfg, name='attention')(RMSNorm(self.cfg, name='attention_norm')(x_BLD), positions_BL)
-    return x_BLD + Mlp(self.cfg, name='mlp')(RMSNorm(self.cfg, name='mlp_norm')(x_BLD))
+    x_BLD = x_BLD + Mlp(self.cfg, name='mlp')(RMSNorm(self.cfg, name='mlp_norm')(x_BLD))
+    return constrain(x_BLD, ('batch', 'length', 'embed'), self.cfg)
+
+
+class Embed(nn.Module):
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, tokens_BL):
+    cfg = self.cfg
+    table_VD = self.param('embedding', _init(('vocab', 'embed'), stddev=1.0), (cfg.vocab_size, cfg.d_model),
+                          cfg.param_dtype)
+    # Gathered whole before the lookup, as FSDP does for every weight: a gather from a
+    # table split over two mesh axes makes GSPMD replicate it anyway, less efficiently.
+    table_VD = constrain(table_VD, (None, None), cfg)
+    return jnp.take(table_VD, tokens_BL, axis=0).astype(cfg.dtype)
 
 
 class Llama(nn.Module):
@@ -115,9 +146,8 @@ class Llama(nn.Module):
   def __call__(self, tokens_BL):
     cfg = self.cfg
     positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
-    x_BLD = nn.Embed(
-        cfg.vocab_size, cfg.d_model, embedding_init=_init(('vocab', 'embed'), stddev=1.0),
-        dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='embed')(tokens_BL)
+    x_BLD = Embed(cfg, name='embed')(tokens_BL)
+    x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'), cfg)
     block = Block
     if cfg.remat_policy != 'none':
       block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=True)
@@ -127,4 +157,4 @@ class Llama(nn.Module):
     logits_BLV = nn.Dense(
         cfg.vocab_size, use_bias=False, kernel_init=_init(('embed', 'vocab')),
         dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='head')(x_BLD)
-    return logits_BLV.astype(jnp.float32)
+    return constrain(logits_BLV, ('batch', 'length', 'vocab'), cfg).astype(jnp.float32)

@@ -1,0 +1,145 @@
+"""Runs launch.py as several CPU processes on this machine, joined over 127.0.0.1: a multi-host run in miniature.
+
+  python scripts/launch_local.py --num_processes=2 --devices_per_process=4 \\
+      --config=configs/tiny.py --workdir=/tmp/two_processes [--config.train.steps=20 ...]
+
+Every argument it does not know goes to launch.py unchanged. Each process gets
+`--coordinator_address=127.0.0.1:PORT` (a free port), `--num_processes`, its own
+`--process_id`, `JAX_PLATFORMS=cpu` and `XLA_FLAGS=--xla_force_host_platform_device_count=K`,
+so the run sees num_processes x K devices. Output lines are prefixed with the
+process index (`[0] ...`). When a process fails, or --timeout_s passes, the
+others are stopped and this script exits non-zero (the failing process's exit
+code, or 124 on timeout). --dry_run prints the commands and runs nothing.
+"""
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+_OWN_FLAGS = ('--coordinator_address', '--num_processes', '--process_id')
+_GRACE_S = 3  # After the first failure, the others get this long to print their own error and exit.
+
+
+def free_port() -> int:
+  """A port nothing listens on now, on any interface (the coordinator binds them all)."""
+  with socket.socket() as s:
+    s.bind(('', 0))
+    return s.getsockname()[1]
+
+
+def process_env(devices_per_process: int) -> dict[str, str]:
+  """The variables each process gets on top of this environment (replacing any device count already there)."""
+  xla_flags = re.sub(r'--xla_force_host_platform_device_count=\S*', '', os.environ.get('XLA_FLAGS', '')).split()
+  xla_flags.append(f'--xla_force_host_platform_device_count={devices_per_process}')
+  return {'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': ' '.join(xla_flags), 'PYTHONUNBUFFERED': '1'}
+
+
+def commands(num_processes: int, port: int, launch_args: list[str]) -> list[list[str]]:
+  return [[sys.executable, str(REPO / 'launch.py'), *launch_args, f'--coordinator_address=127.0.0.1:{port}',
+           f'--num_processes={num_processes}', f'--process_id={i}'] for i in range(num_processes)]
+
+
+def _relay(stream, sink, prefix: str) -> None:
+  for line in stream:
+    sink.write(prefix + line)
+    sink.flush()
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+  """SIGTERM, then SIGKILL, to each still-running process's whole group (its own session, see run)."""
+  for sig, wait_s in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+      try:
+        os.killpg(p.pid, sig)
+      except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + wait_s
+    while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
+      time.sleep(0.1)
+
+
+def _interrupt(signum, frame):
+  raise KeyboardInterrupt  # SIGTERM stops the processes the way Ctrl-C does, instead of orphaning them.
+
+
+def _exit_code(returncode: int) -> int:
+  return returncode if returncode > 0 else 128 - returncode  # A signal's negative code as the shell shows it.
+
+
+def run(cmds: list[list[str]], env: dict[str, str], timeout_s: float) -> int:
+  """Starts every command, relays its output with a `[i] ` prefix, and returns the exit code for the whole run."""
+  procs, relays = [], []
+  deadline = time.monotonic() + timeout_s if timeout_s > 0 else float('inf')
+  code, reason = 0, ''
+  signal.signal(signal.SIGTERM, _interrupt)
+  try:
+    for i, cmd in enumerate(cmds):
+      # Own session per process: stopping it takes its children too, and Ctrl-C reaches only this script.
+      p = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, bufsize=1, start_new_session=True)
+      procs.append(p)
+      for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+        relays.append(threading.Thread(target=_relay, args=(stream, sink, f'[{i}] '), daemon=True))
+        relays[-1].start()
+    while any(p.poll() is None for p in procs):
+      failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+      if failed:
+        grace_end = time.monotonic() + _GRACE_S
+        while any(p.poll() is None for p in procs) and time.monotonic() < grace_end:
+          time.sleep(0.1)
+        break
+      if time.monotonic() > deadline:
+        code, reason = 124, f'--timeout_s={timeout_s:g} passed'
+        break
+      time.sleep(0.2)
+  except KeyboardInterrupt:
+    code, reason = 130, 'interrupted'
+  stopped = [i for i, p in enumerate(procs) if p.poll() is None]
+  _stop(procs)
+  for t in relays:
+    t.join(timeout=5)
+  failed = [i for i, p in enumerate(procs) if p.returncode and i not in stopped]
+  if not code and failed:
+    first = procs[failed[0]].returncode
+    code, reason = _exit_code(first), f'process {failed[0]} exited with code {first}'
+  if code:
+    also = f'; stopped process{"es" if len(stopped) > 1 else ""} {", ".join(map(str, stopped))}' if stopped else ''
+    print(f'launch_local.py: error: {reason}{also}.', file=sys.stderr)
+  return code
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   allow_abbrev=False)
+  parser.add_argument('--num_processes', type=int, default=2, help='processes to start (default 2)')
+  parser.add_argument('--devices_per_process', type=int, default=4, help='fake CPU devices each (default 4)')
+  parser.add_argument('--timeout_s', type=float, default=0, help='stop everything after this long; 0 = never')
+  parser.add_argument('--port', type=int, default=0, help='coordinator port on 127.0.0.1 (default: a free one)')
+  parser.add_argument('--dry_run', action='store_true', help='print each command with its environment; run nothing')
+  args, launch_args = parser.parse_known_args()
+  if args.num_processes < 1 or args.devices_per_process < 1:
+    parser.error('--num_processes and --devices_per_process must be >= 1')
+  taken = [a for a in launch_args if a.split('=')[0] in _OWN_FLAGS]
+  if taken:
+    parser.error(f'{", ".join(taken)}: this script sets the coordinator, the process count and each process id')
+  env = process_env(args.devices_per_process)
+  cmds = commands(args.num_processes, args.port or free_port(), launch_args)
+  if args.dry_run:
+    for i, cmd in enumerate(cmds):
+      print(f'# process {i}\n' + ' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items()) + ' ' + shlex.join(cmd))
+    return 0
+  return run(cmds, env, args.timeout_s)
+
+
+if __name__ == '__main__':
+  sys.exit(main())

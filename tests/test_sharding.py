@@ -1,0 +1,58 @@
+"""Logical-axis rules to shardings: the table a user sees, and that nothing is held whole per device."""
+
+import jax
+import jax.numpy as jnp
+from ml_collections import config_dict
+
+from configs import tiny
+from parallel import mesh as mesh_lib
+from parallel import sharding
+from trainer import job, optimizer
+from trainer import state as state_lib
+
+
+def _abstract(mesh_shape):
+  config = tiny.get_config()
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_shape
+  mesh = mesh_lib.build_mesh(config.mesh)
+  rules = sharding.rules_from_config(config.parallel)
+  tx, _ = optimizer.build_optimizer(config.train)
+  example = jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len), jnp.int32)
+  model = job.build_model(config, mesh, rules)
+  return config, mesh, *state_lib.abstract_state(model, tx, example, mesh, rules)
+
+
+def test_table_on_2x2x2_shards_embed_over_fsdp_and_heads_mlp_over_tensor():
+  _, _, abstract, shardings = _abstract((2, 2, 2))
+  table, totals = sharding.sharding_table(abstract, shardings)
+  rows = {line.split()[0]: line for line in table.splitlines()}
+  assert "('fsdp', 'tensor', None)" in rows['block_0/attention/query/kernel']  # embed, heads, head_dim
+  assert "('tensor', 'fsdp')" in rows['block_0/mlp/down/kernel']  # mlp, embed
+  assert "('fsdp', 'tensor')" in rows['block_0/mlp/gate/kernel']  # embed, mlp
+  assert "('tensor', 'fsdp')" in rows['embed/embedding']  # vocab, embed
+  ratio = totals['params_bytes_per_device'] / totals['params_bytes_total']
+  assert 0.25 <= ratio < 0.26, ratio  # Only the tiny norm scales are replicated.
+  assert 0.25 <= totals['opt_state_bytes_per_device'] / totals['opt_state_bytes_total'] < 0.26
+  assert 'params per device' in table and 'opt_state per device' in table
+
+
+def test_pure_data_parallel_replicates_everything():
+  _, _, abstract, shardings = _abstract((8, 1, 1))
+  _, totals = sharding.sharding_table(abstract, shardings)
+  assert totals['params_bytes_per_device'] == totals['params_bytes_total']
+
+
+def test_created_state_lands_in_its_shardings_without_a_whole_copy_per_device():
+  config, mesh, abstract, shardings = _abstract((1, 8, 1))
+  model = job.build_model(config, mesh, sharding.rules_from_config(config.parallel))
+  tx, _ = optimizer.build_optimizer(config.train)
+  example = jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len), jnp.int32)
+  state = state_lib.create_state(0, model, tx, example, shardings)
+  kernel = state.params['block_0']['mlp']['up']['kernel']
+  assert kernel.sharding == shardings.params['block_0']['mlp']['up']['kernel']
+  assert {s.data.shape for s in kernel.addressable_shards} == {(config.model.d_model // 8, config.model.mlp_dim)}
+
+
+def test_rules_from_config_are_hashable_tuples():
+  parallel = config_dict.ConfigDict({'logical_axis_rules': [['batch', ['data', 'fsdp']], ['embed', 'fsdp']]})
+  assert sharding.rules_from_config(parallel) == (('batch', ('data', 'fsdp')), ('embed', 'fsdp'))
