@@ -16,7 +16,9 @@ _REPO = str(pathlib.Path(__file__).resolve().parent.parent)
 class _OwnInfoOnly(py_logging.Filter):
 
   def filter(self, record: py_logging.LogRecord) -> bool:
-    return record.levelno >= py_logging.WARNING or record.pathname.startswith(_REPO)
+    # The Quickstart's .venv lives inside the repo, so library files are told apart by site-packages.
+    own = record.pathname.startswith(_REPO) and 'site-packages' not in record.pathname
+    return record.levelno >= py_logging.WARNING or own
 
 
 def quiet_library_info() -> None:
