@@ -23,7 +23,11 @@ def get_config() -> config_dict.ConfigDict:
   c.train.grad_clip_norm = 1.0  # Clip gradients to this global norm; 0 disables clipping.
   c.train.compute_dtype = 'auto'  # 'auto' (bfloat16 on GPU/TPU, float32 on CPU), 'float32' or 'bfloat16'.
   c.train.param_dtype = 'float32'  # Storage dtype of parameters and optimizer state.
-  c.train.remat_policy = 'none'  # Per-block rematerialization: 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'.
+  c.train.remat_policy = 'none'  # Per-block rematerialization: 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'save_qkv_proj', 'save_attention_and_mlp_hidden'.
+  c.train.adam_mu_dtype = 'float32'  # Storage dtype of Adam's first moment; 'bfloat16' halves it (the second moment stays float32).
+  c.train.grad_accum_steps = 1  # Microbatches per step, run by lax.scan with gradients summed: the same update in less memory.
+  c.train.z_loss_weight = 0.0  # Weight of the z-loss mean(logsumexp(logits)^2), which keeps logits from drifting; 0 disables it (PaLM used 1e-4).
+  c.train.compilation_cache_dir = config_dict.placeholder(str)  # Persistent XLA compilation cache folder shared by runs; None disables it.
   c.train.eval_every_steps = 200  # Evaluate on held-out data every N steps and at the last step; 0 = only at the end.
   c.train.eval_batches = 8  # Global batches per evaluation (fewer if the held-out set is smaller).
 
@@ -48,6 +52,7 @@ def get_config() -> config_dict.ConfigDict:
       ('head_dim', None),
       ('length', None),
       ('norm', None),
+      ('layers', None),  # The stacked axis of scanned blocks: every device holds every layer's shard.
   )
 
   c.ckpt = config_dict.ConfigDict()
@@ -76,5 +81,6 @@ def get_config() -> config_dict.ConfigDict:
   c.model.vocab_size = 256  # Vocabulary; 256 = raw bytes, no tokenizer.
   c.model.rope_max_wavelength = 10_000  # RoPE base wavelength.
   c.model.norm_eps = 1e-6  # RMSNorm epsilon.
+  c.model.scan_layers = True  # Scan one block over stacked layer parameters (compile time flat in depth); False unrolls.
 
   return c

@@ -40,16 +40,16 @@ PMAP_AXIS = 'devices'  # pmap's one axis: every device of the mesh, in mesh orde
 
 def partition_train_step(strategy: str, mesh: Mesh, state_shardings: Any, batch_sharding: NamedSharding, *,
                          apply_fn: Callable[..., Any], tx: optax.GradientTransformation,
-                         schedule: optax.Schedule) -> Any:
+                         schedule: optax.Schedule, options: step_lib.StepOptions = step_lib.StepOptions()) -> Any:
   """The train step for `strategy`, to be lowered and compiled ahead of time with the state's shardings."""
   if strategy == 'jit':
-    step = functools.partial(step_lib.train_step, apply_fn=apply_fn, tx=tx, schedule=schedule)
+    step = functools.partial(step_lib.train_step, apply_fn=apply_fn, tx=tx, schedule=schedule, options=options)
     return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                    out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
   if strategy == 'shard_map':
-    return _shard_map_train_step(mesh, state_shardings, batch_sharding, apply_fn, tx, schedule)
+    return _shard_map_train_step(mesh, state_shardings, batch_sharding, apply_fn, tx, schedule, options)
   if strategy == 'pmap':
-    return _pmap_train_step(mesh, apply_fn, tx, schedule)
+    return _pmap_train_step(mesh, apply_fn, tx, schedule, options)
   raise ValueError(f'unknown strategy {strategy!r}')  # validation rejects these earlier
 
 
@@ -154,12 +154,13 @@ def _reduce_grads(grads, param_specs, mesh: Mesh):
   return jax.tree.map(reduce, grads, param_specs)
 
 
-def _shard_map_train_step(mesh: Mesh, state_shardings, batch_sharding: NamedSharding, apply_fn, tx, schedule):
+def _shard_map_train_step(mesh: Mesh, state_shardings, batch_sharding: NamedSharding, apply_fn, tx, schedule,
+                          options):
   param_specs = _specs(state_shardings.params)
 
   def local_grads(param_shards, local_batch):
     params = _mark_varying(_gather_params(param_shards, param_specs, mesh), param_specs, mesh)
-    grads, metrics = step_lib.grads_and_metrics(params, local_batch, apply_fn)
+    grads, metrics = step_lib.grads_and_metrics(params, local_batch, apply_fn, options)
     # Local batch shards are equal in size, so the mean of the per-device means is the global mean.
     return _reduce_grads(grads, param_specs, mesh), jax.lax.pmean(metrics, mesh.axis_names)
 
@@ -177,10 +178,10 @@ def _shard_map_train_step(mesh: Mesh, state_shardings, batch_sharding: NamedShar
 # ---- pmap ---------------------------------------------------------------------------------------
 
 
-def _pmap_train_step(mesh: Mesh, apply_fn, tx, schedule) -> '_PmapWithGlobalBatch':
+def _pmap_train_step(mesh: Mesh, apply_fn, tx, schedule, options) -> '_PmapWithGlobalBatch':
 
   def train_step(state, local_batch):
-    grads, metrics = step_lib.grads_and_metrics(state.params, local_batch, apply_fn)
+    grads, metrics = step_lib.grads_and_metrics(state.params, local_batch, apply_fn, options)
     grads, metrics = jax.lax.pmean((grads, metrics), PMAP_AXIS)
     return step_lib.apply_gradients(state, grads, metrics, tx=tx, schedule=schedule)
 
@@ -230,4 +231,8 @@ class _PmapWithGlobalBatch:
 
   def __call__(self, tree, batch):
     return self._fn(tree, _split_batch(batch, self._mesh))
+
+  def memory_analysis(self):
+    """The compiled step's per-device memory analysis, as for the jitted strategies."""
+    return self._fn.memory_analysis()
 

@@ -26,9 +26,10 @@ def test_table_on_2x2x2_shards_embed_over_fsdp_and_heads_mlp_over_tensor():
   _, _, abstract, shardings = _abstract((2, 2, 2))
   table, totals = sharding.sharding_table(abstract, shardings)
   rows = {line.split()[0]: line for line in table.splitlines()}
-  assert "('fsdp', 'tensor', None)" in rows['block_0/attention/query/kernel']  # embed, heads, head_dim
-  assert "('tensor', 'fsdp')" in rows['block_0/mlp/down/kernel']  # mlp, embed
-  assert "('fsdp', 'tensor')" in rows['block_0/mlp/gate/kernel']  # embed, mlp
+  # Scanned blocks: a leading 'layers' axis, never split.
+  assert "(None, 'fsdp', 'tensor', None)" in rows['layers/attention/query/kernel']  # layers, embed, heads, head_dim
+  assert "(None, 'tensor', 'fsdp')" in rows['layers/mlp/down/kernel']  # layers, mlp, embed
+  assert "(None, 'fsdp', 'tensor')" in rows['layers/mlp/gate/kernel']  # layers, embed, mlp
   assert "('tensor', 'fsdp')" in rows['embed/embedding']  # vocab, embed
   ratio = totals['params_bytes_per_device'] / totals['params_bytes_total']
   assert 0.25 <= ratio < 0.26, ratio  # Only the tiny norm scales are replicated.
@@ -48,9 +49,10 @@ def test_created_state_lands_in_its_shardings_without_a_whole_copy_per_device():
   tx, _ = optimizer.build_optimizer(config.train)
   example = jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len), jnp.int32)
   state = state_lib.create_state(0, model, tx, example, shardings)
-  kernel = state.params['block_0']['mlp']['up']['kernel']
-  assert kernel.sharding == shardings.params['block_0']['mlp']['up']['kernel']
-  assert {s.data.shape for s in kernel.addressable_shards} == {(config.model.d_model // 8, config.model.mlp_dim)}
+  kernel = state.params['layers']['mlp']['up']['kernel']
+  assert kernel.sharding == shardings.params['layers']['mlp']['up']['kernel']
+  assert {s.data.shape for s in kernel.addressable_shards} == {
+      (config.model.num_layers, config.model.d_model // 8, config.model.mlp_dim)}
 
 
 def test_rules_from_config_are_hashable_tuples():

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from parallel import mesh as mesh_lib
 from parallel import sharding, strategy
 from trainer import optimizer, validation
+from trainer import step as step_lib
 from trainer import state as state_lib
 from trainer.models import llama
 
@@ -34,7 +35,7 @@ def build_model(config, mesh=None, rules=()) -> llama.Llama:
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
       vocab_size=m.vocab_size, rope_max_wavelength=m.rope_max_wavelength, norm_eps=m.norm_eps,
       dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
-      remat_policy=config.train.remat_policy, mesh=mesh, rules=tuple(rules)))
+      remat_policy=config.train.remat_policy, scan_layers=m.scan_layers, mesh=mesh, rules=tuple(rules)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,7 @@ def build_job(config, devices: Sequence[jax.Device] | None = None) -> Job:
   mesh_lib.check_batch_size(config.train.batch_size, mesh, jax.process_count())
   validation.validate_against_mesh(config, mesh)
   validation.validate_strategy(config, mesh)
+  validation.validate_grad_accum(config, mesh)
   rules = sharding.rules_from_config(config.parallel)
   model = build_model(config, *((mesh, rules) if config.parallel.strategy == 'jit' else ()))
   tx, schedule = optimizer.build_optimizer(config.train)
@@ -77,6 +79,6 @@ def build_job(config, devices: Sequence[jax.Device] | None = None) -> Job:
                     for k in ('inputs', 'targets')}
   name = config.parallel.strategy
   train_step = strategy.partition_train_step(name, mesh, shardings, batch_sharding, apply_fn=model.apply, tx=tx,
-                                             schedule=schedule)
+                                             schedule=schedule, options=step_lib.StepOptions.from_config(config.train))
   eval_step = strategy.partition_eval_step(name, mesh, shardings.params, batch_sharding, apply_fn=model.apply)
   return Job(config, mesh, model, tx, abstract, shardings, batch_sharding, abstract_batch, train_step, eval_step)

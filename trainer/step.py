@@ -4,8 +4,14 @@ No mesh, no sharding, no I/O here: parallel/strategy.py decides how these run
 over devices. The step is two halves so a strategy can take over the first:
 `grads_and_metrics` (forward and backward on a batch) and `apply_gradients`
 (the optimizer update). Every strategy runs the same loss and the same update.
+
+Gradient accumulation lives in `grads_and_metrics`, so every strategy gets it:
+the (local) batch is cut into `grad_accum_steps` microbatches that `lax.scan`
+runs one after another, summing float32 gradients; the result is the gradient
+of the mean loss over the whole batch, as one large step would give.
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,18 +25,61 @@ Batch = dict[str, jax.Array]  # 'inputs' and 'targets', both int32 (B, L).
 Metrics = dict[str, jax.Array]
 
 
-def loss_fn(params, batch: Batch, apply_fn: Callable[..., jax.Array]) -> tuple[jax.Array, Metrics]:
-  """Mean next-token cross entropy in float32."""
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+  """The static settings of the loss and the gradient computation, from `config.train`."""
+  grad_accum_steps: int = 1  # Microbatches per step.
+  z_loss_weight: float = 0.0  # Weight of mean(logsumexp(logits)^2) added to the loss; 0 = off.
+
+  @classmethod
+  def from_config(cls, train_config) -> 'StepOptions':
+    return cls(grad_accum_steps=train_config.grad_accum_steps, z_loss_weight=float(train_config.z_loss_weight))
+
+
+def loss_fn(params, batch: Batch, apply_fn: Callable[..., jax.Array],
+            z_loss_weight: float = 0.0) -> tuple[jax.Array, Metrics]:
+  """Mean next-token cross entropy in float32 (the model returns float32 logits), plus the optional z-loss.
+
+  The 'loss' metric is the cross entropy alone, so runs with and without z-loss compare.
+  """
   logits_BLV = apply_fn({'params': params}, batch['inputs'])
   losses_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch['targets'])
   loss = jnp.mean(losses_BL)
-  return loss, {'loss': loss}
+  if not z_loss_weight:
+    return loss, {'loss': loss}
+  z_loss = z_loss_weight * jnp.mean(jnp.square(jax.nn.logsumexp(logits_BLV, axis=-1)))
+  return loss + z_loss, {'loss': loss, 'z_loss': z_loss}
 
 
-def grads_and_metrics(params, batch: Batch, apply_fn) -> tuple[Any, Metrics]:
+def _microbatches(x: jax.Array, n: int) -> jax.Array:
+  """(B, ...) -> (n, B/n, ...), microbatch j holding rows j, j+n, j+2n, ...
+
+  Strided rather than contiguous: each device's contiguous shard of the batch
+  then holds B/n/devices rows of every microbatch, so no rows move between devices.
+  """
+  return jnp.swapaxes(x.reshape((x.shape[0] // n, n) + x.shape[1:]), 0, 1)
+
+
+def grads_and_metrics(params, batch: Batch, apply_fn,
+                      options: StepOptions = StepOptions()) -> tuple[Any, Metrics]:
   """Gradients of the batch-mean loss, and the batch's metrics (means over the batch)."""
-  (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, apply_fn)
-  return grads, metrics
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  n = options.grad_accum_steps
+  if n == 1:
+    (_, metrics), grads = grad_fn(params, batch, apply_fn, options.z_loss_weight)
+    return grads, metrics
+
+  def accumulate(totals, microbatch):
+    (_, metrics), grads = grad_fn(params, microbatch, apply_fn, options.z_loss_weight)
+    return jax.tree.map(lambda t, x: t + x.astype(jnp.float32), totals, (grads, metrics)), None
+
+  micro = jax.tree.map(lambda x: _microbatches(x, n), batch)
+  shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), apply_fn, options.z_loss_weight)
+  (_, metric_shapes), grad_shapes = shapes
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (grad_shapes, metric_shapes))
+  (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
+  grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, params)
+  return grads, jax.tree.map(lambda m: m / n, metrics)
 
 
 def apply_gradients(state: TrainState, grads, metrics: Metrics, *, tx: optax.GradientTransformation,
@@ -42,8 +91,8 @@ def apply_gradients(state: TrainState, grads, metrics: Metrics, *, tx: optax.Gra
 
 
 def train_step(state: TrainState, batch: Batch, *, apply_fn, tx: optax.GradientTransformation,
-               schedule: optax.Schedule) -> tuple[TrainState, Metrics]:
-  grads, metrics = grads_and_metrics(state.params, batch, apply_fn)
+               schedule: optax.Schedule, options: StepOptions = StepOptions()) -> tuple[TrainState, Metrics]:
+  grads, metrics = grads_and_metrics(state.params, batch, apply_fn, options)
   return apply_gradients(state, grads, metrics, tx=tx, schedule=schedule)
 
 

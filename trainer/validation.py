@@ -27,6 +27,10 @@ def validate_config(config) -> None:
                'ckpt.max_to_keep', 'model.num_layers', 'model.d_model', 'model.num_heads', 'model.mlp_dim',
                'model.vocab_size', 'data.num_threads'):
     _positive_int(config, path)
+  _positive_int(config, 'train.grad_accum_steps')
+  _require(config.train.z_loss_weight >= 0, f'train.z_loss_weight={config.train.z_loss_weight} must be >= 0.')
+  _require(config.train.adam_mu_dtype in DTYPES,
+           f'train.adam_mu_dtype={config.train.adam_mu_dtype!r}: choose float32 or bfloat16.')
   for path in ('train.warmup_steps', 'train.eval_every_steps', 'train.eval_batches', 'train.seed',
                'data.prefetch_buffer_size'):
     _positive_int(config, path, minimum=0)
@@ -76,3 +80,14 @@ def validate_strategy(config, mesh: Mesh) -> None:
              f"parallel.strategy='pmap' replicates the parameters on every device, so it needs mesh.fsdp=1 and "
              f"mesh.tensor=1 (got mesh.fsdp={fsdp}, mesh.tensor={tensor}); set them to 1 (mesh.data=-1 takes "
              f"every device), or use parallel.strategy='jit' or 'shard_map' to shard the parameters.")
+
+
+def validate_grad_accum(config, mesh: Mesh) -> None:
+  """Checks that every device's share of the batch splits into `train.grad_accum_steps` microbatches."""
+  accum = config.train.grad_accum_steps
+  batch_devices = mesh.shape['data'] * mesh.shape['fsdp']
+  per_device = config.train.batch_size // batch_devices
+  _require(per_device % accum == 0,
+           f'train.grad_accum_steps={accum} does not divide the per-device batch of {per_device} sequences '
+           f'(train.batch_size={config.train.batch_size} over {batch_devices} batch-parallel devices); '
+           f'pick grad_accum_steps dividing {per_device}, or raise train.batch_size.')

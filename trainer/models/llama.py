@@ -2,10 +2,17 @@
 
 Shape letters: B batch, L sequence length, D d_model, H heads, K head dim,
 F mlp hidden, V vocabulary. Parameters carry logical axis names ('embed',
-'heads', 'head_dim', 'mlp', 'vocab', 'norm') that config rules map to mesh axes;
+'heads', 'head_dim', 'mlp', 'vocab', 'norm', and 'layers' for the stacked axis
+of scanned blocks) that config rules map to mesh axes;
 so do the key activations ('batch', 'length', ...), as sharding constraints,
 when the config gives the model a mesh (the 'jit' strategy: per-device
 strategies run the model on local shards, where constraints do not apply).
+
+Blocks are scanned by default (`scan_layers`): one block is traced and compiled
+once and run `num_layers` times over parameters stacked on a leading 'layers'
+axis, so compile time does not grow with depth. Rematerialization wraps each
+block, scanned or not; the names given to activations with `checkpoint_name`
+below are what the save-by-name policies keep.
 """
 
 import dataclasses
@@ -13,12 +20,22 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
+# What each block keeps for the backward pass; everything else is recomputed there.
 REMAT_POLICIES = {
     'full': None,  # Save nothing: recompute the whole block in the backward pass.
-    'dots_saveable': jax.checkpoint_policies.dots_saveable,
+    'dots_saveable': jax.checkpoint_policies.dots_saveable,  # Every matmul output.
+    # Matmul outputs without a batch dimension: in a transformer block that is almost none
+    # (weights are applied to (B, L, ...) activations), so this sits close to 'full'.
     'dots_with_no_batch_dims_saveable': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Save by name: the q/k/v projections (tagged in Attention), so the backward pass
+    # recomputes the MLP and the attention core but not the three input projections.
+    'save_qkv_proj': jax.checkpoint_policies.save_only_these_names('query_proj', 'key_proj', 'value_proj'),
+    # Save by name: the attention output (before its out projection) and the MLP's down-projection
+    # input, the two tensors whose recomputation costs the most (the attention core, the MLP's up/gate).
+    'save_attention_and_mlp_hidden': jax.checkpoint_policies.save_only_these_names('attention_out', 'mlp_hidden'),
 }
 
 
@@ -34,6 +51,7 @@ class LlamaConfig:
   dtype: jnp.dtype = jnp.float32  # Compute dtype of matmuls; norms, softmax and logits stay float32.
   param_dtype: jnp.dtype = jnp.float32
   remat_policy: str = 'none'
+  scan_layers: bool = True  # One scanned block over stacked parameters; False unrolls num_layers blocks.
   mesh: Mesh | None = None  # Set to pin activation shardings under jit; None leaves them to the caller.
   rules: tuple = ()  # Logical axis rules for the activation constraints.
 
@@ -85,15 +103,16 @@ class Attention(nn.Module):
     dense = lambda name, axes: nn.DenseGeneral(
         (cfg.num_heads, cfg.head_dim), use_bias=False, kernel_init=_init(axes),
         dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
-    q_BLHK = dense('query', ('embed', 'heads', 'head_dim'))(x_BLD)
-    k_BLHK = dense('key', ('embed', 'heads', 'head_dim'))(x_BLD)
-    v_BLHK = dense('value', ('embed', 'heads', 'head_dim'))(x_BLD)
+    q_BLHK = checkpoint_name(dense('query', ('embed', 'heads', 'head_dim'))(x_BLD), 'query_proj')
+    k_BLHK = checkpoint_name(dense('key', ('embed', 'heads', 'head_dim'))(x_BLD), 'key_proj')
+    v_BLHK = checkpoint_name(dense('value', ('embed', 'heads', 'head_dim'))(x_BLD), 'value_proj')
     qkv_axes = ('batch', 'length', 'heads', 'head_dim')
     q_BLHK = constrain(rope(q_BLHK, positions_BL, cfg.rope_max_wavelength), qkv_axes, cfg)
     k_BLHK = constrain(rope(k_BLHK, positions_BL, cfg.rope_max_wavelength), qkv_axes, cfg)
     v_BLHK = constrain(v_BLHK, qkv_axes, cfg)
     # jax.nn.dot_product_attention takes the fused cuDNN path on GPU when it can.
     out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True)
+    out_BLHK = checkpoint_name(out_BLHK, 'attention_out')
     return nn.DenseGeneral(
         cfg.d_model, axis=(-2, -1), use_bias=False, kernel_init=_init(('heads', 'head_dim', 'embed')),
         dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='out')(out_BLHK)
@@ -111,17 +130,37 @@ class Mlp(nn.Module):
     gate_BLF = dense(cfg.mlp_dim, ('embed', 'mlp'), 'gate')(x_BLD)
     up_BLF = dense(cfg.mlp_dim, ('embed', 'mlp'), 'up')(x_BLD)
     hidden_BLF = constrain(nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'), cfg)
+    hidden_BLF = checkpoint_name(hidden_BLF, 'mlp_hidden')
     return dense(cfg.d_model, ('mlp', 'embed'), 'down')(hidden_BLF)
 
 
 class Block(nn.Module):
+  """One pre-norm block, shaped for `nn.scan`: `(x, per-token arrays...) -> (x, None)`.
+
+  Every argument after `x_BLD` is the same for every layer (broadcast through the
+  scan): the positions, and the per-token `segment_ids_BL` of packed sequences
+  (None when sequences are not packed).
+  """
   cfg: LlamaConfig
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL):
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL=None):
     x_BLD = x_BLD + Attention(self.cfg, name='attention')(RMSNorm(self.cfg, name='attention_norm')(x_BLD), positions_BL)
     x_BLD = x_BLD + Mlp(self.cfg, name='mlp')(RMSNorm(self.cfg, name='mlp_norm')(x_BLD))
-    return constrain(x_BLD, ('batch', 'length', 'embed'), self.cfg)
+    return constrain(x_BLD, ('batch', 'length', 'embed'), self.cfg), None
+
+
+def block_stack(cfg: LlamaConfig):
+  """The Block class to instantiate: rematerialized per `cfg.remat_policy`, and scanned if `cfg.scan_layers`."""
+  block = Block
+  if cfg.remat_policy != 'none':
+    # Inside a scan the loop already keeps XLA from merging recomputation into the forward pass.
+    block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
+  if cfg.scan_layers:
+    block = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True},
+                    in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
+                    metadata_params={nn.PARTITION_NAME: 'layers'})
+  return block
 
 
 class Embed(nn.Module):
@@ -143,16 +182,18 @@ class Llama(nn.Module):
   cfg: LlamaConfig
 
   @nn.compact
-  def __call__(self, tokens_BL):
+  def __call__(self, tokens_BL, segment_ids_BL=None, positions_BL=None):
     cfg = self.cfg
-    positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+    if positions_BL is None:
+      positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
     x_BLD = Embed(cfg, name='embed')(tokens_BL)
     x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'), cfg)
-    block = Block
-    if cfg.remat_policy != 'none':
-      block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=True)
-    for i in range(cfg.num_layers):
-      x_BLD = block(cfg, name=f'block_{i}')(x_BLD, positions_BL)
+    block = block_stack(cfg)
+    if cfg.scan_layers:
+      x_BLD, _ = block(cfg, name='layers')(x_BLD, positions_BL, segment_ids_BL)
+    else:
+      for i in range(cfg.num_layers):
+        x_BLD, _ = block(cfg, name=f'block_{i}')(x_BLD, positions_BL, segment_ids_BL)
     x_BLD = RMSNorm(cfg, name='final_norm')(x_BLD)
     logits_BLV = nn.Dense(
         cfg.vocab_size, use_bias=False, kernel_init=_init(('embed', 'vocab')),
