@@ -13,7 +13,13 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file, e.g. configs/default.py.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Folder for checkpoints, metrics and TensorBoard logs.')
-flags.mark_flags_as_required(['config', 'workdir'])
+flags.mark_flags_as_required(['config'])  # --workdir too, except with --plan (checked in main).
+# Plan mode; see trainer/plan.py.
+_PLAN = flags.DEFINE_bool('plan', False, 'Compile the step ahead of time and print its memory and FLOPs; no training.')
+_PLAN_MEMORY_GB = flags.DEFINE_float('plan_memory_gb', None, 'With --plan: fail unless the step fits in this many '
+                                     'GiB per device, naming config changes that would fit.')
+_TOPOLOGY = flags.DEFINE_string('topology', None, 'With --plan: compile for a TPU slice such as v5p:4x4x4 '
+                                '(needs requirements-tpu-plan.txt).')
 # Multi-process runs; see parallel/distributed.py. Unset under SLURM or on a TPU pod, where jax detects them.
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'HOST:PORT of process 0, the same on every process.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the run, all hosts together.')
@@ -48,11 +54,19 @@ def _parse_flags(argv: list[str]) -> list[str]:
 def main(argv):
   if len(argv) > 1:
     _fail(f'unexpected arguments: {" ".join(argv[1:])}')
+  if not _PLAN.value and (_PLAN_MEMORY_GB.value is not None or _TOPOLOGY.value):
+    _fail('--plan_memory_gb and --topology only apply with --plan.')
+  if not _PLAN.value and not _WORKDIR.value:
+    _fail('flag --workdir must have a value (a folder for checkpoints and logs); only --plan runs without one.')
   from parallel import distributed  # After flag parsing, so --help does not wait for jax.
   from trainer import console, loop
   from trainer.errors import UserError
   console.quiet_library_info()
   try:
+    if _PLAN.value:
+      from trainer import plan
+      plan.run(_CONFIG.value, _PLAN_MEMORY_GB.value, _TOPOLOGY.value)
+      return
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _TIMEOUT.value)
     loop.run(_CONFIG.value, _WORKDIR.value)
   except UserError as e:

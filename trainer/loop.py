@@ -17,7 +17,7 @@ import numpy as np
 from absl import logging
 
 from parallel import sharding
-from trainer import checkpoint, data
+from trainer import checkpoint, compilation_cache, data, flops
 from trainer import job as job_lib
 from trainer import state as state_lib
 from trainer.metrics import MetricsWriter
@@ -44,9 +44,10 @@ class Window:
   step_times: list[float] = dataclasses.field(default_factory=list)
   data_waits: list[float] = dataclasses.field(default_factory=list)
 
-  def summary(self, last_metrics: dict[str, float], tokens_per_step: int) -> dict[str, float]:
+  def summary(self, last_metrics: dict[str, float], tokens_per_step: int,
+              throughput: flops.Throughput | None = None) -> dict[str, float]:
     step_time = float(np.mean(self.step_times))
-    return {
+    return {**(throughput.metrics(step_time) if throughput else {}),
         'loss': float(np.mean(self.losses)),
         'learning_rate': last_metrics['learning_rate'],
         'grad_norm': last_metrics['grad_norm'],
@@ -62,6 +63,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None) -> No
   `devices` (default: every device of every process) is what the mesh is built
   over; tests pass a subset to run the same job on fewer devices.
   """
+  compilation_cache.enable(config.train.compilation_cache_dir)
   job = job_lib.build_job(config, devices)
   mesh, batch_sharding, abstract, shardings = job.mesh, job.batch_sharding, job.abstract, job.shardings
   process_index, process_count = jax.process_index(), jax.process_count()
@@ -106,7 +108,8 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None) -> No
     writer.write_text('config', f'```\n{config}\n```')
   try:
     _train(config, state, compiled_step, job.eval_step, eval_set, train_iter, batch_sharding, process_count,
-           ckpt, manifest, writer, start_step=latest or 0)
+           ckpt, manifest, writer, start_step=latest or 0,
+           throughput=flops.Throughput.for_run(config, mesh.devices.flat))
   finally:
     ckpt.close()  # Waits for an async save in flight: a finished run never leaves a half-written checkpoint.
     writer.close()
@@ -119,7 +122,7 @@ def _evaluate(eval_step, params, eval_set) -> dict[str, float]:
 
 
 def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_sharding, process_count,
-           ckpt, manifest, writer, start_step: int) -> None:
+           ckpt, manifest, writer, start_step: int, throughput: flops.Throughput | None = None) -> None:
   total = config.train.steps
   if start_step >= total:
     logging.info('Checkpoint step %d already reaches train.steps=%d: nothing to train.', start_step, total)
@@ -139,7 +142,7 @@ def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_
     state, metrics = compiled_step(state, batch)
     if pending is not None:  # Fetch step-1's metrics while step runs: the one sync point per step.
       last_fetch, side_time = _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step,
-                                      tokens_per_step)
+                                      tokens_per_step, throughput)
     pending = (step, metrics, data_wait)
 
     t_side = time.perf_counter()
@@ -148,11 +151,12 @@ def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_
     if step % config.ckpt.every_steps == 0 or step == total:
       ckpt.save(step, state, train_iter, manifest, force=True)
     side_time += time.perf_counter() - t_side
-  _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step, tokens_per_step)
+  _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step, tokens_per_step, throughput)
 
 
 def _finish(pending, window: Window, last_fetch: float, side_time: float, writer: MetricsWriter,
-            evals: dict[int, dict[str, float]], is_log_step, tokens_per_step: int) -> tuple[float, float]:
+            evals: dict[int, dict[str, float]], is_log_step, tokens_per_step: int,
+            throughput: flops.Throughput | None = None) -> tuple[float, float]:
   """Fetches one step's metrics, adds them to the window, and logs the window if the step is due."""
   step, metrics, data_wait = pending
   metrics = jax.device_get(metrics)
@@ -162,6 +166,6 @@ def _finish(pending, window: Window, last_fetch: float, side_time: float, writer
   window.step_times.append(max(now - last_fetch - side_time, 1e-9))
   window.data_waits.append(data_wait)
   if is_log_step(step):
-    writer.write(step, {**window.summary(metrics, tokens_per_step), **evals.pop(step, {})})
+    writer.write(step, {**window.summary(metrics, tokens_per_step, throughput), **evals.pop(step, {})})
     window.__init__()
   return now, 0.0

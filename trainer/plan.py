@@ -1,0 +1,190 @@
+"""Plan mode (`launch.py --plan`): compile the real train step ahead of time and report what it will cost.
+
+Nothing is trained and no data is read. The step is lowered and compiled for
+the configured mesh, on this machine's devices (fake CPU devices work) or, with
+`--topology=v5p:4x4x4`, for a TPU pod slice this machine does not have: the
+optional `libtpu` wheel (requirements-tpu-plan.txt) describes the pod's chips,
+and XLA's TPU compiler gives the real per-chip memory use. Printed: the mesh,
+per-device bytes (parameters, optimizer state, temporaries, from
+`compiled.memory_analysis()`), FLOPs per step (trainer/flops.py) and the
+step time the FLOPs imply on each accelerator in the peak table.
+
+With a memory budget (`--plan_memory_gb`, or the chip's HBM with `--topology`)
+a plan that does not fit fails with the config changes that would make it fit,
+each of them compiled and measured the same way.
+"""
+
+import copy
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+
+from parallel import sharding
+from trainer import flops
+from trainer import job as job_lib
+from trainer.errors import UserError
+
+GIB = 2**30
+# HBM per chip in GiB, for --topology runs without --plan_memory_gb.
+HBM_GIB = {'h100': 80, 'h200': 141, 'v4': 32, 'v5e': 16, 'v5p': 95, 'v6e': 32}
+ASSUMED_MFU = 0.5  # The step time printed next to the compute-bound one: the MFU a well-tuned run reaches.
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Per-device memory of the compiled step, and its FLOPs."""
+  mesh_shape: dict[str, int]
+  device_kind: str
+  params_bytes: int
+  opt_state_bytes: int
+  argument_bytes: int  # Everything passed in: state and batch.
+  output_bytes: int
+  alias_bytes: int  # Outputs written into donated inputs' buffers (the state).
+  temp_bytes: int  # Activations, gradients and scratch, live only during the step.
+  code_bytes: int
+  flops: flops.StepFlops
+
+  @property
+  def total_bytes(self) -> int:
+    """Peak bytes per device while the step runs: inputs, outputs not aliased to them, temporaries, code."""
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+
+def topology_devices(topology: str) -> list[jax.Device]:
+  """The compile-only devices of a TPU slice such as 'v5p:4x4x4', from the optional libtpu wheel."""
+  from jax.experimental import topologies
+  try:
+    return list(topologies.get_topology_desc(topology, 'tpu').devices)
+  except Exception as e:  # Missing libtpu and a bad name both surface as runtime errors from the plugin.
+    text = ' '.join(str(e).split())[:300]
+    if 'libtpu' in text.lower() or 'backend' in text.lower() or isinstance(e, (ImportError, ModuleNotFoundError)):
+      hint = 'install the optional TPU compiler: pip install -r requirements-tpu-plan.txt'
+    else:
+      hint = "name a TPU generation and chip grid, e.g. v4:2x2x2, v5p:4x4x4, v5e:16x16 or v6e:4x4"
+    raise UserError(f'--topology={topology!r} cannot be described ({text}); {hint}.') from e
+
+
+def make_plan(config, devices: Sequence[jax.Device] | None = None) -> Plan:
+  """Builds the job on `devices` (default: this machine's), compiles its train step and measures it."""
+  job = job_lib.build_job(config, devices)
+  memory = job.compile_train_step().memory_analysis()
+  _, totals = sharding.sharding_table(job.abstract, job.shardings)
+  return Plan(
+      mesh_shape=dict(job.mesh.shape), device_kind=job.mesh.devices.flat[0].device_kind,
+      params_bytes=totals['params_bytes_per_device'], opt_state_bytes=totals['opt_state_bytes_per_device'],
+      argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
+      alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
+      code_bytes=memory.generated_code_size_in_bytes,
+      flops=flops.step_flops(config.model, config.train.batch_size, config.data.seq_len))
+
+
+def _gib(n: float) -> str:
+  """Bytes in the largest binary unit that keeps three significant digits in view."""
+  for unit, size in (('GiB', GIB), ('MiB', 2**20), ('KiB', 2**10)):
+    if abs(n) >= size:
+      return f'{n / size:,.2f} {unit}'
+  return f'{n:,.0f} B'
+
+
+def _duration(seconds: float) -> str:
+  if seconds >= 1:
+    return f'{seconds:.3f} s'
+  return f'{seconds * 1e3:.3f} ms' if seconds >= 1e-3 else f'{seconds * 1e6:.1f} us'
+
+
+def report(plan: Plan, config) -> str:
+  """The human-readable plan."""
+  devices = math.prod(plan.mesh_shape.values())
+  tokens = config.train.batch_size * config.data.seq_len
+  lines = [
+      f'Plan: mesh {plan.mesh_shape} over {devices} x {plan.device_kind}; strategy {config.parallel.strategy}; '
+      f'global batch {config.train.batch_size} x {config.data.seq_len} tokens'
+      f'{f" in {config.train.grad_accum_steps} microbatches" if config.train.grad_accum_steps > 1 else ""}; '
+      f'remat {config.train.remat_policy}; compute dtype {config.train.compute_dtype}',
+      'Per device (compiled memory analysis):',
+      f'  parameters          {_gib(plan.params_bytes)}',
+      f'  optimizer state     {_gib(plan.opt_state_bytes)}',
+      f'  temporaries         {_gib(plan.temp_bytes)}',
+      f'  inputs {_gib(plan.argument_bytes)}, outputs {_gib(plan.output_bytes)}, of which donated and reused '
+      f'{_gib(plan.alias_bytes)}; code {_gib(plan.code_bytes)}',
+      f'  total               {_gib(plan.total_bytes)}',
+      f'FLOPs per step: {plan.flops.matmul:.4g} (matmul count, causal attention halved; MaxText), '
+      f'{plan.flops.six_n:.4g} (6N + 12*layers*heads*head_dim*seq_len per token; nanoGPT), '
+      f'N = {plan.flops.non_embedding_params:,} non-embedding parameters',
+      f'Step time implied by the matmul FLOPs on {devices} chips of each kind (a compute-bound lower bound, '
+      f'and at {ASSUMED_MFU:.0%} MFU):',
+  ]
+  for name, peak in flops.PEAK_FLOPS.items():
+    ideal = plan.flops.matmul / (devices * peak)
+    lines.append(f'  {name:5s} {peak / 1e12:5.0f} TFLOP/s bf16: {_duration(ideal):>10s} at 100% MFU, '
+                 f'{_duration(ideal / ASSUMED_MFU):>10s} ({tokens / ideal * ASSUMED_MFU:,.0f} tokens/s) '
+                 f'at {ASSUMED_MFU:.0%}')
+  return '\n'.join(lines)
+
+
+def _candidates(config, plan: Plan) -> list[tuple[str, dict[str, object]]]:
+  """Config changes that lower per-device memory, each as (flags, overrides)."""
+  out = []
+  if config.train.remat_policy != 'full':
+    out.append({'train.remat_policy': 'full'})
+  data, fsdp = plan.mesh_shape['data'], plan.mesh_shape['fsdp']
+  if data % 2 == 0:
+    out.append({'mesh.fsdp': config.mesh.fsdp * 2, 'mesh.data': -1})
+  per_device_batch = config.train.batch_size // (data * fsdp)
+  if per_device_batch % (config.train.grad_accum_steps * 2) == 0:
+    out.append({'train.grad_accum_steps': config.train.grad_accum_steps * 2})
+  together = {k: v for o in out for k, v in o.items()}  # Every change above: they keep the global batch.
+  if config.train.batch_size % 2 == 0:  # Last: this one changes the training, not only its layout.
+    out.append({'train.batch_size': config.train.batch_size // 2})
+  if len(together) > 1 and len(out) > 2:
+    out.append(together)
+  return [(' '.join(f'--config.{k}={v}' for k, v in o.items()), o) for o in out]
+
+
+def _with_overrides(config, overrides: dict[str, object]):
+  config = copy.deepcopy(config)
+  with config.unlocked():
+    for key, value in overrides.items():
+      section, name = key.split('.')
+      config[section][name] = value
+  return config
+
+
+def run(config, memory_gb: float | None = None, topology: str | None = None, print_fn=print) -> Plan:
+  """Plans `config`; raises UserError naming the changes that fit when the plan exceeds the memory budget."""
+  devices = None
+  if topology:
+    devices = topology_devices(topology)
+    if config.train.compute_dtype == 'auto':  # 'auto' looks at this machine's backend; the target is a TPU.
+      config = _with_overrides(config, {'train.compute_dtype': 'bfloat16'})
+  plan = make_plan(config, devices)
+  print_fn(report(plan, config))
+  chip = flops.accelerator_name(devices[0]) if devices else None
+  source = f'--plan_memory_gb={memory_gb:g}' if memory_gb is not None else ''
+  if memory_gb is None and chip in HBM_GIB:
+    memory_gb, source = HBM_GIB[chip], f'the HBM of one {chip} chip'
+  if memory_gb is None:
+    return plan
+  budget = memory_gb * GIB
+  if plan.total_bytes <= budget:
+    print_fn(f'Fits: {_gib(plan.total_bytes)} of {_gib(budget)} per device.')
+    return plan
+  print_fn(f'Does not fit: {_gib(plan.total_bytes)} per device, over the budget of {_gib(budget)}. '
+           f'Trying changes that use less memory:')
+  fitting = []
+  for flags_text, overrides in _candidates(config, plan):
+    try:
+      total = make_plan(_with_overrides(config, overrides), devices).total_bytes
+    except UserError as e:
+      print_fn(f'  {flags_text}: not possible here ({e})')
+      continue
+    print_fn(f'  {flags_text}: {_gib(total)} per device{" (fits)" if total <= budget else ""}')
+    if total <= budget:
+      fitting.append(f'{flags_text} ({_gib(total)})')
+  advice = (f'Changes that fit: {"; ".join(fitting)}.' if fitting else
+            'None of remat, more fsdp, accumulation or a smaller batch fits, alone or together; a smaller '
+            'model or more devices is needed.')
+  raise UserError(f'the plan needs {_gib(plan.total_bytes)} per device, over the budget of {_gib(budget)} '
+                  f'({source}). {advice}')
