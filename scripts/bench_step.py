@@ -1,0 +1,244 @@
+"""Train-step figures for BENCHMARKS.md, on this machine's CPU (8 fake devices).
+
+  python scripts/bench_step.py [--config=configs/default.py] [--rounds=10] [--steps_per_round=5]
+
+1. The launcher's compiled step driven by its own loop (trainer/loop.py's _train,
+   with checkpoints, evals and logging switched off and batches already on the
+   host) against a minimal hand-written `jax.jit` train step on the same model,
+   mesh, batch and donation, in one process, alternating rounds; per-step
+   medians and their ratio, on 1 device and on 8 fake devices.
+2. Host time per step outside the compiled call: the same loop driving a step
+   that returns at once, so all that is left is the loop's own work.
+3. Temporary memory per remat policy for an 8-layer model (memory_analysis), and
+   the compile time of 8 scanned vs 8 unrolled layers.
+4. Cold vs warm compile of the train step with the persistent compilation cache
+   (two fresh processes sharing one cache folder).
+"""
+
+import os
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import pathlib  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from parallel import sharding  # noqa: E402
+from trainer import job as job_lib  # noqa: E402
+from trainer import loop  # noqa: E402
+from trainer import optimizer  # noqa: E402
+from trainer.models import llama  # noqa: E402
+
+
+class _NoCheckpoints:
+  def save(self, *args, **kwargs):
+    pass
+
+
+class _NoMetrics:
+  def write(self, step, scalars):
+    pass
+
+
+def _load_config(path: str):
+  spec = importlib.util.spec_from_file_location('bench_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def _quiet(config, num_devices: int):
+  """The config as the loop will run it here: one data-parallel mesh, no evals, checkpoints or log lines."""
+  config = config.copy_and_resolve_references()
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
+  config.train.steps = 10**9
+  config.train.eval_every_steps = 0
+  config.ckpt.every_steps = 10**9
+  config.log.every_steps = 10**9
+  return config
+
+
+def _host_batches(config, count=4):
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, config.model.vocab_size, (count, config.train.batch_size, config.data.seq_len + 1))
+  return [{'inputs': t[:, :-1].astype(np.int32), 'targets': t[:, 1:].astype(np.int32)} for t in tokens]
+
+
+def _minimal_step(job, schedule_free_tx):
+  """A hand-written train step: cross entropy, value_and_grad, the same optax update, donated, same shardings."""
+  model = job.model
+
+  def step(params, opt_state, batch):
+    def loss_fn(p):
+      logits = model.apply({'params': p}, batch['inputs'])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets']).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = schedule_free_tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  s = job.shardings
+  return jax.jit(step, in_shardings=(s.params, s.opt_state, job.batch_sharding),
+                 out_shardings=(s.params, s.opt_state, sharding.replicated(job.mesh)), donate_argnums=(0, 1))
+
+
+def step_vs_minimal(base_config, num_devices: int, rounds: int, steps_per_round: int) -> dict:
+  config = _quiet(base_config, num_devices)
+  job = job_lib.build_job(config, jax.devices()[:num_devices])
+  compiled = job.compile_train_step()
+  tx, _ = optimizer.build_optimizer(config.train)
+  minimal = _minimal_step(job, tx)
+  host = _host_batches(config)
+  cycle = iter(lambda: host[0], None)  # An endless iterator of host batches, as Grain's would be.
+  state = job.init_state(0)
+  other = job.init_state(0)
+  params, opt_state = other.params, other.opt_state
+  throughput = None
+  holder = {}
+
+  def launcher_round(state, start):
+    loop._train(config, state, _Keep(compiled, holder), None, [], cycle, job.batch_sharding, 1, _NoCheckpoints(),
+                {}, _NoMetrics(), start_step=start, throughput=throughput)
+
+  launcher, hand = [], []
+  step = 0
+  # Warm-up: two rounds each, not timed.
+  for r in range(rounds + 2):
+    config.train.steps = step + steps_per_round
+    holder['state'] = state
+    t0 = time.perf_counter()
+    launcher_round(state, step)
+    jax.block_until_ready(holder['state'])
+    t_launch = (time.perf_counter() - t0) / steps_per_round
+    state = holder['state']
+    step += steps_per_round
+
+    t0 = time.perf_counter()
+    for i in range(steps_per_round):  # Its batch goes host -> device each step too, as a real loop's would.
+      batch = jax.device_put(host[0], job.batch_sharding)
+      params, opt_state, loss = minimal(params, opt_state, batch)
+    jax.block_until_ready((params, opt_state, loss))
+    t_hand = (time.perf_counter() - t0) / steps_per_round
+    if r >= 2:
+      launcher.append(t_launch)
+      hand.append(t_hand)
+  return {'devices': num_devices, 'launcher_ms': 1e3 * statistics.median(launcher),
+          'minimal_ms': 1e3 * statistics.median(hand),
+          'ratio': statistics.median(launcher) / statistics.median(hand), 'steps': rounds * steps_per_round}
+
+
+class _Keep:
+  """Calls the compiled step and keeps the newest state where the benchmark can reach it."""
+
+  def __init__(self, compiled, holder):
+    self._compiled, self._holder = compiled, holder
+
+  def __call__(self, state, batch):
+    state, metrics = self._compiled(state, batch)
+    self._holder['state'] = state
+    return state, metrics
+
+
+def host_overhead(base_config, steps: int) -> float:
+  """Seconds per step the loop spends on the host with a step that costs nothing."""
+  config = _quiet(base_config, 1)
+  job = job_lib.build_job(config, jax.devices()[:1])
+  state = job.init_state(0)
+  metrics = jax.device_put({'loss': np.float32(1), 'learning_rate': np.float32(1), 'grad_norm': np.float32(1)})
+  jax.block_until_ready(metrics)
+  host = _host_batches(config)
+  cycle = iter(lambda: host[0], None)
+  config.train.steps = steps
+  loop._train(config, state, lambda s, b: (s, metrics), None, [], cycle, job.batch_sharding, 1, _NoCheckpoints(),
+              {}, _NoMetrics(), start_step=0)  # Warm-up.
+  config.train.steps = 2 * steps
+  t0 = time.perf_counter()
+  loop._train(config, state, lambda s, b: (s, metrics), None, [], cycle, job.batch_sharding, 1, _NoCheckpoints(),
+              {}, _NoMetrics(), start_step=steps)
+  return (time.perf_counter() - t0) / steps
+
+
+def remat_memory(base_config, num_layers: int = 8) -> list[dict]:
+  rows = []
+  for policy in ('none',) + tuple(llama.REMAT_POLICIES):
+    config = _quiet(base_config, 1)
+    config.model.num_layers = num_layers
+    config.train.remat_policy = policy
+    job = job_lib.build_job(config, jax.devices()[:1])
+    t0 = time.perf_counter()
+    memory = job.compile_train_step().memory_analysis()
+    rows.append({'policy': policy, 'temp_bytes': memory.temp_size_in_bytes, 'compile_s': time.perf_counter() - t0})
+  config = _quiet(base_config, 1)
+  config.model.num_layers = num_layers
+  config.model.scan_layers = False
+  t0 = time.perf_counter()
+  job_lib.build_job(config, jax.devices()[:1]).compile_train_step()
+  rows.append({'policy': 'none, unrolled', 'temp_bytes': None, 'compile_s': time.perf_counter() - t0})
+  return rows
+
+
+_COMPILE_SNIPPET = """
+import sys, time, importlib.util
+sys.path.insert(0, {repo!r})
+spec = importlib.util.spec_from_file_location('c', {config!r}); m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m); config = m.get_config()
+config.train.compilation_cache_dir = {cache!r}
+from trainer import compilation_cache, job
+compilation_cache.enable(config.train.compilation_cache_dir)
+j = job.build_job(config)
+t0 = time.perf_counter(); j.compile_train_step(); print(time.perf_counter() - t0)
+"""
+
+
+def cold_warm_compile(config_path: str) -> tuple[float, float]:
+  with tempfile.TemporaryDirectory() as cache:
+    code = _COMPILE_SNIPPET.format(repo=str(REPO), config=str(pathlib.Path(config_path).absolute()), cache=cache)
+    times = []
+    for _ in range(2):
+      out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=600, check=True)
+      times.append(float(out.stdout.strip().splitlines()[-1]))
+  return times[0], times[1]
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument('--config', default=str(REPO / 'configs/default.py'))
+  parser.add_argument('--rounds', type=int, default=10)
+  parser.add_argument('--steps_per_round', type=int, default=5)
+  args = parser.parse_args()
+  config = _load_config(args.config)
+  print(f'jax {jax.__version__}; {len(jax.devices())} x {jax.devices()[0].device_kind}; config {args.config}')
+  print('| devices | launcher step+loop (ms, median) | minimal jax.jit step (ms, median) | ratio | timed steps each |')
+  print('|---|---|---|---|---|')
+  for n in (1, 8):
+    r = step_vs_minimal(config, n, args.rounds, args.steps_per_round)
+    print(f"| {r['devices']} | {r['launcher_ms']:.2f} | {r['minimal_ms']:.2f} | {r['ratio']:.3f} | {r['steps']} |")
+  print(f'\nHost time per step outside the compiled call (loop with a free step, 1 device): '
+        f'{host_overhead(config, 200) * 1e3:.3f} ms')
+  rows = remat_memory(config)
+  none = rows[0]['temp_bytes']
+  print('\n| remat policy (8 layers) | temp bytes | vs none | compile (s) |')
+  print('|---|---|---|---|')
+  for r in rows:
+    temp = f"{r['temp_bytes']:,}" if r['temp_bytes'] is not None else '-'
+    ratio = f"{r['temp_bytes'] / none:.0%}" if r['temp_bytes'] is not None else '-'
+    print(f"| {r['policy']} | {temp} | {ratio} | {r['compile_s']:.1f} |")
+  cold, warm = cold_warm_compile(args.config)
+  print(f'\nCompile of the train step, fresh process: cold cache {cold:.2f} s, warm cache {warm:.2f} s '
+        f'({cold / warm:.1f}x)')
+
+
+if __name__ == '__main__':
+  main()
