@@ -1,5 +1,6 @@
 """Plan mode: the compiled step's memory and FLOPs without training, the memory budget, and TPU topologies."""
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -11,6 +12,9 @@ from trainer import job as job_lib
 from trainer.errors import UserError
 
 TINY = '--config=configs/tiny.py'
+FAKE = plan.Plan(mesh_shape={'data': 8, 'fsdp': 1, 'tensor': 1}, device_kind='cpu', params_bytes=0, opt_state_bytes=0,
+                 argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0, code_bytes=0,
+                 flops=flops.StepFlops(1.0, 1.0, 1))
 
 
 def test_plan_reports_mesh_memory_and_flops_of_the_compiled_step():
@@ -37,18 +41,43 @@ def test_plan_reports_mesh_memory_and_flops_of_the_compiled_step():
   assert 'Fits' not in text  # No budget given: nothing to judge.
 
 
-def test_plan_over_budget_fails_naming_changes_that_were_compiled_and_fit():
-  config = tiny.get_config()  # data=8: more fsdp is possible, accumulation is not (1 sequence per device).
-  base = plan.make_plan(config)
+def test_plan_over_budget_fails_naming_the_changes_that_fit(monkeypatch):
+  """The search over fixes, with a stand-in for the compile: memory falls with fsdp, remat and accumulation."""
+  compiled_configs = []
+
+  def fake_make_plan(config, devices=None):
+    job_lib.build_job(config)  # The real validation: impossible candidates raise UserError here.
+    compiled_configs.append(config)
+    t = config.train
+    gib = (8 / config.mesh.fsdp) * (0.5 if t.remat_policy == 'full' else 1) / t.grad_accum_steps * t.batch_size / 8
+    return dataclasses.replace(FAKE, argument_bytes=int(gib * plan.GIB))
+
+  monkeypatch.setattr(plan, 'make_plan', fake_make_plan)
+  config = tiny.get_config()
+  config.train.batch_size = 16  # 2 sequences per device: accumulation over 2 microbatches is possible.
   lines = []
   with pytest.raises(UserError) as e:
-    plan.run(config, memory_gb=(base.total_bytes - 1) / plan.GIB, print_fn=lines.append)
+    plan.run(config, memory_gb=5, print_fn=lines.append)
   message = str(e.value)
-  assert 'over the budget' in message and '--plan_memory_gb=' in message
-  assert 'Changes that fit:' in message and '--config.mesh.fsdp=2 --config.mesh.data=-1' in message
+  assert message.startswith('the plan needs 16.00 GiB per device, over the budget of 5.00 GiB (--plan_memory_gb=5).')
+  # Alone, each fix halves the 16 GiB (8 GiB: no fit); all the layout changes together reach 2 GiB.
+  assert message.endswith('Changes that fit: --config.train.remat_policy=full --config.mesh.fsdp=2 '
+                          '--config.mesh.data=-1 --config.train.grad_accum_steps=2 (2.00 GiB).')
   text = '\n'.join(lines)
-  assert 'Does not fit' in text and '--config.train.remat_policy=full' in text
-  assert '--config.train.batch_size=4: not possible here' in text  # 4 sequences cannot split over 8 devices.
+  assert 'Does not fit: 16.00 GiB per device' in text
+  assert '  --config.train.batch_size=8: 8.00 GiB per device' in text
+  assert config.train.remat_policy == 'none'  # Candidates are copies; the user's config is untouched.
+  assert len(compiled_configs) == 6  # The plan itself, four single changes, and the changes together.
+
+
+def test_plan_candidates_that_the_mesh_cannot_take_are_reported_not_raised(monkeypatch):
+  monkeypatch.setattr(plan, 'make_plan', lambda config, devices=None: (
+      job_lib.build_job(config), dataclasses.replace(FAKE, argument_bytes=plan.GIB))[1])
+  lines = []
+  with pytest.raises(UserError, match='None of remat, more fsdp, accumulation or a smaller batch fits'):
+    plan.run(tiny.get_config(), memory_gb=0.5, print_fn=lines.append)  # tiny: 1 sequence per device.
+  assert any('--config.train.batch_size=4: not possible here (train.batch_size=4 does not divide' in l for l in lines)
+  assert not any('grad_accum_steps' in l for l in lines)  # Never offered: it cannot split 1 sequence.
 
 
 def test_launcher_plan_needs_no_workdir_and_topology_needs_plan(launcher):

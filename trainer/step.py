@@ -63,20 +63,20 @@ def _microbatches(x: jax.Array, n: int) -> jax.Array:
 def grads_and_metrics(params, batch: Batch, apply_fn,
                       options: StepOptions = StepOptions()) -> tuple[Any, Metrics]:
   """Gradients of the batch-mean loss, and the batch's metrics (means over the batch)."""
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  n = options.grad_accum_steps
-  if n == 1:
-    (_, metrics), grads = grad_fn(params, batch, apply_fn, options.z_loss_weight)
+  def grad_fn(batch):
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, apply_fn, options.z_loss_weight)
     return grads, metrics
 
+  n = options.grad_accum_steps
+  if n == 1:
+    return grad_fn(batch)
+
   def accumulate(totals, microbatch):
-    (_, metrics), grads = grad_fn(params, microbatch, apply_fn, options.z_loss_weight)
-    return jax.tree.map(lambda t, x: t + x.astype(jnp.float32), totals, (grads, metrics)), None
+    return jax.tree.map(lambda t, x: t + x.astype(jnp.float32), totals, grad_fn(microbatch)), None
 
   micro = jax.tree.map(lambda x: _microbatches(x, n), batch)
-  shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), apply_fn, options.z_loss_weight)
-  (_, metric_shapes), grad_shapes = shapes
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (grad_shapes, metric_shapes))
+  shapes = jax.eval_shape(grad_fn, jax.tree.map(lambda x: x[0], micro))
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
   (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
   grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, params)
   return grads, jax.tree.map(lambda m: m / n, metrics)
