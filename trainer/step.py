@@ -15,15 +15,20 @@ import optax
 
 from trainer.state import TrainState
 
-Batch = dict[str, jax.Array]  # 'inputs' and 'targets', both int32 (B, L).
+Batch = dict[str, jax.Array]  # 'inputs', 'targets' (+ 'segment_ids', 'positions' when packed), int32 (B, L).
 Metrics = dict[str, jax.Array]
 
 
 def loss_fn(params, batch: Batch, apply_fn: Callable[..., jax.Array]) -> tuple[jax.Array, Metrics]:
-  """Mean next-token cross entropy in float32."""
-  logits_BLV = apply_fn({'params': params}, batch['inputs'])
+  """Mean next-token cross entropy in float32, over non-padding tokens (segment id 0 is padding)."""
+  logits_BLV = apply_fn({'params': params}, batch['inputs'], segment_ids=batch.get('segment_ids'),
+                        positions=batch.get('positions'))
   losses_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch['targets'])
-  loss = jnp.mean(losses_BL)
+  if 'segment_ids' in batch:
+    weights_BL = (batch['segment_ids'] != 0).astype(jnp.float32)
+    loss = jnp.sum(losses_BL * weights_BL) / jnp.maximum(jnp.sum(weights_BL), 1.0)
+  else:
+    loss = jnp.mean(losses_BL)
   return loss, {'loss': loss}
 
 
