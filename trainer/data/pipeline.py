@@ -20,7 +20,7 @@ from typing import Any
 import grain
 import jax
 import numpy as np
-from absl import logging
+from absl import flags, logging
 from jax.sharding import NamedSharding
 
 from trainer.errors import UserError
@@ -48,6 +48,8 @@ def to_iterator(ds: grain.MapDataset, data_config) -> Iterator[dict[str, np.ndar
                            prefetch_buffer_size=data_config.prefetch_buffer_size)
   it_ds = ds.to_iter_dataset(read)
   if data_config.worker_count:
+    if not flags.FLAGS.is_parsed():  # Grain's workers read its absl flags; outside absl.app (tests, notebooks)
+      flags.FLAGS.mark_as_parsed()  # take their defaults instead of failing.
     it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=data_config.worker_count))
   if data_config.prefetch:
     it_ds = grain.experimental.ThreadPrefetchIterDataset(it_ds, prefetch_buffer_size=data_config.prefetch)
@@ -75,6 +77,12 @@ class TrainIterator:
     batch = next(self._iterator)
     self._consumed += self._batch_size
     return batch
+
+  def close(self) -> None:
+    """Stops read threads and worker processes now rather than at garbage collection."""
+    if self._iterator is not None and hasattr(self._iterator, 'close'):
+      self._iterator.close()
+    self._iterator = None
 
   def get_state(self) -> dict[str, Any]:
     return {'examples_consumed': self._consumed, **self._fingerprint}
