@@ -2,10 +2,10 @@
 synthetic tokens; and one clear error for each kind of bad input, before training starts."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
@@ -27,7 +27,7 @@ def _config(**data_overrides):
   return config
 
 
-def _prepare(tmp_path, docs: dict[str, bytes | np.ndarray], *flags) -> 'pathlib.Path':
+def _prepare(tmp_path, docs: dict[str, bytes | np.ndarray], *flags) -> pathlib.Path:
   src, out = tmp_path / 'src', tmp_path / 'shards'
   src.mkdir(exist_ok=True)
   for name, content in docs.items():
@@ -86,7 +86,7 @@ def test_array_record_source_trains_end_to_end_with_packing(tmp_path, launcher):
   result = launcher('--config=configs/tiny.py', f'--workdir={workdir}', '--config.data.source=array_record',
                     f'--config.data.path={root}', '--config.data.packing=True', '--config.train.steps=3')
   assert result.returncode == 0, result.stderr[-3000:]
-  assert f'20 train documents' in result.stderr and 'packed by document into rows of 32' in result.stderr
+  assert '20 train documents' in result.stderr and 'packed by document into rows of 32' in result.stderr
   records = [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
   assert [r['step'] for r in records] == [1, 2, 3] and all(np.isfinite(r['loss']) for r in records)
 

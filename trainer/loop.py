@@ -65,7 +65,6 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None) -> No
   job = job_lib.build_job(config, devices)
   mesh, batch_sharding, abstract, shardings = job.mesh, job.batch_sharding, job.abstract, job.shardings
   process_index, process_count = jax.process_index(), jax.process_count()
-  batch_size = config.train.batch_size
 
   inputs = data.build(config, batch_sharding, process_index, process_count)
   train_iter, eval_set = inputs.train, inputs.eval_batches

@@ -18,8 +18,9 @@ from jax.sharding import NamedSharding
 
 from trainer.data import arrays, pipeline, token_shards
 from trainer.data.documents import PackedRows, StreamWindows
-from trainer.data.pipeline import TrainIterator, eval_batches, to_global, train_iterator, warn_if_stalled
-from trainer.data.text import TextCorpus, TextWindows, default_text_dir, load_text_corpus
+# The names the loop, job and tools use: `from trainer import data; data.build(...)`.
+from trainer.data.pipeline import TrainIterator, eval_batches, to_global, train_iterator, warn_if_stalled  # noqa: F401
+from trainer.data.text import TextCorpus, TextWindows, default_text_dir, load_text_corpus  # noqa: F401
 from trainer.errors import UserError
 
 SOURCES = ('text', 'array_record', 'arrays', 'synthetic')
