@@ -64,10 +64,14 @@ def get_config() -> config_dict.ConfigDict:
   c.log.every_steps = 50  # Write metrics and a progress line every N steps (and at step 1).
 
   c.data = config_dict.ConfigDict()
-  c.data.source = 'text'  # 'text': byte-level windows over the files under text_dir.
+  c.data.source = 'text'  # 'text' (bytes of text_dir's files), 'array_record' (prepare_data.py shards), 'arrays' (.npz), 'synthetic'.
   c.data.text_dir = config_dict.placeholder(str)  # Folder of text files; None = the running Python's stdlib.
+  c.data.path = config_dict.placeholder(str)  # 'array_record': folder from scripts/prepare_data.py; 'arrays': .npz or folder of .npy.
+  c.data.packing = False  # Pack documents into rows with segment_ids/positions (no attention or loss across documents).
+  c.data.worker_count = 0  # Grain worker processes per process; 0 reads in-process (threads only).
+  c.data.prefetch = 2  # Batches a background thread reads ahead of the train step; 0 = off.
   c.data.file_glob = '**/*.py'  # Files under text_dir to read, as a pathlib glob.
-  c.data.eval_percent = 5  # Percent of files (by a hash of their path) held out for eval.
+  c.data.eval_percent = 5  # Percent of files (text; prepare_data.py for shards) or rows (arrays) held out for eval.
   c.data.seq_len = 256  # Tokens per training sequence.
   c.data.num_threads = 4  # Grain read threads per process.
   c.data.prefetch_buffer_size = 64  # Grain prefetch buffer, in batches-of-elements, per process.

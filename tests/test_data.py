@@ -8,6 +8,12 @@ from trainer import data
 from trainer.errors import UserError
 
 
+def _windows(corpus, config, batch_size, process_index, process_count, seed=0):
+  source = data.TextWindows(corpus.train_tokens, config.seq_len)
+  data.pipeline.check_enough(source, batch_size, 'the train text', 'add text, or lower data.seq_len or train.batch_size.')
+  return data.train_iterator(source, config, batch_size, seed, process_index, process_count)
+
+
 def _data_config(text_dir, **overrides):
   config = tiny.get_config().data
   config.text_dir = str(text_dir)
@@ -49,8 +55,8 @@ def test_windows_are_shifted_by_one(text_dir):
 def test_process_shards_partition_the_global_batch(text_dir):
   config = _data_config(text_dir)
   corpus = data.load_text_corpus(config)
-  whole = next(data.train_iterator(corpus, config, 8, 0, 0, 1))['inputs']
-  halves = [next(data.train_iterator(corpus, config, 8, 0, i, 2))['inputs'] for i in range(2)]
+  whole = next(_windows(corpus, config, 8, 0, 1))['inputs']
+  halves = [next(_windows(corpus, config, 8, i, 2))['inputs'] for i in range(2)]
   assert all(h.shape == (4, config.seq_len) for h in halves)
   rows = lambda a: sorted(map(bytes, a.astype(np.uint8)))
   assert rows(np.concatenate(halves)) == rows(whole)
@@ -60,12 +66,12 @@ def test_process_shards_partition_the_global_batch(text_dir):
 def test_iterator_state_resumes_exactly(text_dir):
   config = _data_config(text_dir)
   corpus = data.load_text_corpus(config)
-  it = data.train_iterator(corpus, config, 8, 0, 0, 1)
+  it = _windows(corpus, config, 8, 0, 1)
   for _ in range(3):
     next(it)
   state = it.get_state()
   expected = [next(it)['inputs'] for _ in range(3)]
-  resumed = data.train_iterator(corpus, config, 8, 0, 0, 1)
+  resumed = _windows(corpus, config, 8, 0, 1)
   resumed.set_state(state)
   for want in expected:
     np.testing.assert_array_equal(next(resumed)['inputs'], want)
@@ -91,6 +97,8 @@ def test_empty_files(tmp_path):
 def test_too_little_text_for_one_batch(tmp_path):
   (tmp_path / 'a.py').write_text('x = 1\n' * 20)
   config = _data_config(tmp_path)
-  corpus = data.load_text_corpus(config)
-  with pytest.raises(UserError, match=r'fewer than one global batch \(train.batch_size=64\)'):
-    data.train_iterator(corpus, config, 64, 0, 0, 1)
+  config = tiny.get_config()
+  config.data.text_dir, config.train.batch_size = str(tmp_path), 64
+  with pytest.raises(UserError, match=r'the train split \(1 train files .* makes 3 examples, fewer than one global '
+                                      r'batch \(train.batch_size=64\); add data, or lower data.seq_len'):
+    data.build(config, None, 0, 1)

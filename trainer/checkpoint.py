@@ -52,19 +52,14 @@ class Checkpointer:
       raise UserError(f'--workdir holds checkpoints of a different model ({"; ".join(diffs[:4])}) in '
                       f'{self.directory}. Resume with the config it was trained with, or use a fresh --workdir; '
                       f'nothing was changed.')
-    saved_count, count = saved.get('process_count'), manifest['process_count']
-    if saved_count is not None and saved_count != count:
-      # Grain saves one iterator position per process (data/process_I-of-N.json); another count finds none.
-      raise UserError(f'the checkpoint at step {step} in {self.directory} was written by {saved_count} '
-                      f'process(es) and this launch has {count}: each process saved its own data position, so '
-                      f'resume with --num_processes={saved_count}, or use a fresh --workdir.')
+    # Another process count is fine: the data position is a count of global examples (trainer/data/pipeline.py).
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator, manifest: dict[str, Any],
            force: bool = False) -> bool:
     """Starts a save if `step` is due (or `force`); returns whether one started."""
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        data=grain.checkpoint.CheckpointSave(data_iterator),
+        data=ocp.args.JsonSave(data_iterator.get_state()),
         manifest=ocp.args.JsonSave(manifest))
     return self._manager.save(step, args=args, force=force)
 
@@ -72,8 +67,10 @@ class Checkpointer:
     """Restores the state straight into its target shardings and rewinds the data iterator."""
     args = ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state_with_shardings),
-        data=grain.checkpoint.CheckpointRestore(data_iterator))
-    return self._manager.restore(step, args=args)['state']
+        data=ocp.args.JsonRestore())
+    restored = self._manager.restore(step, args=args)
+    data_iterator.set_state(restored['data'])  # Same position on every process, for any process count.
+    return restored['state']
 
   def close(self) -> None:
     """Waits for any save in flight, then releases the manager."""

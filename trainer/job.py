@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from parallel import mesh as mesh_lib
 from parallel import sharding, strategy
-from trainer import optimizer, validation
+from trainer import data, optimizer, validation
 from trainer import step as step_lib
 from trainer import state as state_lib
 from trainer.models import llama
@@ -76,7 +76,7 @@ def build_job(config, devices: Sequence[jax.Device] | None = None) -> Job:
   abstract, shardings = state_lib.abstract_state(model, tx, example, mesh, rules)
   batch_sharding = sharding.named_sharding(mesh, rules, ('batch', 'length'))
   abstract_batch = {k: jax.ShapeDtypeStruct(example.shape, example.dtype, sharding=batch_sharding)
-                    for k in ('inputs', 'targets')}
+                    for k in data.batch_keys(config.data)}
   name = config.parallel.strategy
   train_step = strategy.partition_train_step(name, mesh, shardings, batch_sharding, apply_fn=model.apply, tx=tx,
                                              schedule=schedule, options=step_lib.StepOptions.from_config(config.train))

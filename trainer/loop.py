@@ -67,14 +67,10 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None) -> No
   job = job_lib.build_job(config, devices)
   mesh, batch_sharding, abstract, shardings = job.mesh, job.batch_sharding, job.abstract, job.shardings
   process_index, process_count = jax.process_index(), jax.process_count()
-  batch_size = config.train.batch_size
 
-  corpus = data.load_text_corpus(config.data)
-  train_iter = data.train_iterator(corpus, config.data, batch_size, config.train.seed, process_index, process_count)
-  eval_set = [data.to_global(b, batch_sharding, process_count) for b in data.eval_batches(
-      corpus, config.data, batch_size, config.train.eval_batches, process_index, process_count)]
-  logging.info('Data: %d train files (%d bytes), %d held out (%d bytes) from %s', corpus.num_train_files,
-               corpus.train_tokens.size, corpus.num_eval_files, corpus.eval_tokens.size, corpus.root)
+  inputs = data.build(config, batch_sharding, process_index, process_count)
+  train_iter, eval_set = inputs.train, inputs.eval_batches
+  logging.info('Data: %s', inputs.description)
 
   manifest = manifest_for(config, abstract, mesh)
   num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
@@ -166,6 +162,8 @@ def _finish(pending, window: Window, last_fetch: float, side_time: float, writer
   window.step_times.append(max(now - last_fetch - side_time, 1e-9))
   window.data_waits.append(data_wait)
   if is_log_step(step):
-    writer.write(step, {**window.summary(metrics, tokens_per_step, throughput), **evals.pop(step, {})})
+    summary = window.summary(metrics, tokens_per_step, throughput)
+    data.warn_if_stalled(step, summary)
+    writer.write(step, {**summary, **evals.pop(step, {})})
     window.__init__()
   return now, 0.0

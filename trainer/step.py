@@ -21,7 +21,7 @@ import optax
 
 from trainer.state import TrainState
 
-Batch = dict[str, jax.Array]  # 'inputs' and 'targets', both int32 (B, L).
+Batch = dict[str, jax.Array]  # 'inputs', 'targets' (+ 'segment_ids', 'positions' when packed), int32 (B, L).
 Metrics = dict[str, jax.Array]
 
 
@@ -36,18 +36,31 @@ class StepOptions:
     return cls(grad_accum_steps=train_config.grad_accum_steps, z_loss_weight=float(train_config.z_loss_weight))
 
 
-def loss_fn(params, batch: Batch, apply_fn: Callable[..., jax.Array],
-            z_loss_weight: float = 0.0) -> tuple[jax.Array, Metrics]:
-  """Mean next-token cross entropy in float32 (the model returns float32 logits), plus the optional z-loss.
+def token_weights(batch: Batch) -> jax.Array:
+  """1.0 for tokens that count in the loss, 0.0 for padding (segment id 0 in packed batches)."""
+  if 'segment_ids' in batch:
+    return (batch['segment_ids'] != 0).astype(jnp.float32)
+  return jnp.ones(batch['targets'].shape, jnp.float32)
 
+
+def loss_fn(params, batch: Batch, apply_fn: Callable[..., jax.Array], z_loss_weight: float = 0.0,
+            num_tokens: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
+  """Next-token cross entropy in float32 over non-padding tokens, plus the optional z-loss.
+
+  Sums are divided by `num_tokens` (default: this batch's non-padding tokens), so
+  microbatches given the whole batch's count add up to the whole batch's mean.
   The 'loss' metric is the cross entropy alone, so runs with and without z-loss compare.
   """
-  logits_BLV = apply_fn({'params': params}, batch['inputs'])
+  logits_BLV = apply_fn({'params': params}, batch['inputs'], segment_ids=batch.get('segment_ids'),
+                        positions=batch.get('positions'))
   losses_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch['targets'])
-  loss = jnp.mean(losses_BL)
+  weights_BL = token_weights(batch)
+  if num_tokens is None:
+    num_tokens = jnp.maximum(jnp.sum(weights_BL), 1.0)
+  loss = jnp.sum(losses_BL * weights_BL) / num_tokens
   if not z_loss_weight:
     return loss, {'loss': loss}
-  z_loss = z_loss_weight * jnp.mean(jnp.square(jax.nn.logsumexp(logits_BLV, axis=-1)))
+  z_loss = z_loss_weight * jnp.sum(jnp.square(jax.nn.logsumexp(logits_BLV, axis=-1)) * weights_BL) / num_tokens
   return loss + z_loss, {'loss': loss, 'z_loss': z_loss}
 
 
@@ -63,23 +76,27 @@ def _microbatches(x: jax.Array, n: int) -> jax.Array:
 def grads_and_metrics(params, batch: Batch, apply_fn,
                       options: StepOptions = StepOptions()) -> tuple[Any, Metrics]:
   """Gradients of the batch-mean loss, and the batch's metrics (means over the batch)."""
-  def grad_fn(batch):
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, apply_fn, options.z_loss_weight)
+  def grad_fn(batch, num_tokens=None):
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, apply_fn, options.z_loss_weight,
+                                                                     num_tokens)
     return grads, metrics
 
   n = options.grad_accum_steps
   if n == 1:
     return grad_fn(batch)
 
+  # Every microbatch divides by the whole batch's token count, so the sum of their
+  # gradients is the whole batch's mean even when padding is spread unevenly.
+  num_tokens = jnp.maximum(jnp.sum(token_weights(batch)), 1.0)
+
   def accumulate(totals, microbatch):
-    return jax.tree.map(lambda t, x: t + x.astype(jnp.float32), totals, grad_fn(microbatch)), None
+    return jax.tree.map(lambda t, x: t + x.astype(jnp.float32), totals, grad_fn(microbatch, num_tokens)), None
 
   micro = jax.tree.map(lambda x: _microbatches(x, n), batch)
-  shapes = jax.eval_shape(grad_fn, jax.tree.map(lambda x: x[0], micro))
+  shapes = jax.eval_shape(grad_fn, jax.tree.map(lambda x: x[0], micro), num_tokens)
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
   (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
-  grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, params)
-  return grads, jax.tree.map(lambda m: m / n, metrics)
+  return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), metrics
 
 
 def apply_gradients(state: TrainState, grads, metrics: Metrics, *, tx: optax.GradientTransformation,

@@ -3,6 +3,7 @@
 from jax.sharding import Mesh
 
 from parallel import strategy
+from trainer import data
 from trainer.errors import UserError
 from trainer.models import llama
 
@@ -45,7 +46,7 @@ def validate_config(config) -> None:
   _require(config.train.remat_policy in policies,
            f'train.remat_policy={config.train.remat_policy!r}: choose one of {policies}.')
   _require(config.model.name == 'llama', f'model.name={config.model.name!r}: the built-in model is "llama".')
-  _require(config.data.source == 'text', f'data.source={config.data.source!r}: the available source is "text".')
+  data.check_config(config.data)
   _require(0 <= config.data.eval_percent < 100, f'data.eval_percent={config.data.eval_percent} must be in [0, 100).')
   model = config.model
   _require(model.d_model % model.num_heads == 0,

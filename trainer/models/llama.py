@@ -98,7 +98,7 @@ class Attention(nn.Module):
   cfg: LlamaConfig
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL):
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL=None):
     cfg = self.cfg
     dense = lambda name, axes: nn.DenseGeneral(
         (cfg.num_heads, cfg.head_dim), use_bias=False, kernel_init=_init(axes),
@@ -111,7 +111,9 @@ class Attention(nn.Module):
     k_BLHK = constrain(rope(k_BLHK, positions_BL, cfg.rope_max_wavelength), qkv_axes, cfg)
     v_BLHK = constrain(v_BLHK, qkv_axes, cfg)
     # jax.nn.dot_product_attention takes the fused cuDNN path on GPU when it can.
-    out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True)
+    # Packed rows: a token attends only to earlier tokens of its own document (segment).
+    mask_B1LL = None if segment_ids_BL is None else segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :]
+    out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, mask=mask_B1LL, is_causal=True)
     out_BLHK = checkpoint_name(out_BLHK, 'attention_out')
     return nn.DenseGeneral(
         cfg.d_model, axis=(-2, -1), use_bias=False, kernel_init=_init(('heads', 'head_dim', 'embed')),
@@ -145,7 +147,8 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL=None):
-    x_BLD = x_BLD + Attention(self.cfg, name='attention')(RMSNorm(self.cfg, name='attention_norm')(x_BLD), positions_BL)
+    x_BLD = x_BLD + Attention(self.cfg, name='attention')(RMSNorm(self.cfg, name='attention_norm')(x_BLD), positions_BL,
+                                                          segment_ids_BL)
     x_BLD = x_BLD + Mlp(self.cfg, name='mlp')(RMSNorm(self.cfg, name='mlp_norm')(x_BLD))
     return constrain(x_BLD, ('batch', 'length', 'embed'), self.cfg), None
 
@@ -178,22 +181,25 @@ class Embed(nn.Module):
 
 
 class Llama(nn.Module):
-  """tokens (B, L) int32 -> logits (B, L, V) float32."""
+  """tokens (B, L) int32 -> logits (B, L, V) float32.
+
+  Packed rows pass `segment_ids` (B, L) (attention stays within a segment) and
+  `positions` (B, L) (each token's offset in its document, for RoPE).
+  """
   cfg: LlamaConfig
 
   @nn.compact
-  def __call__(self, tokens_BL, segment_ids_BL=None, positions_BL=None):
+  def __call__(self, tokens_BL, segment_ids=None, positions=None):
     cfg = self.cfg
-    if positions_BL is None:
-      positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+    positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape) if positions is None else positions
     x_BLD = Embed(cfg, name='embed')(tokens_BL)
     x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'), cfg)
     block = block_stack(cfg)
     if cfg.scan_layers:
-      x_BLD, _ = block(cfg, name='layers')(x_BLD, positions_BL, segment_ids_BL)
+      x_BLD, _ = block(cfg, name='layers')(x_BLD, positions_BL, segment_ids)
     else:
       for i in range(cfg.num_layers):
-        x_BLD, _ = block(cfg, name=f'block_{i}')(x_BLD, positions_BL, segment_ids_BL)
+        x_BLD, _ = block(cfg, name=f'block_{i}')(x_BLD, positions_BL, segment_ids)
     x_BLD = RMSNorm(cfg, name='final_norm')(x_BLD)
     logits_BLV = nn.Dense(
         cfg.vocab_size, use_bias=False, kernel_init=_init(('embed', 'vocab')),

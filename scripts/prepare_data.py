@@ -1,0 +1,124 @@
+"""Turns a folder of text files or .npy token arrays into ArrayRecord token shards for `data.source='array_record'`.
+
+  python scripts/prepare_data.py --input=DIR --output=OUT [--glob='**/*.txt'] [--tokenizer=FILE]
+      [--num_shards=8] [--eval_percent=5]
+
+Each input file is one document. Text is tokenized as raw bytes (vocabulary
+256) unless --tokenizer names a LOCAL tokenizer file: a SentencePiece model
+(`*.model`, needs the sentencepiece package) or a tiktoken BPE file
+(`*.tiktoken`, needs tiktoken; the cl100k split pattern is used). Nothing is
+downloaded. `.npy` files (1-D integer arrays) are taken as tokens already.
+A hash of each file's path holds --eval_percent of the files out as the eval
+split. Documents of fewer than 2 tokens (no next-token target) are skipped and
+counted. Then train with:
+
+  python launch.py --config=configs/default.py --workdir=W --config.data.source=array_record --config.data.path=OUT
+"""
+
+import argparse
+import pathlib
+import sys
+import zlib
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from trainer.data import token_shards  # noqa: E402
+from trainer.errors import UserError  # noqa: E402
+
+CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
+                  r"""\s*[\r\n]|\s+(?!\S)|\s+""")
+
+
+def load_tokenizer(path: str | None):
+  """(encode: str -> list[int], vocab_size, description) from a local file; bytes when `path` is None."""
+  if not path:
+    return (lambda text: np.frombuffer(text.encode(), np.uint8)), 256, 'bytes'
+  file = pathlib.Path(path)
+  if not file.is_file():
+    raise UserError(f'--tokenizer={path!r} is not a file; give a local SentencePiece .model or tiktoken file.')
+  if file.suffix == '.model':
+    try:
+      import sentencepiece
+    except ImportError:
+      raise UserError(f'--tokenizer={path!r} is a SentencePiece model but the sentencepiece package is not '
+                      f'installed; pip install sentencepiece, or omit --tokenizer for bytes.') from None
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
+    return sp.encode, sp.vocab_size(), f'sentencepiece:{file.name}'
+  if file.suffix == '.tiktoken':
+    try:
+      import tiktoken
+      from tiktoken.load import load_tiktoken_bpe
+    except ImportError:
+      raise UserError(f'--tokenizer={path!r} is a tiktoken file but the tiktoken package is not installed; '
+                      f'pip install tiktoken, or omit --tokenizer for bytes.') from None
+    ranks = load_tiktoken_bpe(str(file))
+    encoding = tiktoken.Encoding(file.stem, pat_str=CL100K_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    return encoding.encode_ordinary, encoding.n_vocab, f'tiktoken:{file.name}'
+  raise UserError(f'--tokenizer={path!r}: unknown kind; use a SentencePiece .model or a .tiktoken file.')
+
+
+def read_documents(root: pathlib.Path, glob: str, encode) -> list[tuple[str, np.ndarray]]:
+  if not root.is_dir():
+    raise UserError(f'--input={str(root)!r} is not a folder; give a folder of text files or .npy token arrays.')
+  paths = sorted(p for p in root.glob(glob) if p.is_file())
+  if not paths:
+    raise UserError(f'--input={str(root)!r} has no files matching --glob={glob!r}; change --glob (e.g. "**/*.npy").')
+  docs = []
+  for path in paths:
+    if path.suffix == '.npy':
+      try:
+        tokens = np.load(path, allow_pickle=False)
+      except (OSError, ValueError) as e:
+        raise UserError(f'{str(path)!r} is not a readable .npy file ({e}); remove it or fix --glob.') from e
+      if tokens.ndim != 1 or tokens.dtype.kind not in 'iu':
+        raise UserError(f'{str(path)!r} holds a {tokens.dtype} array of shape {tokens.shape}; each .npy must be '
+                        f'one document: a 1-D integer array of token ids.')
+    else:
+      tokens = np.asarray(encode(path.read_text(errors='replace')), np.int64)
+    docs.append((str(path.relative_to(root)), tokens))
+  return docs
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--input', required=True)
+  parser.add_argument('--output', required=True)
+  parser.add_argument('--glob', default='**/*')
+  parser.add_argument('--tokenizer', default=None)
+  parser.add_argument('--vocab_size', type=int, default=None, help='for .npy input: the vocabulary (default: max+1)')
+  parser.add_argument('--num_shards', type=int, default=8)
+  parser.add_argument('--eval_percent', type=int, default=5)
+  args = parser.parse_args(argv)
+  try:
+    out = pathlib.Path(args.output)
+    if out.exists() and any(out.iterdir()):
+      raise UserError(f'--output={args.output!r} is not empty; choose a new folder (nothing was overwritten).')
+    encode, vocab_size, tokenizer = load_tokenizer(args.tokenizer)
+    docs = read_documents(pathlib.Path(args.input), args.glob, encode)
+    kept = [(name, tokens) for name, tokens in docs if len(tokens) >= 2]
+    if not kept:
+      raise UserError(f'every file under --input={args.input!r} has fewer than 2 tokens; nothing to train on.')
+    largest = max(int(tokens.max()) for _, tokens in kept)
+    vocab_size = args.vocab_size or (vocab_size if tokenizer != 'bytes' or largest < 256 else largest + 1)
+    if largest >= vocab_size or min(int(tokens.min()) for _, tokens in kept) < 0:
+      raise UserError(f'token ids must lie in [0, {vocab_size}) but reach {largest}; set --vocab_size.')
+    splits = {'train': [], 'eval': []}
+    for name, tokens in kept:
+      splits['eval' if zlib.crc32(name.encode()) % 100 < args.eval_percent else 'train'].append(tokens)
+    if not splits['eval']:
+      del splits['eval']
+    if not splits.get('train'):
+      raise UserError(f'all {len(kept)} documents fell in the eval split; lower --eval_percent or add files.')
+    out.mkdir(parents=True, exist_ok=True)
+    token_shards.write_shards(out, splits, vocab_size, tokenizer, args.num_shards)
+  except UserError as e:
+    sys.exit(f'prepare_data.py: error: {e}')
+  counts = {split: f'{len(d)} documents, {sum(map(len, d))} tokens' for split, d in splits.items()}
+  print(f'wrote {out}: {counts}; skipped {len(docs) - len(kept)} document(s) of fewer than 2 tokens; '
+        f'vocab {vocab_size} ({tokenizer})')
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,131 @@
+"""The input side of a run, built with one call: `build(config, batch_sharding, process_index, process_count)`.
+
+Sources (`data.source`):
+  'text'          byte-level text files (trainer/data/text.py), the default job;
+  'array_record'  token shards written by scripts/prepare_data.py (trainer/data/token_shards.py);
+  'arrays'        images and labels from .npz / .npy, for classification (trainer/data/arrays.py);
+  'synthetic'     random tokens of the configured shape, for benchmarks.
+Token sources are cut into examples by trainer/data/documents.py (stream windows,
+or document packing with segment ids), then batched, sharded over processes and
+made resumable by trainer/data/pipeline.py.
+"""
+
+import dataclasses
+import pathlib
+
+import jax
+from jax.sharding import NamedSharding
+
+from trainer.data import arrays, pipeline, token_shards
+from trainer.data.documents import PackedRows, StreamWindows
+# The names the loop, job and tools use: `from trainer import data; data.build(...)`.
+from trainer.data.pipeline import TrainIterator, eval_batches, to_global, train_iterator, warn_if_stalled  # noqa: F401
+from trainer.data.text import TextCorpus, TextWindows, default_text_dir, load_text_corpus  # noqa: F401
+from trainer.errors import UserError
+
+SOURCES = ('text', 'array_record', 'arrays', 'synthetic')
+PACKED_KEYS = ('segment_ids', 'positions')
+
+
+def check_config(data_config) -> None:
+  """The data.* values that can be judged without reading anything."""
+  if data_config.source not in SOURCES:
+    raise UserError(f'data.source={data_config.source!r}: choose one of {SOURCES}.')
+  for key in ('worker_count', 'prefetch'):
+    value = data_config[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+      raise UserError(f'data.{key}={value!r} must be an integer >= 0 (0 = off).')
+  if data_config.packing and data_config.source not in ('text', 'array_record'):
+    raise UserError(f'data.packing=True packs documents of tokens; data.source={data_config.source!r} has none. '
+                    f"Set data.packing=False, or use data.source='text' or 'array_record'.")
+
+
+def batch_keys(data_config) -> tuple[str, ...]:
+  """The keys of every LM batch: inputs and targets, plus segment ids and positions when packing."""
+  return ('inputs', 'targets') + (PACKED_KEYS if data_config.packing else ())
+
+
+@dataclasses.dataclass
+class Inputs:
+  train: TrainIterator  # This process's rows of each global batch, numpy; checkpointed with the state.
+  eval_batches: list[dict[str, jax.Array]]  # Fixed held-out global batches, already on the batch sharding.
+  description: str  # One line for the log: what is read from where, and how much.
+
+
+@dataclasses.dataclass(frozen=True)
+class Sources:
+  train: object  # Random-access Grain sources (len, getitem).
+  eval: object | None
+  description: str
+
+
+def load_sources(config) -> Sources:
+  """Reads or opens the configured source and cuts it into train and eval examples; checks it before training."""
+  d = config.data
+  check_config(d)
+  if d.source == 'arrays':
+    loaded = arrays.load_arrays(d)
+    n = len(loaded['labels'])
+    train = arrays.ArrayExamples(loaded, arrays.split_rows(n, d.eval_percent, 'train'))
+    eval_ = arrays.ArrayExamples(loaded, arrays.split_rows(n, d.eval_percent, 'eval'))
+    shape = 'x'.join(map(str, loaded['images'].shape[1:]))
+    return Sources(train, eval_ if len(eval_) else None,
+                   f'{len(train)} train / {len(eval_)} held-out images ({shape}) with labels from {d.path}')
+  if d.source == 'synthetic':
+    vocab = config.model.vocab_size
+    return Sources(arrays.SyntheticTokens(d.seq_len, vocab, config.train.seed),
+                   arrays.SyntheticTokens(d.seq_len, vocab, config.train.seed + 1, num_examples=1 << 16),
+                   f'synthetic random tokens (vocab {vocab}, seq_len {d.seq_len})')
+  if d.source == 'text':
+    corpus = load_text_corpus(d)
+    train_docs, eval_docs = corpus.documents('train'), corpus.documents('eval')
+    where = (f'{corpus.num_train_files} train files ({corpus.train_tokens.size} bytes), {corpus.num_eval_files} '
+             f'held out ({corpus.eval_tokens.size} bytes) from {corpus.root}')
+    if not d.eval_percent:
+      eval_docs = None
+  else:
+    train_docs, eval_docs, where = _token_shards(config)
+  cut = PackedRows if d.packing else StreamWindows
+  train = cut(train_docs, d.seq_len)
+  eval_ = cut(eval_docs, d.seq_len) if eval_docs is not None and eval_docs.num_tokens else None
+  how = f'packed by document into rows of {d.seq_len}' if d.packing else f'windows of {d.seq_len} over the stream'
+  return Sources(train, eval_, f'{where}; {how}')
+
+
+def _token_shards(config):
+  if not config.data.path:
+    raise UserError("data.source='array_record' needs data.path: a folder written by scripts/prepare_data.py.")
+  root = pathlib.Path(config.data.path)
+  train_docs = token_shards.load_documents(root, 'train')
+  if train_docs is None:
+    raise UserError(f'data.path={str(root)!r} has no train split; {token_shards.REPREPARE}.')
+  vocab = token_shards.read_meta(root)['vocab_size']
+  if vocab > config.model.vocab_size:
+    raise UserError(f'the shards in {str(root)!r} use a vocabulary of {vocab} tokens but model.vocab_size='
+                    f'{config.model.vocab_size}; set --config.model.vocab_size={vocab} (or more).')
+  eval_docs = token_shards.load_documents(root, 'eval') if config.data.eval_percent else None
+  return train_docs, eval_docs, (f'{len(train_docs.lengths)} train documents ({train_docs.num_tokens} tokens), '
+                                 f'{0 if eval_docs is None else len(eval_docs.lengths)} held out, from {root}')
+
+
+def build(config, batch_sharding: NamedSharding, process_index: int, process_count: int) -> Inputs:
+  """Everything the loop reads: the resumable train iterator, the eval batches and a description."""
+  d, batch_size = config.data, config.train.batch_size
+  if d.source == 'arrays' and config.model.name == 'llama':
+    raise UserError("data.source='arrays' gives images and labels for classification, but model.name='llama' is a "
+                    "language model; use data.source='text', 'array_record' or 'synthetic'.")
+  sources = load_sources(config)
+  pipeline.check_enough(sources.train, batch_size, f'the train split ({sources.description})',
+                        'add data, or lower data.seq_len or train.batch_size.')
+  train = train_iterator(sources.train, d, batch_size, config.train.seed, process_index, process_count,
+                         {'source': d.source, 'packing': d.packing})
+  evals = []
+  if sources.eval is not None and config.train.eval_batches:
+    pipeline.check_enough(sources.eval, batch_size, f'the held-out split ({sources.description})',
+                          'add data, lower data.seq_len or train.batch_size, or set data.eval_percent=0.')
+    evals = [to_global(b, batch_sharding, process_count) for b in eval_batches(
+        sources.eval, batch_size, config.train.eval_batches, process_index, process_count)]
+  description = (f'{sources.description}; {len(sources.train)} train examples, {len(evals)} eval batches; '
+                 f'{d.worker_count} worker process(es), {d.num_threads} read threads, prefetch {d.prefetch}')
+  return Inputs(train, evals, description)
+

@@ -1,0 +1,95 @@
+"""The byte-level text source: every file under `data.text_dir` is one document of raw bytes.
+
+The default is the running Python's standard library. A hash of each file's
+path decides whether it is held out for eval, so the split is the same on every
+host and every run.
+"""
+
+import dataclasses
+import os
+import pathlib
+import zlib
+
+import numpy as np
+from absl import logging
+
+from trainer.data.documents import InMemoryDocuments, StreamWindows
+from trainer.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class TextCorpus:
+  train_tokens: np.ndarray  # uint8 bytes of the train files, concatenated.
+  eval_tokens: np.ndarray  # uint8 bytes of the held-out files, concatenated.
+  num_train_files: int
+  num_eval_files: int
+  root: pathlib.Path
+  train_starts: np.ndarray  # Offset of each train file (document) in train_tokens.
+  eval_starts: np.ndarray
+
+  def documents(self, split: str) -> InMemoryDocuments:
+    tokens, starts = (self.train_tokens, self.train_starts) if split == 'train' else (self.eval_tokens, self.eval_starts)
+    return InMemoryDocuments(tokens, starts, f'the {split} text under {str(self.root)!r}')
+
+
+def default_text_dir() -> pathlib.Path:
+  """The running interpreter's standard library: real text on every machine that has Python."""
+  return pathlib.Path(os.__file__).parent
+
+
+def _is_eval_file(relative_path: str, eval_percent: int) -> bool:
+  return zlib.crc32(relative_path.encode()) % 100 < eval_percent
+
+
+def load_text_corpus(data_config) -> TextCorpus:
+  """Reads and splits the corpus; raises UserError naming the path when it is unusable."""
+  root = pathlib.Path(data_config.text_dir) if data_config.text_dir else default_text_dir()
+  setting = f'data.text_dir={str(root)!r}' if data_config.text_dir else f'the standard library at {str(root)!r}'
+  if not root.exists():
+    raise UserError(f'{setting} does not exist; point data.text_dir at a folder of text files.')
+  if not root.is_dir():
+    raise UserError(f'{setting} is not a folder; point data.text_dir at a folder of text files.')
+  if not os.access(root, os.R_OK | os.X_OK):
+    raise UserError(f'{setting} is not readable by this user; fix its permissions or choose another folder.')
+  paths = sorted(p for p in root.glob(data_config.file_glob)
+                 if p.is_file() and not {'site-packages', 'dist-packages'} & set(p.relative_to(root).parts))
+  if not paths:
+    raise UserError(f'{setting} has no files matching data.file_glob={data_config.file_glob!r}; '
+                    f'expected text files there (or change data.file_glob, e.g. "**/*.txt").')
+  train_parts, eval_parts = [], []
+  for path in paths:
+    try:
+      content = path.read_bytes()
+    except OSError as e:
+      raise UserError(f'cannot read {str(path)!r} under {setting}: {e.strerror}; fix its permissions or remove it.')
+    is_eval = _is_eval_file(str(path.relative_to(root)), data_config.eval_percent)
+    (eval_parts if is_eval else train_parts).append(content)
+  num_train, num_eval = len(train_parts), len(eval_parts)
+  train = np.frombuffer(b''.join(train_parts), np.uint8)
+  eval_ = np.frombuffer(b''.join(eval_parts), np.uint8)
+  train_starts, eval_starts = _starts(train_parts), _starts(eval_parts)
+  if data_config.eval_percent and not (train_parts and eval_parts):
+    # Too few files for a file-level split: hold out the tail of the text instead.
+    everything = np.frombuffer(b''.join(train_parts + eval_parts), np.uint8)
+    cut = len(everything) * (100 - data_config.eval_percent) // 100
+    train, eval_ = everything[:cut], everything[cut:]
+    train_starts, eval_starts = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    num_train, num_eval = len(paths), 0
+    logging.info('%s: %d file(s) are too few for a file-level eval split; holding out the last %d%% of the bytes.',
+                 setting, len(paths), data_config.eval_percent)
+  if not train.size:
+    raise UserError(f'{setting}: the files matching {data_config.file_glob!r} are empty; expected text in them.')
+  return TextCorpus(train, eval_, num_train, num_eval, root, train_starts, eval_starts)
+
+
+def _starts(parts: list[bytes]) -> np.ndarray:
+  return np.concatenate([[0], np.cumsum([len(p) for p in parts[:-1]])]).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+class TextWindows(StreamWindows):
+  """Byte windows over one array of text (the default job's examples): StreamWindows over a single document."""
+
+  def __init__(self, tokens: np.ndarray, seq_len: int):
+    super().__init__(InMemoryDocuments(tokens, np.zeros(1, np.int64), 'text'), seq_len)
+
+
