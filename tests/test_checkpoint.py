@@ -184,3 +184,60 @@ def test_keep_period_keeps_old_multiples_beyond_max_to_keep(tmp_path, text_dir):
   bad = _config(text_dir, ckpt__keep_period=-1)
   with pytest.raises(UserError, match='ckpt.keep_period=-1'):
     checkpoint.Checkpointer(str(tmp_path / 'x'), bad.ckpt)
+
+
+TWO_PROCESS_SAVER = '''
+import sys
+sys.path.insert(0, {repo!r})
+from parallel import distributed
+distributed.initialize('127.0.0.1:{port}', 2, int(sys.argv[1]), 120)
+import jax
+from configs import tiny
+from trainer import checkpoint, data
+from trainer import job as job_lib
+config = tiny.get_config()
+config.data.text_dir = {text_dir!r}
+config.mesh.data, config.mesh.fsdp = 1, 8  # (1, 8, 1) over 2 processes x 4 devices: each holds only its shards.
+job = job_lib.build_job(config)
+state = job.init_state(5)
+corpus = data.load_text_corpus(config.data)
+iterator = data.train_iterator(corpus, config.data, 8, 0, jax.process_index(), 2)
+ckpt = checkpoint.Checkpointer({workdir!r}, config.ckpt)
+ckpt.save(5, state, iterator, checkpoint.run_manifest(config, job.abstract, job.mesh), force=True)
+ckpt.close()
+'''
+
+
+def _free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def test_a_two_process_save_restores_its_state_in_one_process(tmp_path, text_dir):
+  """State only, through the Checkpointer (the data position is per process; see check_compatible)."""
+  script = TWO_PROCESS_SAVER.format(repo=str(REPO), port=_free_port(), text_dir=str(text_dir),
+                                    workdir=str(tmp_path))
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4', 'JAX_PLATFORMS': 'cpu'}
+  procs = [subprocess.Popen([sys.executable, '-c', script, str(i)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True) for i in (0, 1)]
+  try:
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+  assert [p.returncode for p in procs] == [0, 0], '\n'.join(o[-2000:] for o in outputs)
+  state_dir = tmp_path / 'checkpoints' / '5' / 'state'
+  assert {p.name for p in state_dir.glob('ocdbt.process_*')} == {'ocdbt.process_0', 'ocdbt.process_1'}
+
+  for count in (8, 1):
+    config = _config(text_dir)
+    job = job_lib.build_job(config, jax.devices()[:count])
+    restored = checkpoint.Checkpointer(str(tmp_path), config.ckpt).restore_state(
+        5, sharding.with_shardings(job.abstract, job.shardings))
+    # The same seed on one process gives the same values (jax's RNG does not depend on the layout).
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(job.init_state(5)))
+    for leaf, target in zip(jax.tree.leaves(restored), jax.tree.leaves(job.shardings)):
+      assert leaf.sharding.is_equivalent_to(target, leaf.ndim)

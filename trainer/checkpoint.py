@@ -31,8 +31,8 @@ from trainer.errors import UserError
 _UNSAFE_SECTIONS = ('model',)
 _TMP_MARK = '.orbax-checkpoint-tmp'
 # Orbax splits a replicated array so each replica writes a slice ("replica-parallel"); each slice shape costs
-# one small compile on the first save (7 s for the tiny model's 500 slices on 8 CPU devices). Worth it only
-# for big slices, where writes dominate.
+# one small compile on the first save (7 s for the tiny model's 500 slices on 8 CPU devices). In one process
+# every slice is written by the same host anyway, so there it is kept for big slices only.
 _MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL = 4 << 20
 
 
@@ -105,8 +105,9 @@ class Checkpointer:
         enable_async_checkpointing=ckpt_config.async_save,
         cleanup_tmp_directories=False,  # An interrupted save is evidence; we report it, never delete it.
         create=True)
-    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
-        min_slice_bytes_for_replica_parallel=_MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL), override=True)
+    if jax.process_count() == 1:  # Across hosts, Orbax's default spreads the writes of replicated arrays.
+      ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+          min_slice_bytes_for_replica_parallel=_MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL), override=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
@@ -209,6 +210,9 @@ class Checkpointer:
     """Only the train state (e.g. for export, or onto another process count), into the given shardings."""
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state_with_shardings))
     return self._manager.restore(step, args=args)['state']
+
+  def save_in_progress(self) -> bool:
+    return self._manager.is_saving_in_progress()
 
   def wait_until_finished(self) -> None:
     self._manager.wait_until_finished()
