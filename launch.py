@@ -25,11 +25,13 @@ _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'HOST:PORT of pr
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the run, all hosts together.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, "This process's index, 0 .. num_processes-1.")
 _TIMEOUT = flags.DEFINE_integer('distributed_timeout_s', 300, 'Seconds to wait for every process to join.')
+_START_OVER = flags.DEFINE_bool('start_over', False, 'Train from step 0 in a --workdir that holds a run: its '
+                                'checkpoints and logs are moved to WORKDIR/previous_run_<time>/, never deleted.')
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, exit_code: int = 2) -> None:
   print(f'launch.py: error: {" ".join(message.split())}', file=sys.stderr)
-  sys.exit(2)
+  sys.exit(exit_code)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -68,9 +70,12 @@ def main(argv):
       plan.run(_CONFIG.value, _PLAN_MEMORY_GB.value, _TOPOLOGY.value)
       return
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _TIMEOUT.value)
+    if _START_OVER.value:
+      from trainer import checkpoint
+      checkpoint.start_over(_WORKDIR.value)
     loop.run(_CONFIG.value, _WORKDIR.value)
   except UserError as e:
-    _fail(str(e))
+    _fail(str(e), getattr(e, 'exit_code', 2))  # 3: stopped on a non-finite loss (trainer/guardrails.py).
 
 
 if __name__ == '__main__':

@@ -30,6 +30,7 @@ def get_config() -> config_dict.ConfigDict:
   c.train.compilation_cache_dir = config_dict.placeholder(str)  # Persistent XLA compilation cache folder shared by runs; None disables it.
   c.train.eval_every_steps = 200  # Evaluate on held-out data every N steps and at the last step; 0 = only at the end.
   c.train.eval_batches = 8  # Global batches per evaluation (fewer if the held-out set is smaller).
+  c.train.on_nonfinite = 'stop'  # Non-finite loss/gradient: 'stop' (exit 3, last good checkpoint kept), 'skip' (drop the update) or 'rollback' (reload the last checkpoint, skip the batch).
 
   c.mesh = config_dict.ConfigDict()
   c.mesh.data = -1  # Devices on the data-parallel axis; -1 fills with the devices left over.
@@ -58,6 +59,8 @@ def get_config() -> config_dict.ConfigDict:
   c.ckpt = config_dict.ConfigDict()
   c.ckpt.every_steps = 500  # Save a checkpoint every N steps; the last step is always saved.
   c.ckpt.max_to_keep = 3  # Newest checkpoints kept on disk; older ones are deleted after a save.
+  c.ckpt.keep_period = 0  # Also keep every checkpoint whose step divides by N, forever; 0 = none.
+  # The issue's `ckpt.async`: `async` is a Python keyword, so the key is async_save.
   c.ckpt.async_save = True  # Write checkpoints in the background while training goes on.
 
   c.log = config_dict.ConfigDict()

@@ -1,19 +1,39 @@
 """Orbax checkpoints of the train state, the Grain iterator and a run manifest.
 
 Layout: WORKDIR/checkpoints/<step>/{state,data,manifest}. The manifest records
-what the state was built from (model config, parameter shapes, versions,
-mesh), so a workdir holding another model's checkpoints is refused with a
-clear message before anything is compiled or restored.
+what the state was built from (resolved config, parameter shapes, versions,
+XLA flags, mesh, strategy, git commit), so a workdir holding another model's
+checkpoints is refused with a clear message before anything is compiled or
+restored, and every other change since the save is logged.
+
+Nothing here deletes a checkpoint it cannot read. Orbax writes each save into
+`<step>.orbax-checkpoint-tmp-*` and renames it to `<step>` only once every
+file is written, so a save killed midway leaves a tmp folder that is never
+taken for a checkpoint; we report it and leave it (Orbax's tmp cleanup is off).
+A finished checkpoint that fails to read (a truncated or missing file) is
+reported and the next older one is tried.
 """
 
+import json
+import os
 import pathlib
+import subprocess
 from typing import Any
 
 import grain
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
 
 from trainer.errors import UserError
+
+# Settings that change what a checkpoint means; any other difference is safe and only logged.
+_UNSAFE_SECTIONS = ('model',)
+_TMP_MARK = '.orbax-checkpoint-tmp'
+# Orbax splits a replicated array so each replica writes a slice ("replica-parallel"); each slice shape costs
+# one small compile on the first save (7 s for the tiny model's 500 slices on 8 CPU devices). In one process
+# every slice is written by the same host anyway, so there it is kept for big slices only.
+_MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL = 4 << 20
 
 
 def param_shapes(params) -> dict[str, list[int]]:
@@ -22,25 +42,120 @@ def param_shapes(params) -> dict[str, list[int]]:
   return {'/'.join(str(getattr(k, 'key', k)) for k in path): list(leaf.shape) for path, leaf in flat}
 
 
+def _git_commit() -> str | None:
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  try:
+    out = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=repo, capture_output=True, text=True, timeout=5)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def run_manifest(config, abstract, mesh) -> dict[str, Any]:
+  """What a checkpoint was made from; compared on resume (see `Checkpointer.check_compatible`)."""
+  import flax, jaxlib, optax, grain as grain_lib  # noqa: E401  (versions only)
+  return {
+      'model': config.model.to_dict(),
+      'param_shapes': param_shapes(abstract.params),
+      'mesh': dict(mesh.shape),
+      'device_count': mesh.size,
+      'strategy': config.parallel.strategy,
+      'process_count': jax.process_count(),
+      'versions': {m.__name__: m.__version__ for m in (jax, jaxlib, flax, optax, ocp, grain_lib)},
+      'xla_flags': os.environ.get('XLA_FLAGS', ''),
+      'libtpu_init_args': os.environ.get('LIBTPU_INIT_ARGS', ''),
+      'git_commit': _git_commit(),
+      'config': json.loads(config.to_json_best_effort()),
+  }
+
+
+def _flat(tree: Any, prefix: str = '') -> dict[str, Any]:
+  if isinstance(tree, dict):
+    return {k: v for key, sub in tree.items() for k, v in _flat(sub, f'{prefix}{key}.').items()}
+  return {prefix[:-1]: tree.tolist() if hasattr(tree, 'tolist') else tree}
+
+
+def safe_differences(saved: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
+  """Human-readable differences the resume tolerates: mesh, devices, strategy, schedule, versions, ..."""
+  keys = ('mesh', 'device_count', 'strategy', 'versions', 'xla_flags', 'git_commit')
+  old = {**{k: saved.get(k) for k in keys}, **_flat(saved.get('config', {}), 'config.')}
+  new = {**{k: manifest.get(k) for k in keys}, **_flat(manifest.get('config', {}), 'config.')}
+  skip = tuple(f'config.{s}.' for s in _UNSAFE_SECTIONS)
+  return [f'{k}: {old.get(k)!r} -> {new.get(k)!r}' for k in sorted(old.keys() | new.keys())
+          if not k.startswith(skip) and _normal(old.get(k)) != _normal(new.get(k))]
+
+
+def _normal(value):
+  return list(value) if isinstance(value, tuple) else value
+
+
 class Checkpointer:
-  """Saves every `ckpt.every_steps` (and on demand), restores the newest, guards against foreign workdirs."""
+  """Saves every `ckpt.every_steps` (and on demand), restores the newest intact one, guards against foreign workdirs."""
 
   def __init__(self, workdir: str, ckpt_config):
     self.directory = pathlib.Path(workdir).absolute() / 'checkpoints'
+    if not (isinstance(ckpt_config.keep_period, int) and ckpt_config.keep_period >= 0):
+      raise UserError(f'ckpt.keep_period={ckpt_config.keep_period!r} must be an integer >= 0 (0 keeps none extra).')
+    keep = [ocp.checkpoint_managers.LatestN(ckpt_config.max_to_keep)]
+    if ckpt_config.keep_period:
+      keep.append(ocp.checkpoint_managers.EveryNSteps(ckpt_config.keep_period))
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=ckpt_config.every_steps,
-        max_to_keep=ckpt_config.max_to_keep,
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(keep),
         enable_async_checkpointing=ckpt_config.async_save,
+        cleanup_tmp_directories=False,  # An interrupted save is evidence; we report it, never delete it.
         create=True)
+    if jax.process_count() == 1:  # Across hosts, Orbax's default spreads the writes of replicated arrays.
+      ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+          min_slice_bytes_for_replica_parallel=_MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL), override=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def incomplete_saves(self) -> list[pathlib.Path]:
+    """Tmp folders of saves that never finished (a process killed mid-save)."""
+    if not self.directory.exists():
+      return []
+    return sorted(p for p in self.directory.iterdir() if _TMP_MARK in p.name)
+
+  def read_manifest(self, step: int) -> dict[str, Any]:
+    return self._manager.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))['manifest']
+
+  def resumable_steps(self, manifest: dict[str, Any]) -> list[int]:
+    """Steps to try resuming from, newest first, after checking the newest readable one against `manifest`.
+
+    Reports (and skips) interrupted saves and checkpoints whose manifest cannot
+    be read. Raises UserError for a different model, or when checkpoints exist
+    but none is readable: the launcher never starts from scratch on its own.
+    """
+    for path in self.incomplete_saves():
+      logging.warning('Checkpoint %s is an incomplete save (the run was killed while writing it): skipped, '
+                      'left on disk.', path)
+    steps, damaged = self.all_steps()[::-1], []
+    for step in steps:
+      try:
+        self.read_manifest(step)
+      except Exception as e:  # pylint: disable=broad-except  (any failure: this checkpoint cannot be trusted)
+        logging.warning('Checkpoint %s is damaged (manifest unreadable: %s): skipped, left on disk.',
+                        self.directory / str(step), _short(e))
+        damaged.append(step)
+        continue
+      self.check_compatible(step, manifest)
+      return [s for s in steps if s <= step and s not in damaged]
+    if steps or self.incomplete_saves():
+      raise UserError(f'{self.directory} holds no intact checkpoint (damaged: {damaged[::-1] or "none"}; incomplete '
+                      f'saves: {[p.name for p in self.incomplete_saves()] or "none"}). Nothing was changed. Use a '
+                      f'fresh --workdir, or relaunch with --start_over to move them aside and train from step 0.')
+    return []
+
   def check_compatible(self, step: int, manifest: dict[str, Any]) -> None:
     """Raises UserError if the checkpoint at `step` holds a different model than `manifest` describes."""
     try:
-      saved = self._manager.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))['manifest']
+      saved = self.read_manifest(step)
     except Exception as e:  # Any failure here means we cannot trust this checkpoint for resuming.
       raise UserError(f'checkpoint {self.directory / str(step)} has no readable manifest ({type(e).__name__}); '
                       f'it was not written by this launcher or is damaged. Use a fresh --workdir.') from e
@@ -53,10 +168,15 @@ class Checkpointer:
                       f'{self.directory}. Resume with the config it was trained with, or use a fresh --workdir; '
                       f'nothing was changed.')
     # Another process count is fine: the data position is a count of global examples (trainer/data/pipeline.py).
+    changes = safe_differences(saved, manifest)
+    if changes:
+      logging.info('Resuming step %d with %d setting(s) changed since it was saved (safe): %s', step, len(changes),
+                   '; '.join(changes))
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator, manifest: dict[str, Any],
            force: bool = False) -> bool:
     """Starts a save if `step` is due (or `force`); returns whether one started."""
+    state = _detach_on_cpu(state)
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_iterator.get_state()),
@@ -72,7 +192,71 @@ class Checkpointer:
     data_iterator.set_state(restored['data'])  # Same position on every process, for any process count.
     return restored['state']
 
+  def restore_newest_intact(self, steps: list[int], abstract_state_with_shardings,
+                            data_iterator: grain.DatasetIterator):
+    """(step, state) from the first of `steps` that restores; damaged ones are reported and skipped, never deleted."""
+    for step in steps:
+      try:
+        return step, self.restore(step, abstract_state_with_shardings, data_iterator)
+      except Exception as e:  # pylint: disable=broad-except  (a truncated file surfaces as many error types)
+        logging.warning('Checkpoint %s is damaged (%s): skipped, left on disk; trying an older one.',
+                        self.directory / str(step), _short(e))
+    raise UserError(f'no checkpoint in {self.directory} could be restored (tried steps {steps}); nothing was '
+                    f'changed. Use a fresh --workdir, or relaunch with --start_over to train from step 0.')
+
+  def restore_state(self, step: int, abstract_state_with_shardings):
+    """Only the train state (e.g. for export, or onto another process count), into the given shardings."""
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state_with_shardings))
+    return self._manager.restore(step, args=args)['state']
+
+  def save_in_progress(self) -> bool:
+    return self._manager.is_saving_in_progress()
+
+  def wait_until_finished(self) -> None:
+    self._manager.wait_until_finished()
+
   def close(self) -> None:
     """Waits for any save in flight, then releases the manager."""
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def _detach_on_cpu(state):
+  """On CPU, a copy of `state` for Orbax to write from, so the next (donating) step need not wait for the write.
+
+  A CPU array is already host memory, and Orbax's async save reads it in place:
+  the train step, which donates the state, then waits for the whole write (a
+  1 GB state held the next step for ~17 s in scripts/bench_checkpoint.py). On
+  GPU/TPU Orbax copies to host before save() returns, so no copy is made there.
+  """
+  if jax.default_backend() != 'cpu':
+    return state
+  return jax.tree.map(lambda x: x.copy(), state)
+
+
+def _short(error: Exception) -> str:
+  text = ' '.join(str(error).split())
+  return f'{type(error).__name__}: {text[:300]}'
+
+
+def start_over(workdir: str) -> pathlib.Path | None:
+  """`--start_over`: moves the previous run's checkpoints and logs into WORKDIR/previous_run_<UTC time>/.
+
+  Nothing is deleted: the user can move them back. Process 0 moves, every
+  process waits for it, so no process sees a half-moved workdir.
+  """
+  import time  # noqa: PLC0415
+  from jax.experimental import multihost_utils
+  workdir = pathlib.Path(workdir).absolute()
+  names = ('checkpoints', 'metrics.jsonl', 'tensorboard', 'config.json', 'sharding.txt')
+  found = [workdir / n for n in names if (workdir / n).exists()]
+  target = workdir / time.strftime('previous_run_%Y%m%dT%H%M%SZ', time.gmtime()) if found else None
+  if found and jax.process_index() == 0:
+    target.mkdir(parents=True)
+    for path in found:
+      path.rename(target / path.name)
+    logging.warning('--start_over: moved the previous run (%s) to %s; training starts from step 0.',
+                    ', '.join(p.name for p in found), target)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices('start_over')
+  return target

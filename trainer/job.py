@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from parallel import mesh as mesh_lib
 from parallel import sharding, strategy
-from trainer import data, optimizer, validation
+from trainer import data, guardrails, optimizer, validation
 from trainer import step as step_lib
 from trainer import state as state_lib
 from trainer.models import llama
@@ -72,6 +72,8 @@ def build_job(config, devices: Sequence[jax.Device] | None = None) -> Job:
   rules = sharding.rules_from_config(config.parallel)
   model = build_model(config, *((mesh, rules) if config.parallel.strategy == 'jit' else ()))
   tx, schedule = optimizer.build_optimizer(config.train)
+  guardrails.validate(config.train.on_nonfinite)
+  tx = guardrails.guard_optimizer(tx)  # A non-finite update is never applied, in any train.on_nonfinite mode.
   example = jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len), jnp.int32)
   abstract, shardings = state_lib.abstract_state(model, tx, example, mesh, rules)
   batch_sharding = sharding.named_sharding(mesh, rules, ('batch', 'length'))

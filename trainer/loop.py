@@ -6,35 +6,19 @@ logs, and never more than two steps are in flight.
 """
 
 import dataclasses
-import json
 import pathlib
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
 
 from parallel import sharding
-from trainer import checkpoint, compilation_cache, data, flops
+from trainer import checkpoint, compilation_cache, data, flops, guardrails, preemption
 from trainer import job as job_lib
 from trainer import state as state_lib
 from trainer.metrics import MetricsWriter
-
-
-def manifest_for(config, abstract: state_lib.TrainState, mesh) -> dict[str, Any]:
-  """What a checkpoint was made from; compared on resume to refuse a different model."""
-  import flax, optax, orbax.checkpoint, grain  # noqa: E401  (versions only)
-  return {
-      'model': config.model.to_dict(),
-      'param_shapes': checkpoint.param_shapes(abstract.params),
-      'mesh': dict(mesh.shape),
-      'strategy': config.parallel.strategy,
-      'process_count': jax.process_count(),
-      'versions': {m.__name__: m.__version__ for m in (jax, flax, optax, orbax.checkpoint, grain)},
-      'config': json.loads(config.to_json_best_effort()),
-  }
 
 
 @dataclasses.dataclass
@@ -72,7 +56,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None) -> No
   train_iter, eval_set = inputs.train, inputs.eval_batches
   logging.info('Data: %s', inputs.description)
 
-  manifest = manifest_for(config, abstract, mesh)
+  manifest = checkpoint.run_manifest(config, abstract, mesh)
   num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
   logging.info('Mesh %s over %d devices (%d processes); model: %s parameters', dict(mesh.shape), mesh.size,
                process_count, f'{num_params:,}')
@@ -83,16 +67,16 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None) -> No
     (pathlib.Path(workdir) / 'sharding.txt').write_text(table + '\n')
 
   ckpt = checkpoint.Checkpointer(workdir, config.ckpt)
-  latest = ckpt.latest_step()
-  if latest is not None:  # Before compiling: a foreign workdir should fail in seconds, not minutes.
-    ckpt.check_compatible(latest, manifest)
+  # Before compiling: a foreign or unreadable workdir should fail in seconds, not minutes.
+  resumable = ckpt.resumable_steps(manifest)
 
   start = time.perf_counter()
   compiled_step = job.compile_train_step()
   logging.info('Compiled the train step in %.1fs', time.perf_counter() - start)
 
-  if latest is not None:
-    state = ckpt.restore(latest, sharding.with_shardings(abstract, shardings), train_iter)
+  latest = None
+  if resumable:
+    latest, state = ckpt.restore_newest_intact(resumable, sharding.with_shardings(abstract, shardings), train_iter)
     logging.info('Resuming from checkpoint at step %d in %s (data iterator position restored)',
                  latest, ckpt.directory)
   else:
@@ -102,11 +86,19 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None) -> No
   if process_index == 0:
     (pathlib.Path(workdir) / 'config.json').write_text(config.to_json_best_effort(indent=2))
     writer.write_text('config', f'```\n{config}\n```')
+  guard = guardrails.Guard(config.train.on_nonfinite, list(manifest['param_shapes']))
+  preempt = preemption.PreemptionWatch()
   try:
-    _train(config, state, compiled_step, job.eval_step, eval_set, train_iter, batch_sharding, process_count,
-           ckpt, manifest, writer, start_step=latest or 0,
-           throughput=flops.Throughput.for_run(config, mesh.devices.flat))
+    throughput = flops.Throughput.for_run(config, mesh.devices.flat)
+    while True:
+      try:
+        _train(config, state, compiled_step, job.eval_step, eval_set, train_iter, batch_sharding, process_count,
+               ckpt, manifest, writer, start_step=latest or 0, guard=guard, preempt=preempt, throughput=throughput)
+        break
+      except guardrails.Rollback as rollback:
+        latest, state = guard.roll_back(rollback, ckpt, sharding.with_shardings(abstract, shardings), train_iter)
   finally:
+    preempt.close()
     ckpt.close()  # Waits for an async save in flight: a finished run never leaves a half-written checkpoint.
     writer.close()
 
@@ -118,7 +110,8 @@ def _evaluate(eval_step, params, eval_set) -> dict[str, float]:
 
 
 def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_sharding, process_count,
-           ckpt, manifest, writer, start_step: int, throughput: flops.Throughput | None = None) -> None:
+           ckpt, manifest, writer, start_step: int, guard: guardrails.Guard,
+           preempt: preemption.PreemptionWatch, throughput: flops.Throughput | None = None) -> None:
   total = config.train.steps
   if start_step >= total:
     logging.info('Checkpoint step %d already reaches train.steps=%d: nothing to train.', start_step, total)
@@ -133,10 +126,12 @@ def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_
   last_fetch, side_time = time.perf_counter(), 0.0
   for step in range(start_step + 1, total + 1):
     t0 = time.perf_counter()
+    guard.skip_offending_batch(step, train_iter)
     batch = data.to_global(next(train_iter), batch_sharding, process_count)
     data_wait = time.perf_counter() - t0
     state, metrics = compiled_step(state, batch)
     if pending is not None:  # Fetch step-1's metrics while step runs: the one sync point per step.
+      guard.check(*pending[:2])
       last_fetch, side_time = _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step,
                                       tokens_per_step, throughput)
     pending = (step, metrics, data_wait)
@@ -144,9 +139,17 @@ def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_
     t_side = time.perf_counter()
     if eval_set and (step == total or (eval_every and step % eval_every == 0)):
       evals[step] = _evaluate(eval_step, state.params, eval_set)
-    if step % config.ckpt.every_steps == 0 or step == total:
+    preempted = preempt.reached(step)
+    if step % config.ckpt.every_steps == 0 or step == total or preempted:
+      guard.check(step, metrics)  # Metrics come a step late; a state is checked before it is ever saved.
       ckpt.save(step, state, train_iter, manifest, force=True)
     side_time += time.perf_counter() - t_side
+    if preempted:
+      ckpt.wait_until_finished()
+      logging.warning('%s received: saved step %d to %s and stopped. Relaunch the same command to continue.',
+                      preempt.describe(), step, ckpt.directory)
+      break
+  guard.check(*pending[:2])
   _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step, tokens_per_step, throughput)
 
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from trainer import guardrails
 from trainer.state import TrainState
 
 Batch = dict[str, jax.Array]  # 'inputs', 'targets' (+ 'segment_ids', 'positions' when packed), int32 (B, L).
@@ -103,7 +104,8 @@ def apply_gradients(state: TrainState, grads, metrics: Metrics, *, tx: optax.Gra
                     schedule: optax.Schedule) -> tuple[TrainState, Metrics]:
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step))
+  metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step),
+                 grads_finite=guardrails.leaf_finite(grads))  # Names non-finite leaves on the host.
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

@@ -1,0 +1,82 @@
+"""Write the parameters of a run's checkpoint as a plain Orbax checkpoint that needs nothing of this project.
+
+  python scripts/export_params.py --config=configs/default.py --workdir=DIR --output=/abs/path/params [--step=N]
+
+--config (and any --config.x=y overrides) must describe the model the run
+trained, as for a relaunch: the checkpoint's manifest is checked against it and
+a different model is refused. The newest intact checkpoint is exported unless
+--step is given. The parameters are restored straight into the config's
+shardings and written shard by shard (nothing is gathered on one host); the
+output is the parameter tree alone, {'embed': {'embedding': ...}, 'block_0':
+...}, with no optimizer state, step or data position. Read it anywhere with
+only orbax-checkpoint installed, e.g. as NumPy arrays:
+
+  import numpy as np, orbax.checkpoint as ocp
+  meta = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
+  params = ocp.PyTreeCheckpointer().restore(
+      path, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta))
+
+or as jax.Arrays in your own shardings with
+`ocp.StandardCheckpointer().restore(path, target)`.
+"""
+
+import pathlib
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'The config the run was trained with.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'The run folder holding checkpoints/.')
+_OUTPUT = flags.DEFINE_string('output', None, 'Folder to create for the exported parameters (must not exist).')
+_STEP = flags.DEFINE_integer('step', None, 'Checkpoint step to export; default: the newest intact one.')
+flags.mark_flags_as_required(['config', 'workdir', 'output'])
+
+
+def export(config, workdir: str, output: str, step: int | None = None) -> int:
+  """Exports the params of checkpoint `step` (default newest intact) of `workdir` to `output`; returns the step."""
+  import orbax.checkpoint as ocp
+
+  from parallel import sharding
+  from trainer import checkpoint
+  from trainer import job as job_lib
+  from trainer.errors import UserError
+  output_path = pathlib.Path(output).absolute()
+  if output_path.exists():
+    raise UserError(f'--output={output} exists; choose a new folder (nothing is overwritten).')
+  job = job_lib.build_job(config)
+  ckpt = checkpoint.Checkpointer(workdir, config.ckpt)
+  try:
+    steps = ckpt.resumable_steps(checkpoint.run_manifest(config, job.abstract, job.mesh))
+    if step is not None:
+      if step not in ckpt.all_steps():
+        raise UserError(f'--step={step}: no such checkpoint in {ckpt.directory} (have {ckpt.all_steps()}).')
+      steps = [step]
+    if not steps:
+      raise UserError(f'{ckpt.directory} holds no checkpoint to export.')
+    target = sharding.with_shardings(job.abstract, job.shardings)
+    step = steps[0]
+    params = ckpt.restore_state(step, target).params
+  finally:
+    ckpt.close()
+  with ocp.StandardCheckpointer() as writer:
+    writer.save(output_path, params)
+  logging.info('Exported the parameters of step %d of %s to %s', step, ckpt.directory, output_path)
+  return step
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  from trainer.errors import UserError
+  try:
+    export(_CONFIG.value, _WORKDIR.value, _OUTPUT.value, _STEP.value)
+  except UserError as e:
+    print(f'export_params.py: error: {e}', file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == '__main__':
+  app.run(main)

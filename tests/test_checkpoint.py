@@ -1,0 +1,243 @@
+"""Checkpoints in-process: restore onto any mesh and strategy, damaged checkpoints, the manifest's checks."""
+
+import logging as std_logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny
+from conftest import REPO
+from parallel import sharding
+from trainer import checkpoint, data
+from trainer import job as job_lib
+from trainer.errors import UserError
+
+
+@pytest.fixture(scope='module')
+def text_dir(tmp_path_factory):
+  root = tmp_path_factory.mktemp('text')
+  rng = np.random.default_rng(0)
+  for i in range(20):
+    (root / f'file_{i}.py').write_bytes(bytes(rng.integers(32, 127, size=2000, dtype=np.uint8)))
+  return root
+
+
+def _config(text_dir, **overrides):
+  config = tiny.get_config()
+  config.data.text_dir = str(text_dir)
+  for key, value in overrides.items():
+    section, field = key.split('__')
+    config[section][field] = value
+  return config
+
+
+def _iterator(config):
+  corpus = data.load_text_corpus(config.data)
+  return data.train_iterator(corpus, config.data, config.train.batch_size, config.train.seed, 0, 1)
+
+
+def _save(workdir, config, steps=(7,), devices=None):
+  """Saves the initial state of seed 0, its `step` field set, at each of `steps`; returns the host copy of the last."""
+  job = job_lib.build_job(config, devices)
+  manifest = checkpoint.run_manifest(config, job.abstract, job.mesh)
+  ckpt = checkpoint.Checkpointer(str(workdir), config.ckpt)
+  iterator = _iterator(config)
+  initial = job.init_state(0)
+  for step in steps:
+    state = initial.replace(step=jax.device_put(np.int32(step), initial.step.sharding))
+    ckpt.save(step, state, iterator, manifest, force=True)
+  ckpt.close()
+  return jax.device_get(state), manifest
+
+
+@pytest.fixture(scope='module')
+def saved_2x4(tmp_path_factory, text_dir):
+  """A jit checkpoint from mesh (data=2, fsdp=4, tensor=1): parameters sharded 4 ways."""
+  workdir = tmp_path_factory.mktemp('saved_2x4')
+  config = _config(text_dir, mesh__data=2, mesh__fsdp=4)
+  host_state, _ = _save(workdir, config)
+  return workdir, host_state
+
+
+TARGETS = {  # name: (config overrides, number of devices)
+    '(8,1,1) jit': ({}, 8),
+    '4 devices': ({}, 4),
+    '1 device': ({}, 1),
+    '(1,8,1) fsdp': ({'mesh__data': 1, 'mesh__fsdp': 8}, 8),
+    'pmap': ({'parallel__strategy': 'pmap'}, 8),
+    'shard_map': ({'parallel__strategy': 'shard_map'}, 8),
+}
+
+
+@pytest.mark.parametrize('target', TARGETS)
+def test_a_2x4_jit_checkpoint_restores_onto_any_mesh_and_strategy(saved_2x4, text_dir, target):
+  workdir, expected = saved_2x4
+  overrides, count = TARGETS[target]
+  config = _config(text_dir, **overrides)
+  job = job_lib.build_job(config, jax.devices()[:count])
+  restored = checkpoint.Checkpointer(str(workdir), config.ckpt).restore_state(
+      7, sharding.with_shardings(job.abstract, job.shardings))
+  assert int(restored.step) == 7
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), expected)
+  # Straight into the target layout: every leaf already has the sharding the compiled step expects,
+  # and a sharded leaf holds only its slice on each device (Orbax reads per shard, nothing whole on the host).
+  for leaf, target_sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(job.shardings)):
+    assert leaf.sharding.is_equivalent_to(target_sharding, leaf.ndim)
+    assert {d.id for d in leaf.sharding.device_set} == {d.id for d in job.mesh.devices.flat}
+  if target == '(1,8,1) fsdp':
+    embed = restored.params['embed']['embedding']
+    assert {s.data.shape for s in embed.addressable_shards} == {(embed.shape[0], embed.shape[1] // 8)}
+
+
+def _leaf_files(step_dir: pathlib.Path) -> list[pathlib.Path]:
+  # After a save, Orbax merges each process's OCDBT store into state/d/, which restores read.
+  return sorted((p for p in (step_dir / 'state' / 'd').iterdir()), key=lambda p: p.stat().st_size)
+
+
+def _killed_mid_save(workdir: pathlib.Path) -> None:
+  """A real save of step 12 interrupted by SIGKILL in a subprocess (a ~200 MB array, killed as it writes)."""
+  script = f'''
+import os, signal, sys, time
+sys.path.insert(0, {str(REPO)!r})
+import jax.numpy as jnp, numpy as np, orbax.checkpoint as ocp
+manager = ocp.CheckpointManager({str(workdir / 'checkpoints')!r})
+big = {{'w': jnp.asarray(np.ones((50, 1024, 1024), np.float32))}}
+manager.save(12, args=ocp.args.Composite(state=ocp.args.StandardSave(big)))
+time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGKILL)
+'''
+  result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, 'XLA_FLAGS': ''})
+  assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+
+
+def test_incomplete_and_corrupt_checkpoints_are_reported_skipped_and_kept(tmp_path, text_dir, caplog):
+  config = _config(text_dir)
+  _, manifest = _save(tmp_path, config, steps=(4, 8, 10))
+  _killed_mid_save(tmp_path)
+  newest = _leaf_files(tmp_path / 'checkpoints' / '10')[-1]  # The step-10 state's array data, cut short.
+  newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+  before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob('*'))
+  assert any('12.orbax-checkpoint-tmp' in p for p in before)
+
+  job = job_lib.build_job(config)
+  ckpt = checkpoint.Checkpointer(str(tmp_path), config.ckpt)
+  with caplog.at_level(std_logging.WARNING):
+    steps = ckpt.resumable_steps(manifest)
+    step, state = ckpt.restore_newest_intact(steps, sharding.with_shardings(job.abstract, job.shardings),
+                                             _iterator(config))
+  ckpt.close()
+  assert steps == [10, 8, 4]
+  assert step == 8 and int(state.step) == 8  # The step field tells the saves apart.
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), jax.device_get(job.init_state(0).params))
+  text = caplog.text
+  assert '12.orbax-checkpoint-tmp is an incomplete save' in text
+  assert f'{tmp_path / "checkpoints" / "10"} is damaged' in text
+  assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob('*')) == before  # Nothing deleted.
+
+
+def test_a_workdir_with_only_damaged_checkpoints_is_refused_not_restarted(tmp_path, text_dir):
+  config = _config(text_dir)
+  _, manifest = _save(tmp_path, config, steps=(4,))
+  (tmp_path / 'checkpoints' / '4' / 'manifest' / 'metadata').write_text('{"trunc')
+  with pytest.raises(UserError, match=r'holds no intact checkpoint \(damaged: \[4\].*--start_over'):
+    checkpoint.Checkpointer(str(tmp_path), config.ckpt).resumable_steps(manifest)
+
+
+def test_manifest_records_the_run_and_logs_safe_changes(tmp_path, text_dir, caplog):
+  config = _config(text_dir, mesh__data=2, mesh__fsdp=4)
+  _, manifest = _save(tmp_path, config, steps=(4,))
+  saved = checkpoint.Checkpointer(str(tmp_path), config.ckpt).read_manifest(4)
+  assert saved['mesh'] == {'data': 2, 'fsdp': 4, 'tensor': 1} and saved['strategy'] == 'jit'
+  assert set(saved['versions']) == {'jax', 'jaxlib', 'flax', 'optax', 'orbax.checkpoint', 'grain'}
+  assert saved['versions']['jax'] == jax.__version__
+  assert '--xla_force_host_platform_device_count=8' in saved['xla_flags']
+  assert saved['config']['train']['steps'] == 8 and saved['device_count'] == 8
+  assert saved['git_commit'] is None or len(saved['git_commit']) == 40
+
+  other = _config(text_dir, train__steps=50, parallel__strategy='pmap')
+  job = job_lib.build_job(other, jax.devices()[:4])
+  with caplog.at_level(std_logging.INFO):
+    checkpoint.Checkpointer(str(tmp_path), other.ckpt).check_compatible(
+        4, checkpoint.run_manifest(other, job.abstract, job.mesh))
+  assert "config.train.steps: 8 -> 50" in caplog.text
+  assert "strategy: 'jit' -> 'pmap'" in caplog.text
+  assert 'device_count: 8 -> 4' in caplog.text
+
+  bigger_vocab = _config(text_dir, model__vocab_size=512)
+  job = job_lib.build_job(bigger_vocab)
+  with pytest.raises(UserError, match='different model .*model.vocab_size: checkpoint 256 vs config 512'):
+    checkpoint.Checkpointer(str(tmp_path), config.ckpt).check_compatible(
+        4, checkpoint.run_manifest(bigger_vocab, job.abstract, job.mesh))
+
+
+def test_keep_period_keeps_old_multiples_beyond_max_to_keep(tmp_path, text_dir):
+  config = _config(text_dir, ckpt__max_to_keep=2, ckpt__keep_period=4, ckpt__every_steps=1)
+  _save(tmp_path, config, steps=(2, 3, 4, 5, 6, 7, 8, 9))
+  assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()) == [4, 8, 9]
+  bad = _config(text_dir, ckpt__keep_period=-1)
+  with pytest.raises(UserError, match='ckpt.keep_period=-1'):
+    checkpoint.Checkpointer(str(tmp_path / 'x'), bad.ckpt)
+
+
+TWO_PROCESS_SAVER = '''
+import sys
+sys.path.insert(0, {repo!r})
+from parallel import distributed
+distributed.initialize('127.0.0.1:{port}', 2, int(sys.argv[1]), 120)
+import jax
+from configs import tiny
+from trainer import checkpoint, data
+from trainer import job as job_lib
+config = tiny.get_config()
+config.data.text_dir = {text_dir!r}
+config.mesh.data, config.mesh.fsdp = 1, 8  # (1, 8, 1) over 2 processes x 4 devices: each holds only its shards.
+job = job_lib.build_job(config)
+state = job.init_state(5)
+corpus = data.load_text_corpus(config.data)
+iterator = data.train_iterator(corpus, config.data, 8, 0, jax.process_index(), 2)
+ckpt = checkpoint.Checkpointer({workdir!r}, config.ckpt)
+ckpt.save(5, state, iterator, checkpoint.run_manifest(config, job.abstract, job.mesh), force=True)
+ckpt.close()
+'''
+
+
+def _free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def test_a_two_process_save_restores_its_state_in_one_process(tmp_path, text_dir):
+  """State only, through the Checkpointer (the data position is per process; see check_compatible)."""
+  script = TWO_PROCESS_SAVER.format(repo=str(REPO), port=_free_port(), text_dir=str(text_dir),
+                                    workdir=str(tmp_path))
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4', 'JAX_PLATFORMS': 'cpu'}
+  procs = [subprocess.Popen([sys.executable, '-c', script, str(i)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True) for i in (0, 1)]
+  try:
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+  assert [p.returncode for p in procs] == [0, 0], '\n'.join(o[-2000:] for o in outputs)
+  state_dir = tmp_path / 'checkpoints' / '5' / 'state'
+  assert {p.name for p in state_dir.glob('ocdbt.process_*')} == {'ocdbt.process_0', 'ocdbt.process_1'}
+
+  for count in (8, 1):
+    config = _config(text_dir)
+    job = job_lib.build_job(config, jax.devices()[:count])
+    restored = checkpoint.Checkpointer(str(tmp_path), config.ckpt).restore_state(
+        5, sharding.with_shardings(job.abstract, job.shardings))
+    # The same seed on one process gives the same values (jax's RNG does not depend on the layout).
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(job.init_state(5)))
+    for leaf, target in zip(jax.tree.leaves(restored), jax.tree.leaves(job.shardings)):
+      assert leaf.sharding.is_equivalent_to(target, leaf.ndim)

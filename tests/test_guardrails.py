@@ -1,0 +1,124 @@
+"""train.on_nonfinite through the real launcher: a NaN gradient in one named leaf, on one chosen batch.
+
+The run is launch.py itself, started by a small driver that first wraps
+trainer.step.grads_and_metrics so the gradient of POISON_LEAF turns NaN on the
+batch whose first row is POISON_ROW: the fault follows the data, as a real bad
+batch would, so a rollback that skips it must get past it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny
+from conftest import REPO
+from parallel import sharding
+from trainer import checkpoint, data
+from trainer import job as job_lib
+
+LEAF = 'block_1/mlp/up/kernel'
+DRIVER = f'''
+import json, os, runpy, sys
+sys.path.insert(0, {str(REPO)!r})
+import jax, jax.numpy as jnp
+from trainer import step
+row = jnp.asarray(json.loads(os.environ['POISON_ROW']), jnp.int32)
+original = step.grads_and_metrics
+
+def poisoned(params, batch, apply_fn):
+  grads, metrics = original(params, batch, apply_fn)
+  hit = jnp.any(jnp.all(batch['inputs'] == row, axis=-1))
+  name = lambda path: '/'.join(str(k.key) for k in path)
+  return jax.tree_util.tree_map_with_path(
+      lambda p, g: jnp.where(hit, jnp.nan, g) if name(p) == {LEAF!r} else g, grads), metrics
+
+step.grads_and_metrics = poisoned
+sys.argv = ['launch.py', *sys.argv[1:]]
+runpy.run_path({str(REPO / 'launch.py')!r}, run_name='__main__')
+'''
+
+
+@pytest.fixture(scope='module')
+def text_dir(tmp_path_factory):
+  root = tmp_path_factory.mktemp('text')
+  rng = np.random.default_rng(0)
+  for i in range(20):
+    (root / f'file_{i}.py').write_bytes(bytes(rng.integers(32, 127, size=2000, dtype=np.uint8)))
+  return root
+
+
+def _config(text_dir):
+  config = tiny.get_config()  # 8 steps, a checkpoint every 4.
+  config.data.text_dir = str(text_dir)
+  return config
+
+
+def _run(workdir, text_dir, mode: str, bad_step: int) -> subprocess.CompletedProcess:
+  config = _config(text_dir)
+  iterator = data.train_iterator(data.load_text_corpus(config.data), config.data, config.train.batch_size,
+                                 config.train.seed, 0, 1)
+  for _ in range(bad_step):
+    row = next(iterator)['inputs'][0]
+  env = {**os.environ, 'POISON_ROW': json.dumps(row.tolist())}
+  return subprocess.run([sys.executable, '-c', DRIVER, '--config=configs/tiny.py', f'--workdir={workdir}',
+                         f'--config.data.text_dir={text_dir}', '--config.log.every_steps=1',
+                         f'--config.train.on_nonfinite={mode}'],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _saved(workdir) -> list[int]:
+  return sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir() if p.name.isdigit())
+
+
+def _notfinite_count(workdir, text_dir, step: int) -> int:
+  """The optimizer's count of dropped updates (optax.apply_if_finite), read from the checkpoint at `step`."""
+  config = _config(text_dir)
+  job = job_lib.build_job(config)
+  state = checkpoint.Checkpointer(str(workdir), config.ckpt).restore_state(
+      step, sharding.with_shardings(job.abstract, job.shardings))
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+  return int(state.opt_state.total_notfinite)
+
+
+def _steps_logged(workdir) -> list[int]:
+  return [json.loads(l)['step'] for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
+
+
+def test_stop_exits_3_naming_the_leaf_and_keeps_only_good_checkpoints(tmp_path, text_dir):
+  # The bad step is also a save step: the loop must check it before saving it.
+  result = _run(tmp_path, text_dir, 'stop', bad_step=8)
+  assert result.returncode == 3, result.stderr[-3000:]
+  errors = [l for l in result.stderr.splitlines() if l.startswith('launch.py: error:')]
+  assert len(errors) == 1 and 'Traceback' not in result.stderr, result.stderr[-3000:]
+  assert f'step 8: finite loss and non-finite gradients in 1 parameter leaves: {LEAF}.' in errors[0]
+  assert 'train.on_nonfinite=stop' in errors[0]
+  assert _saved(tmp_path) == [4]
+  assert not list((tmp_path / 'checkpoints').glob('*tmp*'))
+  assert _notfinite_count(tmp_path, text_dir, 4) == 0
+
+
+def test_skip_drops_the_update_names_the_leaf_and_trains_on(tmp_path, text_dir):
+  result = _run(tmp_path, text_dir, 'skip', bad_step=6)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f'Step 6: finite loss and non-finite gradients in 1 parameter leaves: {LEAF}; update skipped' in result.stderr
+  assert _saved(tmp_path) == [4, 8]
+  assert _steps_logged(tmp_path) == list(range(1, 9))
+  assert _notfinite_count(tmp_path, text_dir, 8) == 1
+
+
+def test_rollback_reloads_the_last_checkpoint_and_skips_the_bad_batch(tmp_path, text_dir):
+  result = _run(tmp_path, text_dir, 'rollback', bad_step=6)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f'Step 6: finite loss and non-finite gradients in 1 parameter leaves: {LEAF}. Rolled back to the ' \
+         'checkpoint at step 4' in result.stderr
+  assert 'Step 6: skipped the batch that went non-finite' in result.stderr
+  assert _saved(tmp_path) == [4, 8]
+  logged = _steps_logged(tmp_path)
+  assert logged[-1] == 8 and logged.count(5) == 2
+  # The state at 8 descends from step 4's, never saw the bad batch, so no update was ever dropped.
+  assert _notfinite_count(tmp_path, text_dir, 8) == 0

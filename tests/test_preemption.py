@@ -1,0 +1,129 @@
+"""Real subprocesses of launch.py: kill -9 and resume, SIGTERM and relaunch, --start_over; bitwise-equal losses.
+
+Each run is its own process group under a deadline; the test reads its log as
+it is written and sends the signal when the run reaches a given step.
+"""
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+STEPS = 20
+TIMEOUT_S = 240
+
+
+@pytest.fixture(scope='module')
+def text_dir(tmp_path_factory):
+  root = tmp_path_factory.mktemp('text')
+  rng = np.random.default_rng(0)
+  for i in range(20):
+    (root / f'file_{i}.py').write_bytes(bytes(rng.integers(32, 127, size=4000, dtype=np.uint8)))
+  return root
+
+
+def _args(workdir, text_dir, *extra):
+  # seq_len 128 makes a step slow enough (tens of ms) that a signal sent at step 10 lands well before step 20.
+  return ['--config=configs/tiny.py', f'--workdir={workdir}', f'--config.train.steps={STEPS}',
+          '--config.ckpt.every_steps=5', '--config.log.every_steps=1', '--config.data.seq_len=128',
+          f'--config.data.text_dir={text_dir}', *extra]
+
+
+def _launch(args, signal_at_step: int | None = None, sig: int = signal.SIGKILL) -> subprocess.CompletedProcess:
+  """Runs launch.py; once its log shows `step N/`, sends `sig`. Kills the group and fails past TIMEOUT_S."""
+  proc = subprocess.Popen([sys.executable, str(REPO / 'launch.py'), *args], cwd=REPO, env=dict(os.environ),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+  timer = threading.Timer(TIMEOUT_S, lambda: os.killpg(proc.pid, signal.SIGKILL))
+  timer.start()
+  lines, sent = [], False
+  try:
+    for line in proc.stderr:
+      lines.append(line)
+      if signal_at_step and not sent and re.search(rf'step {signal_at_step}/{STEPS} \|', line):
+        os.kill(proc.pid, sig)
+        sent = True
+    proc.wait()
+  finally:
+    timed_out = not timer.is_alive()
+    timer.cancel()
+  assert not timed_out, f'launch.py ran past {TIMEOUT_S}s:\n{"".join(lines)[-4000:]}'
+  return subprocess.CompletedProcess(args, proc.returncode, '', ''.join(lines))
+
+
+def _losses(workdir: pathlib.Path) -> dict[int, float]:
+  """step -> loss; a relaunch's records replace the killed run's records of the same step."""
+  return {r['step']: r['loss'] for r in map(json.loads, (workdir / 'metrics.jsonl').read_text().splitlines())}
+
+
+def _steps_saved(workdir: pathlib.Path) -> list[int]:
+  return sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir() if p.name.isdigit())
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory, text_dir):
+  workdir = tmp_path_factory.mktemp('uninterrupted')
+  result = _launch(_args(workdir, text_dir))
+  assert result.returncode == 0, result.stderr[-3000:]
+  losses = _losses(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  return workdir, losses
+
+
+def test_kill_9_after_10_steps_then_resume_gives_bitwise_identical_losses(uninterrupted, text_dir, tmp_path):
+  _, reference = uninterrupted
+  killed = _launch(_args(tmp_path, text_dir), signal_at_step=10, sig=signal.SIGKILL)
+  assert killed.returncode == -signal.SIGKILL
+  reached = max(_losses(tmp_path))
+  assert 10 <= reached < STEPS, 'the kill came too late to interrupt the run'
+  saved_before = _steps_saved(tmp_path)
+  assert 5 in saved_before and STEPS not in saved_before
+
+  resumed = _launch(_args(tmp_path, text_dir))
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  start = int(re.search(r'Resuming from checkpoint at step (\d+)', resumed.stderr).group(1))
+  assert start == max(saved_before) and start >= 5
+  losses = _losses(tmp_path)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  assert losses == reference  # float32 losses, bit for bit, before and after the kill.
+
+
+def test_sigterm_saves_the_current_step_exits_0_and_relaunch_continues_exactly(uninterrupted, text_dir, tmp_path):
+  _, reference = uninterrupted
+  stopped = _launch(_args(tmp_path, text_dir), signal_at_step=7, sig=signal.SIGTERM)
+  assert stopped.returncode == 0, stopped.stderr[-3000:]
+  match = re.search(r'SIGTERM received: saved step (\d+) to (\S+) and stopped', stopped.stderr)
+  assert match, stopped.stderr[-3000:]
+  step = int(match.group(1))
+  assert 7 < step < STEPS
+  assert _steps_saved(tmp_path)[-1] == step  # Saved at the step it stopped at, not at the last multiple of 5.
+  assert not list((tmp_path / 'checkpoints').glob('*tmp*'))  # The save finished before the exit.
+  assert max(_losses(tmp_path)) == step
+
+  relaunched = _launch(_args(tmp_path, text_dir))
+  assert relaunched.returncode == 0, relaunched.stderr[-3000:]
+  assert f'Resuming from checkpoint at step {step} ' in relaunched.stderr
+  assert _losses(tmp_path) == reference
+
+
+def test_start_over_moves_the_previous_run_aside_and_trains_from_step_0(uninterrupted, text_dir, tmp_path):
+  workdir = tmp_path / 'run'
+  subprocess.run(['cp', '-r', str(uninterrupted[0]), str(workdir)], check=True)
+  before = sorted(str(p.relative_to(workdir)) for p in workdir.rglob('*'))
+  result = _launch(_args(workdir, text_dir, '--start_over', '--config.train.steps=5'))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'Resuming' not in result.stderr
+  [moved] = workdir.glob('previous_run_*')
+  assert f'--start_over: moved the previous run' in result.stderr and str(moved) in result.stderr
+  after = sorted(str(p.relative_to(moved)) for p in moved.rglob('*'))
+  assert [p for p in before if not p.startswith('previous_run_')] == after  # Everything kept, nothing deleted.
+  assert _steps_saved(workdir) == [5]
+  assert sorted(_losses(workdir)) == [1, 2, 3, 4, 5]

@@ -1,0 +1,110 @@
+"""Numeric guardrails: a non-finite loss or gradient is named, leaf by leaf, and handled per `train.on_nonfinite`.
+
+In the step: the optimizer is wrapped in `optax.apply_if_finite`, so an update
+from non-finite gradients is never applied (parameters and Adam moments stay as
+they were), whatever the mode; and the step reports one finiteness flag per
+gradient leaf (`leaf_finite`), so the host can name the offending parameters.
+
+On the host (`Guard.check`, on each step's metrics as the loop fetches them):
+- 'stop': raise NonFiniteError; launch.py exits with code 3. Every checkpoint
+  on disk was taken from a step already checked (the loop checks a step before
+  saving it), so the last good checkpoint is intact;
+- 'skip': log the leaves and go on (the update was already dropped in the step);
+- 'rollback': reload the newest checkpoint before the bad step, and when the
+  replay reaches that step, draw the next batch instead of the offending one.
+  If the same step is non-finite again after a rollback, stop as in 'stop'.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+
+from trainer.errors import UserError
+
+MODES = ('stop', 'skip', 'rollback')
+NONFINITE_EXIT_CODE = 3  # Distinct from 2 (bad config), so schedulers can tell "do not just restart".
+
+
+class NonFiniteError(UserError):
+  """The run stopped on a non-finite loss or gradient; the last good checkpoint is on disk."""
+  exit_code = NONFINITE_EXIT_CODE
+
+
+class Rollback(Exception):
+  """Raised out of the step loop to ask `Guard.roll_back` for the last good state (control flow only)."""
+
+  def __init__(self, step: int, what: str):
+    super().__init__(f'step {step}: {what}')
+    self.step, self.what = step, what
+
+
+def validate(mode: str) -> None:
+  if mode not in MODES:
+    raise UserError(f'train.on_nonfinite={mode!r}: choose one of {MODES}.')
+
+
+def guard_optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """Drops any update whose gradients are not all finite; never gives in (int32 max consecutive errors)."""
+  return optax.apply_if_finite(tx, max_consecutive_errors=int(np.iinfo(np.int32).max))
+
+
+def leaf_finite(grads) -> jax.Array:
+  """bool[num_leaves], in `jax.tree.leaves` order: is every element of that gradient leaf finite?"""
+  return jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+
+
+class Guard:
+  """Checks each step's metrics once; see the module docstring for what each mode does."""
+
+  def __init__(self, mode: str, leaf_names: list[str]):
+    validate(mode)
+    self.mode, self._names = mode, leaf_names
+    self._last_checked = None
+    self._skip_at = None  # After a rollback: the step whose batch is drawn and dropped.
+    self._rolled_back_at = set()
+
+  def check(self, step: int, metrics) -> None:
+    if step == self._last_checked:
+      return
+    self._last_checked = step
+    loss, finite = jax.device_get((metrics['loss'], metrics['grads_finite']))
+    if np.isfinite(loss) and bool(np.all(finite)):
+      return
+    bad = [name for name, ok in zip(self._names, np.asarray(finite)) if not ok]
+    what = (f'non-finite loss ({float(loss)})' if not np.isfinite(loss) else 'finite loss') + (
+        f' and non-finite gradients in {len(bad)} parameter leaves: {", ".join(bad[:8])}'
+        f'{" ..." if len(bad) > 8 else ""}' if bad else ' but every gradient leaf finite')
+    if self.mode == 'skip':
+      logging.warning('Step %d: %s; update skipped (train.on_nonfinite=skip).', step, what)
+    elif self.mode == 'rollback' and step not in self._rolled_back_at:
+      raise Rollback(step, what)
+    else:
+      again = ' again after rolling back and skipping its batch' if step in self._rolled_back_at else ''
+      raise NonFiniteError(
+          f'step {step}: {what}{again}. Stopped (train.on_nonfinite={self.mode}); the update was not applied and '
+          f'no checkpoint of this step or later was written, so a relaunch resumes from the last good one. '
+          f'Lower train.learning_rate, check the data, or set train.on_nonfinite=skip or rollback.')
+
+  def roll_back(self, rollback: Rollback, ckpt, abstract_with_shardings, train_iter):
+    """(step, state) of the newest intact checkpoint before the bad step; its batch will be skipped on replay."""
+    ckpt.wait_until_finished()
+    steps = [s for s in ckpt.all_steps() if s < rollback.step][::-1]
+    if not steps:
+      raise NonFiniteError(f'step {rollback.step}: {rollback.what}. train.on_nonfinite=rollback, but no checkpoint '
+                           f'before step {rollback.step} exists to roll back to; stopped. Save more often '
+                           f'(ckpt.every_steps) or lower train.learning_rate.')
+    step, state = ckpt.restore_newest_intact(steps, abstract_with_shardings, train_iter)
+    self._rolled_back_at.add(rollback.step)
+    self._skip_at, self._last_checked = rollback.step, None
+    logging.warning('Step %d: %s. Rolled back to the checkpoint at step %d (train.on_nonfinite=rollback); its '
+                    'batch will be skipped when the replay reaches it.', rollback.step, rollback.what, step)
+    return step, state
+
+  def skip_offending_batch(self, step: int, train_iter) -> None:
+    """Call before drawing the batch of `step`: after a rollback, drops the batch that went non-finite."""
+    if step == self._skip_at:
+      next(train_iter)
+      self._skip_at = None
+      logging.warning('Step %d: skipped the batch that went non-finite before the rollback.', step)
