@@ -71,7 +71,7 @@ class ProgressBar:
     if not self.enabled:
       return
     avg = self._step_time_s
-    self._step_time_s = step_time_s if avg is None else 0.9 * avg + 0.1 * step_time_s
+    self._step_time_s = step_time_s if avg is None else 0.7 * avg + 0.3 * step_time_s
     now = time.monotonic()
     if now - self._last_draw < _REDRAW_S and step < self._total:
       return
