@@ -51,13 +51,16 @@ def test_device_memory_is_the_fullest_devices_in_gib():
   assert metrics.device_memory_scalars([{}, {'num_allocs': 3}]) is None
 
 
-def test_every_numeric_key_reaches_jsonl_and_tensorboard_with_memory_where_reported(tmp_path, monkeypatch):
+def test_every_numeric_key_reaches_jsonl_and_tensorboard_with_memory_where_reported(tmp_path, monkeypatch, caplog):
   monkeypatch.setattr(jax, 'local_devices', lambda: [_FakeDevice(s) for s in GPU_STATS])
   writer = metrics.MetricsWriter(str(tmp_path), enabled=True, total_steps=10)
   # tflops_per_device and mfu are what the loop adds on known accelerators; they need no change here.
-  writer.write(5, {'loss': 2.5, 'tokens_per_s': 1000.0, 'step_time_s': 0.5, 'tflops_per_device': 312.5,
-                   'mfu': 0.41, 'eval_loss': 2.75})
+  with caplog.at_level(py_logging.INFO):
+    writer.write(5, {'loss': 2.5, 'tokens_per_s': 1000.0, 'step_time_s': 0.5, 'tflops_per_device': 312.5,
+                     'mfu': 0.41, 'eval_loss': 2.75})
   writer.close()
+  assert 'step 5/10 | loss 2.5000 | eval_loss 2.7500 | 1,000 tok/s | MFU 41.0% | ETA 0m02s' in caplog.text
+  assert 'reports no memory statistics' not in caplog.text
   record = _records(tmp_path)[0]
   assert record == {'step': 5, 'loss': 2.5, 'tokens_per_s': 1000.0, 'step_time_s': 0.5, 'tflops_per_device': 312.5,
                     'mfu': 0.41, 'eval_loss': 2.75, 'device_memory_in_use_gib': 4.0, 'device_memory_peak_gib': 5.0,
