@@ -154,7 +154,8 @@ def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_
     t0 = time.perf_counter()
     batch = data.to_global(next(train_iter), batch_sharding, process_count)
     data_wait = time.perf_counter() - t0
-    state, metrics = compiled_step(state, batch)
+    with jax.profiler.StepTraceAnnotation('train', step_num=step):  # Step markers for the profile's step view.
+      state, metrics = compiled_step(state, batch)
     if pending is not None:  # Fetch step-1's metrics while step runs: the one sync point per step.
       last_fetch, side_time = _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step,
                                       tokens_per_step)
