@@ -7,6 +7,7 @@ on the run it starts TensorBoard against.
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -135,16 +136,21 @@ def test_no_window_by_default_and_signal_traces_num_steps_from_the_next_step(tmp
   assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # Restored on close.
 
 
-def test_profiler_server_listens_on_the_port(tmp_path):
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    port = s.getsockname()[1]
-  profiler = profiling.Profiler(_profile(server_port=port), str(tmp_path), 1, 10)
-  try:
-    with socket.create_connection(('127.0.0.1', port), timeout=10):
-      pass
-  finally:
-    profiler.close()
+def test_profiler_server_listens_on_the_port_or_the_next_free_one(tmp_path, caplog):
+  """One process per GPU puts several processes on a host: a taken port moves the server to the next free one."""
+  with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as taken:
+    taken.bind(('::' if socket.has_ipv6 else '', 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    with caplog.at_level('INFO'):
+      profiler = profiling.Profiler(_profile(server_port=port), str(tmp_path), 1, 10)
+    try:
+      found = re.search(rf'Profiler server on port (\d+) \({port} was taken\)', caplog.text)
+      assert found, caplog.text
+      with socket.create_connection(('127.0.0.1', int(found.group(1))), timeout=10):
+        pass
+    finally:
+      profiler.close()
 
 
 def test_out_of_memory_saves_a_device_memory_profile(tmp_path):

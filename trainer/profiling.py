@@ -40,6 +40,20 @@ def check_config(profile) -> None:
                     'profiler server.')
 
 
+_PORTS_TO_TRY = 64
+
+
+def _port_is_free(port: int) -> bool:
+  """Whether a server can listen on `port` on every interface, as jax's profiler server does."""
+  family, host = (socket.AF_INET6, '::') if socket.has_ipv6 else (socket.AF_INET, '')
+  try:
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+      s.bind((host, port))
+    return True
+  except OSError:
+    return False
+
+
 def is_out_of_memory(error: BaseException) -> bool:
   """XLA reports a failed device allocation as RESOURCE_EXHAUSTED (an XlaRuntimeError)."""
   text = str(error)
@@ -68,13 +82,25 @@ class Profiler:
       else:
         self._window = (max(start, first_step), end)
     if profile.server_port:
-      self._server = jax.profiler.start_server(profile.server_port)
-      logging.info('Profiler server on port %d: in TensorBoard, Profile > Capture profile > %s:%d.',
-                   profile.server_port, socket.gethostname(), profile.server_port)
+      self._start_server(profile.server_port)
     if threading.current_thread() is threading.main_thread() and hasattr(signal, 'SIGUSR1'):
       self._previous_handler = signal.signal(signal.SIGUSR1, self._on_signal)
       logging.info('Profiling on demand: kill -USR1 %d traces the next %d steps into %s.', os.getpid(),
                    self._num_steps, self.trace_dir)
+
+  def _start_server(self, wanted: int) -> None:
+    """jax's profiler server on `wanted`, or the next free port (several processes share a host under SLURM).
+
+    The server only logs when it cannot bind, so the port is checked first.
+    """
+    port = next((p for p in range(wanted, min(wanted + _PORTS_TO_TRY, 65536)) if _port_is_free(p)), None)
+    if port is None:
+      logging.warning('profile.server_port: ports %d..%d are all taken; no profiler server.', wanted,
+                      wanted + _PORTS_TO_TRY - 1)
+      return
+    self._server = jax.profiler.start_server(port)
+    logging.info('Profiler server on port %d%s: in TensorBoard, Profile > Capture profile > %s:%d.', port,
+                 '' if port == wanted else f' ({wanted} was taken)', socket.gethostname(), port)
 
   @property
   def trace_dir(self) -> pathlib.Path:
