@@ -44,8 +44,8 @@ def main() -> None:
   inside = [r['step_time_s'] for r in records if r['step'] in window]
   outside = [r['step_time_s'] for r in records if r['step'] not in window and r['step'] > 1]
   write_s = float(re.search(r'Trace written under .* in ([0-9.]+)s', result.stderr).group(1))
-  print(f'| config | steps traced | median step, untraced (ms) | median step, traced (ms) | traced / untraced '
-        f'| trace write-out (s) | xplane.pb (MiB) | goodput |')
+  print('| config | steps traced | median step, untraced (ms) | median step, traced (ms) | traced / untraced '
+        '| trace write-out (s) | xplane.pb (MiB) | goodput |')
   print('|---|---|---|---|---|---|---|---|')
   print(f'| {args.config} | {args.start}..{window[-1]} of {args.steps} | {1000 * statistics.median(outside):.1f} '
         f'| {1000 * statistics.median(inside):.1f} | {statistics.median(inside) / statistics.median(outside):.2f} '

@@ -57,7 +57,7 @@ def test_every_numeric_key_reaches_jsonl_and_tensorboard_with_memory_where_repor
   # tflops_per_device and mfu are what the loop adds on known accelerators; they need no change here.
   with caplog.at_level(py_logging.INFO):
     writer.write(5, {'loss': 2.5, 'tokens_per_s': 1000.0, 'step_time_s': 0.5, 'tflops_per_device': 312.5,
-                     'mfu': 0.41, 'eval_loss': 2.75})
+                     'mfu': 0.41, 'eval_loss': 2.75, 'not_known_here': None})
   writer.close()
   assert 'step 5/10 | loss 2.5000 | eval_loss 2.7500 | 1,000 tok/s | MFU 41.0% | ETA 0m02s' in caplog.text
   assert 'reports no memory statistics' not in caplog.text

@@ -115,7 +115,8 @@ def test_every_scalar_the_issue_lists_is_served(finished_run, tensorboard):
 
 
 def test_config_served_as_text_and_as_hparams(tensorboard):
-  assert {'config/text_summary', 'goodput/text_summary'} <= set(tensorboard.get('/data/plugin/text/tags')['tensorboard'])
+  text_tags = set(tensorboard.get('/data/plugin/text/tags')['tensorboard'])
+  assert {'config/text_summary', 'goodput/text_summary'} <= text_tags
   experiment = tensorboard.get('/data/plugin/hparams/experiment', body={'experimentName': ''})
   hparams = {h['name'] for h in experiment['hparamInfos']}
   assert {'train.steps', 'train.batch_size', 'model.d_model', 'mesh.data', 'profile.trace_window'} <= hparams

@@ -90,7 +90,9 @@ class MetricsWriter:
     if not self._enabled:
       return
     extra = self.goodput.take_window() if self.goodput is not None else {}
-    record = {'step': step, **{k: float(v) for k, v in {**scalars, **extra, **self._memory()}.items()}}
+    # None means "not known here" (e.g. MFU on an unknown accelerator): left out rather than logged as a number.
+    record = {'step': step, **{k: float(v) for k, v in {**scalars, **extra, **self._memory()}.items()
+                               if v is not None}}
     self._jsonl.write(json.dumps(record) + '\n')
     self._jsonl.flush()
     for key, value in record.items():
