@@ -187,3 +187,18 @@ def test_bad_profile_setting_stops_the_launch_before_compiling(launcher, tmp_pat
   assert result.returncode == 2
   assert 'launch.py: error: profile.num_steps=0: a trace needs at least 1 step' in result.stderr
   assert 'Compiled the train step' not in result.stderr
+
+
+def test_out_of_memory_in_the_loop_leaves_a_memory_profile_and_the_error(tmp_path, monkeypatch):
+  """The loop's wiring: an out-of-memory error mid-run reaches the profiler, then the caller, unchanged."""
+  from trainer import loop, metrics
+
+  def out_of_memory_at_step_3(self, step, *args):
+    if step == 3:
+      raise RuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB.')
+
+  monkeypatch.setattr(metrics.MetricsWriter, 'step_done', out_of_memory_at_step_3)
+  with pytest.raises(RuntimeError, match='RESOURCE_EXHAUSTED'):
+    loop.run(tiny.get_config(), str(tmp_path), devices=jax.devices()[:2])
+  assert len(list((tmp_path / 'memory_profiles').glob('oom-*.prof'))) == 1
+  assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
