@@ -65,6 +65,14 @@ def get_config() -> config_dict.ConfigDict:
 
   c.log = config_dict.ConfigDict()
   c.log.every_steps = 50  # Write metrics and a progress line every N steps (and at step 1).
+  c.log.progress_bar = 'auto'  # 'auto': a live bar when stderr is a terminal; 'on'; 'off' (log lines only).
+
+  c.profile = config_dict.ConfigDict()
+  c.profile.trace_window = False  # True: trace steps start_step .. start_step + num_steps - 1 into WORKDIR.
+  c.profile.start_step = 10  # First traced step; past the first steps, so compile and warm-up stay out.
+  c.profile.num_steps = 5  # Steps per trace: the scheduled window and each SIGUSR1-triggered capture.
+  c.profile.server_port = 0  # Start jax.profiler's server on this port for TensorBoard's on-demand capture; 0 = off.
+  c.profile.memory_on_oom = True  # On an out-of-memory error save a device memory profile (pprof) into WORKDIR.
 
   c.data = config_dict.ConfigDict()
   c.data.source = 'text'  # 'text' (bytes of text_dir's files), 'array_record' (prepare_data.py shards), 'arrays' (.npz), 'synthetic'.

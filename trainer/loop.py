@@ -16,6 +16,8 @@ from absl import logging
 
 from parallel import sharding
 from trainer import checkpoint, compilation_cache, data, flops, guardrails, preemption
+from trainer import goodput as goodput_lib
+from trainer import profiling, progress
 from trainer import job as job_lib
 from trainer import state as state_lib
 from trainer.metrics import MetricsWriter
@@ -38,6 +40,7 @@ class Window:
         'step_time_s': step_time,
         'tokens_per_s': tokens_per_step / step_time,
         'data_wait_s': float(np.mean(self.data_waits)),
+        'param_norm': last_metrics['param_norm'],
     }
 
 
@@ -49,6 +52,8 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None) -> No
   """
   compilation_cache.enable(config.train.compilation_cache_dir)
   job = job_lib.build_job(config, devices)
+  profiling.check_config(config.profile)
+  progress.check_mode(config.log.progress_bar)
   mesh, batch_sharding, abstract, shardings = job.mesh, job.batch_sharding, job.abstract, job.shardings
   process_index, process_count = jax.process_index(), jax.process_count()
 
@@ -69,10 +74,13 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None) -> No
   ckpt = checkpoint.Checkpointer(workdir, config.ckpt)
   # Before compiling: a foreign or unreadable workdir should fail in seconds, not minutes.
   resumable = ckpt.resumable_steps(manifest)
+  tracker = goodput_lib.Goodput(workdir, resumed_step=resumable[0] if resumable else None)
 
   start = time.perf_counter()
   compiled_step = job.compile_train_step()
-  logging.info('Compiled the train step in %.1fs', time.perf_counter() - start)
+  compile_s = time.perf_counter() - start
+  logging.info('Compiled the train step in %.1fs', compile_s)
+  tracker.compiled(compile_s)
 
   latest = None
   if resumable:
@@ -82,24 +90,34 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None) -> No
   else:
     state = job.init_state(config.train.seed)
 
-  writer = MetricsWriter(workdir, enabled=process_index == 0, total_steps=config.train.steps)
+  writer = MetricsWriter(workdir, enabled=process_index == 0, total_steps=config.train.steps,
+                         progress_bar=config.log.progress_bar, goodput=tracker)
   if process_index == 0:
     (pathlib.Path(workdir) / 'config.json').write_text(config.to_json_best_effort(indent=2))
-    writer.write_text('config', f'```\n{config}\n```')
+    writer.write_config(config)
   guard = guardrails.Guard(config.train.on_nonfinite, list(manifest['param_shapes']))
   preempt = preemption.PreemptionWatch()
+  profiler = profiling.Profiler(config.profile, workdir, first_step=(latest or 0) + 1, total_steps=config.train.steps,
+                                goodput=tracker)
   try:
     throughput = flops.Throughput.for_run(config, mesh.devices.flat)
     while True:
       try:
         _train(config, state, compiled_step, job.eval_step, eval_set, train_iter, batch_sharding, process_count,
-               ckpt, manifest, writer, start_step=latest or 0, guard=guard, preempt=preempt, throughput=throughput)
+               ckpt, manifest, writer, start_step=latest or 0, guard=guard, preempt=preempt, throughput=throughput,
+               profiler=profiler)
         break
       except guardrails.Rollback as rollback:
         latest, state = guard.roll_back(rollback, ckpt, sharding.with_shardings(abstract, shardings), train_iter)
+  except Exception as e:
+    profiler.on_error(e)  # Out of memory: saves the device memory profile while the arrays are still alive.
+    raise
   finally:
+    profiler.close()
     preempt.close()
+    t_close = time.perf_counter()
     ckpt.close()  # Waits for an async save in flight: a finished run never leaves a half-written checkpoint.
+    tracker.record_side(checkpoint_s=time.perf_counter() - t_close)
     writer.close()
 
 
@@ -111,7 +129,8 @@ def _evaluate(eval_step, params, eval_set) -> dict[str, float]:
 
 def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_sharding, process_count,
            ckpt, manifest, writer, start_step: int, guard: guardrails.Guard,
-           preempt: preemption.PreemptionWatch, throughput: flops.Throughput | None = None) -> None:
+           preempt: preemption.PreemptionWatch, throughput: flops.Throughput | None,
+           profiler: profiling.Profiler) -> None:
   total = config.train.steps
   if start_step >= total:
     logging.info('Checkpoint step %d already reaches train.steps=%d: nothing to train.', start_step, total)
@@ -125,11 +144,13 @@ def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_
   window, evals, pending = Window(), {}, None
   last_fetch, side_time = time.perf_counter(), 0.0
   for step in range(start_step + 1, total + 1):
+    side_time += profiler.step(step, state)  # Writing a trace out is not step time.
     t0 = time.perf_counter()
     guard.skip_offending_batch(step, train_iter)
     batch = data.to_global(next(train_iter), batch_sharding, process_count)
     data_wait = time.perf_counter() - t0
-    state, metrics = compiled_step(state, batch)
+    with jax.profiler.StepTraceAnnotation('train', step_num=step):  # Step markers for the profile's step view.
+      state, metrics = compiled_step(state, batch)
     if pending is not None:  # Fetch step-1's metrics while step runs: the one sync point per step.
       guard.check(*pending[:2])
       last_fetch, side_time = _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step,
@@ -140,9 +161,11 @@ def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_
     if eval_set and (step == total or (eval_every and step % eval_every == 0)):
       evals[step] = _evaluate(eval_step, state.params, eval_set)
     preempted = preempt.reached(step)
+    t_ckpt = time.perf_counter()
     if step % config.ckpt.every_steps == 0 or step == total or preempted:
       guard.check(step, metrics)  # Metrics come a step late; a state is checked before it is ever saved.
       ckpt.save(step, state, train_iter, manifest, force=True)
+    writer.goodput.record_side(eval_s=t_ckpt - t_side, checkpoint_s=time.perf_counter() - t_ckpt)
     side_time += time.perf_counter() - t_side
     if preempted:
       ckpt.wait_until_finished()
@@ -151,6 +174,7 @@ def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_
       break
   guard.check(*pending[:2])
   _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step, tokens_per_step, throughput)
+  profiler.close(state)  # A trace window reaching the last step ends here, once its steps finished.
 
 
 def _finish(pending, window: Window, last_fetch: float, side_time: float, writer: MetricsWriter,
@@ -164,6 +188,7 @@ def _finish(pending, window: Window, last_fetch: float, side_time: float, writer
   # Eval and checkpoint time spent since the last fetch is not step time.
   window.step_times.append(max(now - last_fetch - side_time, 1e-9))
   window.data_waits.append(data_wait)
+  writer.step_done(step, window.losses[-1], window.step_times[-1], data_wait, tokens_per_step)
   if is_log_step(step):
     summary = window.summary(metrics, tokens_per_step, throughput)
     data.warn_if_stalled(step, summary)
