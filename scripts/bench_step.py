@@ -10,7 +10,7 @@
 2. Host time per step outside the compiled call: the same loop driving a step
    that returns at once, so all that is left is the loop's own work.
 3. Temporary memory per remat policy for an 8-layer model (memory_analysis), and
-   the compile time of 8 scanned vs 8 unrolled layers.
+   the compile time of scanned vs unrolled layers at 2 and 16 layers.
 4. Cold vs warm compile of the train step with the persistent compilation cache
    (two fresh processes sharing one cache folder).
 """
@@ -180,12 +180,20 @@ def remat_memory(base_config, num_layers: int = 8) -> list[dict]:
     t0 = time.perf_counter()
     memory = job.compile_train_step().memory_analysis()
     rows.append({'policy': policy, 'temp_bytes': memory.temp_size_in_bytes, 'compile_s': time.perf_counter() - t0})
-  config = _quiet(base_config, 1)
-  config.model.num_layers = num_layers
-  config.model.scan_layers = False
-  t0 = time.perf_counter()
-  job_lib.build_job(config, jax.devices()[:1]).compile_train_step()
-  rows.append({'policy': 'none, unrolled', 'temp_bytes': None, 'compile_s': time.perf_counter() - t0})
+  return rows
+
+
+def compile_vs_depth(base_config, depths=(2, 16)) -> list[tuple[int, bool, float]]:
+  """Compile seconds of the train step, scanned and unrolled, at each depth (alternating, 1 device)."""
+  rows = []
+  for layers in depths:
+    for scan in (True, False):
+      config = _quiet(base_config, 1)
+      config.model.num_layers, config.model.scan_layers = layers, scan
+      job = job_lib.build_job(config, jax.devices()[:1])
+      t0 = time.perf_counter()
+      job.compile_train_step()
+      rows.append((layers, scan, time.perf_counter() - t0))
   return rows
 
 
@@ -217,27 +225,47 @@ def main():
   parser.add_argument('--config', default=str(REPO / 'configs/default.py'))
   parser.add_argument('--rounds', type=int, default=10)
   parser.add_argument('--steps_per_round', type=int, default=5)
+  parser.add_argument('--parts', default='speed,host,remat,depth,cache', help='Comma-separated parts to run.')
   args = parser.parse_args()
+  parts = set(args.parts.split(','))
   config = _load_config(args.config)
   print(f'jax {jax.__version__}; {len(jax.devices())} x {jax.devices()[0].device_kind}; config {args.config}')
+  if 'speed' in parts:
+    _speed(config, args)
+  if 'host' in parts:
+    print(f'\nHost time per step outside the compiled call (loop with a free step, 1 device): '
+          f'{host_overhead(config, 200) * 1e3:.3f} ms')
+  if 'remat' in parts:
+    _remat(config)
+  if 'depth' in parts:
+    print('\n| layers | scanned compile (s) | unrolled compile (s) |')
+    print('|---|---|---|')
+    rows = compile_vs_depth(config)
+    for layers in sorted({r[0] for r in rows}):
+      scanned, unrolled = (next(t for l, s, t in rows if l == layers and s == scan) for scan in (True, False))
+      print(f'| {layers} | {scanned:.1f} | {unrolled:.1f} |')
+  if 'cache' in parts:
+    cold, warm = cold_warm_compile(args.config)
+    print(f'\nCompile of the train step, fresh process: cold cache {cold:.2f} s, warm cache {warm:.2f} s '
+          f'({cold / warm:.1f}x)')
+
+
+def _speed(config, args):
   print('| devices | launcher step+loop (ms, median) | minimal jax.jit step (ms, median) | ratio | timed steps each |')
   print('|---|---|---|---|---|')
   for n in (1, 8):
     r = step_vs_minimal(config, n, args.rounds, args.steps_per_round)
     print(f"| {r['devices']} | {r['launcher_ms']:.2f} | {r['minimal_ms']:.2f} | {r['ratio']:.3f} | {r['steps']} |")
-  print(f'\nHost time per step outside the compiled call (loop with a free step, 1 device): '
-        f'{host_overhead(config, 200) * 1e3:.3f} ms')
+
+
+def _remat(config):
   rows = remat_memory(config)
   none = rows[0]['temp_bytes']
   print('\n| remat policy (8 layers) | temp bytes | vs none | compile (s) |')
   print('|---|---|---|---|')
   for r in rows:
-    temp = f"{r['temp_bytes']:,}" if r['temp_bytes'] is not None else '-'
-    ratio = f"{r['temp_bytes'] / none:.0%}" if r['temp_bytes'] is not None else '-'
+    temp, ratio = f"{r['temp_bytes']:,}", f"{r['temp_bytes'] / none:.0%}"
     print(f"| {r['policy']} | {temp} | {ratio} | {r['compile_s']:.1f} |")
-  cold, warm = cold_warm_compile(args.config)
-  print(f'\nCompile of the train step, fresh process: cold cache {cold:.2f} s, warm cache {warm:.2f} s '
-        f'({cold / warm:.1f}x)')
 
 
 if __name__ == '__main__':

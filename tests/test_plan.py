@@ -101,3 +101,11 @@ def test_topology_compiles_the_real_step_for_a_tpu_slice():
   assert 'compute dtype bfloat16' in text  # 'auto' means bfloat16 on the TPU, not float32 as on this CPU.
   assert result.temp_bytes > 0 and result.alias_bytes >= result.params_bytes + result.opt_state_bytes
   assert 'Fits:' in text and 'of 95.00 GiB per device' in text  # Judged against one v5p chip's HBM.
+
+
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is not None, reason='libtpu is installed here')
+def test_topology_without_libtpu_names_the_optional_requirements_file(launcher):
+  result = launcher(TINY, '--plan', '--topology=v5p:2x2x2')
+  assert result.returncode == 2
+  assert "--topology='v5p:2x2x2' needs the TPU compiler" in result.stderr
+  assert 'pip install -r requirements-tpu-plan.txt' in result.stderr

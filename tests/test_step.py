@@ -218,3 +218,25 @@ def test_z_loss_adds_the_weighted_mean_square_log_partition_and_keeps_loss_the_c
   grad_norm = jax.jit(lambda p, b, w: optax.tree.norm(step_lib.grads_and_metrics(
       p, b, apply_fn, step_lib.StepOptions(z_loss_weight=w))[0]), static_argnums=2)
   assert grad_norm(params, batch, 1.0) > grad_norm(params, batch, 0.0)
+
+
+@pytest.mark.parametrize('scan_layers,remat_policy', [(True, 'none'), (True, 'full'), (False, 'full')])
+def test_per_token_arrays_reach_every_block_through_scan_and_remat(scan_layers, remat_policy, monkeypatch):
+  """Packed sequences pass segment ids and positions into every layer (broadcast through nn.scan)."""
+  seen = []
+  original = llama.Block.__call__
+
+  def spy(self, x_BLD, positions_BL, segment_ids_BL=None):
+    seen.append((positions_BL.shape, None if segment_ids_BL is None else segment_ids_BL.shape))
+    return original(self, x_BLD, positions_BL, segment_ids_BL)
+
+  monkeypatch.setattr(llama.Block, '__call__', spy)
+  cfg = dataclasses.replace(CFG, scan_layers=scan_layers, remat_policy=remat_policy)
+  tokens = _batch()['inputs']
+  segments = jnp.ones_like(tokens)
+  model = llama.Llama(cfg)
+  params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens, segments, tokens)
+  seen.clear()
+  logits = jax.eval_shape(model.apply, params, tokens, segments, tokens)
+  assert logits.shape == tokens.shape + (256,)
+  assert seen and all(s == (tokens.shape, tokens.shape) for s in seen)

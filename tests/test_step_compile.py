@@ -16,7 +16,7 @@ def _run(workdir, cache_dir):
   # JAX_LOG_COMPILES makes jax log every compilation (with its time) at WARNING level, which the launcher shows.
   env = dict(os.environ, JAX_LOG_COMPILES='1')
   return subprocess.run([sys.executable, str(REPO / 'launch.py'), TINY, f'--workdir={workdir}',
-                         '--config.train.steps=3', '--config.log.every_steps=1',
+                         '--config.train.steps=3', '--config.log.every_steps=1', '--config.train.z_loss_weight=1e-4',
                          f'--config.train.compilation_cache_dir={cache_dir}'],
                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 
@@ -41,6 +41,7 @@ def test_train_step_compiles_once_and_a_relaunch_loads_it_from_the_cache(tmp_pat
   for r in train:
     # TFLOP/s per device follows from the logged step time; no MFU on CPU, which has no peak in the table.
     assert r['tflops_per_device'] > 0 and 'mfu' not in r and 'mfu_6n' not in r
+    assert 0 < r['z_loss'] < 1e-4 * 100  # 1e-4 * logsumexp^2, with logsumexp near log(256) at the start.
     flops_per_step = r['tflops_per_device'] * 1e12 * 8 * r['step_time_s']
     assert abs(flops_per_step / tokens - _tiny_matmul_flops_per_token()) < 1e-6 * flops_per_step
 

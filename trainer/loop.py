@@ -34,6 +34,7 @@ class Window:
               throughput: flops.Throughput | None = None) -> dict[str, float]:
     step_time = float(np.mean(self.step_times))
     return {**(throughput.metrics(step_time) if throughput else {}),
+        **({'z_loss': last_metrics['z_loss']} if 'z_loss' in last_metrics else {}),  # train.z_loss_weight > 0.
         'loss': float(np.mean(self.losses)),
         'learning_rate': last_metrics['learning_rate'],
         'grad_norm': last_metrics['grad_norm'],
