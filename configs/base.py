@@ -80,7 +80,7 @@ def get_config() -> config_dict.ConfigDict:
   c.data.path = config_dict.placeholder(str)  # 'array_record': folder from scripts/prepare_data.py; 'arrays': .npz or folder of .npy.
   c.data.packing = False  # Pack documents into rows with segment_ids/positions (no attention or loss across documents).
   c.data.worker_count = 0  # Grain worker processes per process; 0 reads in-process (threads only).
-  c.data.prefetch = 2  # Batches a background thread reads ahead of the train step; 0 = off.
+  c.data.prefetch = 2  # Batches read ahead of the train step (by a thread, or per worker); 0 = off.
   c.data.file_glob = '**/*.py'  # Files under text_dir to read, as a pathlib glob.
   c.data.eval_percent = 5  # Percent of files (text; prepare_data.py for shards) or rows (arrays) held out for eval.
   c.data.seq_len = 256  # Tokens per training sequence.

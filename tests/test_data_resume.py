@@ -84,43 +84,44 @@ def test_a_position_from_another_data_order_is_refused(source):
     it.set_state(state)
 
 
-def _tiny_model():
+@pytest.fixture(scope='module')
+def model():
+  """The tiny LM in float32, its parameters and one jitted apply shared by the tests (all calls are (2, 32))."""
   config = tiny.get_config()
   config.train.compute_dtype = 'float32'
-  return build_model(config)
+  llama = build_model(config)
+  params = jax.jit(llama.init)(jax.random.key(0), jnp.zeros((2, 32), jnp.int32))
+  return llama, params, jax.jit(llama.apply)
 
 
-def test_packed_documents_do_not_see_each_other():
+def test_packed_documents_do_not_see_each_other(model):
   """Logits of a document inside a packed row equal those of the document run alone."""
-  model = _tiny_model()
+  _, params, apply = model
   rng = np.random.default_rng(1)
   doc_a, doc_b = rng.integers(0, 256, 11), rng.integers(0, 256, 21)
-  params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 32), jnp.int32))
-  apply = jax.jit(model.apply)
-  packed = apply(params, jnp.asarray(np.concatenate([doc_a, doc_b]))[None],
-                       segment_ids=jnp.asarray([1] * 11 + [2] * 21)[None],
-                       positions=jnp.asarray(np.concatenate([np.arange(11), np.arange(21)]))[None])
-  alone_b = apply(params, jnp.asarray(doc_b)[None])
-  alone_a = apply(params, jnp.asarray(doc_a)[None])
-  np.testing.assert_allclose(packed[0, 11:], alone_b[0], atol=1e-4)
-  np.testing.assert_allclose(packed[0, :11], alone_a[0], atol=1e-4)
+  row = np.concatenate([doc_a, doc_b])
+  packed = apply(params, jnp.asarray([row, row]), segment_ids=jnp.asarray([[1] * 11 + [2] * 21] * 2),
+                 positions=jnp.asarray([np.concatenate([np.arange(11), np.arange(21)])] * 2))[0]
+  # Each document alone at the start of a row (the rest is filler a causal model cannot see); then the row unmasked.
+  alone_a, alone_b = apply(params, jnp.asarray([np.pad(doc_a, (0, 21)), np.pad(doc_b, (0, 11))]))
+  np.testing.assert_allclose(packed[11:], alone_b[:21], atol=1e-4)
+  np.testing.assert_allclose(packed[:11], alone_a[:11], atol=1e-4)
   # Without the mask, document b would see document a: the test can tell the difference.
-  unmasked = apply(params, jnp.asarray(np.concatenate([doc_a, doc_b]))[None])
-  assert np.abs(unmasked[0, 11:] - alone_b[0]).max() > 1e-2
+  unmasked = apply(params, jnp.asarray([row, row]))[0]
+  assert np.abs(unmasked[11:] - alone_b[:21]).max() > 1e-2
 
 
-def test_padding_is_left_out_of_the_loss():
-  model = _tiny_model()
-  params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 32), jnp.int32))['params']
-  loss_fn = jax.jit(lambda params, batch: step_lib.loss_fn(params, batch, model.apply))
+def test_padding_is_left_out_of_the_loss(model):
+  llama, params, apply = model
+  loss_fn = jax.jit(lambda params, batch: step_lib.loss_fn(params, batch, llama.apply))
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, 32)), jnp.int32)
   segments = jnp.asarray([[1] * 20 + [0] * 12, [1] * 32], jnp.int32)
   batch = {'inputs': tokens, 'targets': jnp.roll(tokens, -1, 1), 'segment_ids': segments,
            'positions': jnp.broadcast_to(jnp.arange(32), (2, 32))}
-  loss, _ = loss_fn(params, batch)
+  loss, _ = loss_fn(params['params'], batch)
   changed = dict(batch, targets=batch['targets'].at[0, 20:].set(0))  # Padding targets cannot matter.
-  assert float(loss_fn(params, changed)[0]) == pytest.approx(float(loss), rel=1e-6)
-  logits = jax.jit(model.apply)({'params': params}, tokens, segment_ids=segments, positions=batch['positions'])
+  assert float(loss_fn(params['params'], changed)[0]) == pytest.approx(float(loss), rel=1e-6)
+  logits = apply(params, tokens, segment_ids=segments, positions=batch['positions'])
   per_token = -jax.nn.log_softmax(logits)[jnp.arange(2)[:, None], jnp.arange(32)[None], batch['targets']]
   assert float(loss) == pytest.approx(float(per_token[segments != 0].mean()), rel=1e-5)
 
