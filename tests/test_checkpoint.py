@@ -3,6 +3,7 @@
 import logging as std_logging
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,6 +66,14 @@ def saved_2x4(tmp_path_factory, text_dir):
   return workdir, host_state
 
 
+@pytest.fixture(scope='module')
+def saved_8x1(tmp_path_factory, text_dir):
+  """Checkpoints at steps 4, 8 and 10 of the tiny config on 8 devices; tests damage copies of it."""
+  workdir = tmp_path_factory.mktemp('saved_8x1')
+  _, manifest = _save(workdir, _config(text_dir), steps=(4, 8, 10))
+  return workdir, manifest
+
+
 TARGETS = {  # name: (config overrides, number of devices)
     '(8,1,1) jit': ({}, 8),
     '4 devices': ({}, 4),
@@ -117,9 +126,10 @@ os.kill(os.getpid(), signal.SIGKILL)
   assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
 
 
-def test_incomplete_and_corrupt_checkpoints_are_reported_skipped_and_kept(tmp_path, text_dir, caplog):
+def test_incomplete_and_corrupt_checkpoints_are_reported_skipped_and_kept(saved_8x1, tmp_path, text_dir, caplog):
   config = _config(text_dir)
-  _, manifest = _save(tmp_path, config, steps=(4, 8, 10))
+  shutil.copytree(saved_8x1[0], tmp_path, dirs_exist_ok=True)
+  manifest = saved_8x1[1]
   _killed_mid_save(tmp_path)
   newest = _leaf_files(tmp_path / 'checkpoints' / '10')[-1]  # The step-10 state's array data, cut short.
   newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
@@ -142,18 +152,19 @@ def test_incomplete_and_corrupt_checkpoints_are_reported_skipped_and_kept(tmp_pa
   assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob('*')) == before  # Nothing deleted.
 
 
-def test_a_workdir_with_only_damaged_checkpoints_is_refused_not_restarted(tmp_path, text_dir):
+def test_a_workdir_with_only_damaged_checkpoints_is_refused_not_restarted(saved_8x1, tmp_path, text_dir):
   config = _config(text_dir)
-  _, manifest = _save(tmp_path, config, steps=(4,))
-  (tmp_path / 'checkpoints' / '4' / 'manifest' / 'metadata').write_text('{"trunc')
-  with pytest.raises(UserError, match=r'holds no intact checkpoint \(damaged: \[4\].*--start_over'):
-    checkpoint.Checkpointer(str(tmp_path), config.ckpt).resumable_steps(manifest)
+  shutil.copytree(saved_8x1[0], tmp_path, dirs_exist_ok=True)
+  for step in (4, 8, 10):
+    (tmp_path / 'checkpoints' / str(step) / 'manifest' / 'metadata').write_text('{"trunc')
+  with pytest.raises(UserError, match=r'holds no intact checkpoint \(damaged: \[4, 8, 10\].*--start_over'):
+    checkpoint.Checkpointer(str(tmp_path), config.ckpt).resumable_steps(saved_8x1[1])
 
 
-def test_manifest_records_the_run_and_logs_safe_changes(tmp_path, text_dir, caplog):
+def test_manifest_records_the_run_and_logs_safe_changes(saved_2x4, text_dir, caplog):
+  tmp_path = saved_2x4[0]
   config = _config(text_dir, mesh__data=2, mesh__fsdp=4)
-  _, manifest = _save(tmp_path, config, steps=(4,))
-  saved = checkpoint.Checkpointer(str(tmp_path), config.ckpt).read_manifest(4)
+  saved = checkpoint.Checkpointer(str(tmp_path), config.ckpt).read_manifest(7)
   assert saved['mesh'] == {'data': 2, 'fsdp': 4, 'tensor': 1} and saved['strategy'] == 'jit'
   assert set(saved['versions']) == {'jax', 'jaxlib', 'flax', 'optax', 'orbax.checkpoint', 'grain'}
   assert saved['versions']['jax'] == jax.__version__
@@ -165,7 +176,7 @@ def test_manifest_records_the_run_and_logs_safe_changes(tmp_path, text_dir, capl
   job = job_lib.build_job(other, jax.devices()[:4])
   with caplog.at_level(std_logging.INFO):
     checkpoint.Checkpointer(str(tmp_path), other.ckpt).check_compatible(
-        4, checkpoint.run_manifest(other, job.abstract, job.mesh))
+        7, checkpoint.run_manifest(other, job.abstract, job.mesh))
   assert "config.train.steps: 8 -> 50" in caplog.text
   assert "strategy: 'jit' -> 'pmap'" in caplog.text
   assert 'device_count: 8 -> 4' in caplog.text
@@ -174,11 +185,11 @@ def test_manifest_records_the_run_and_logs_safe_changes(tmp_path, text_dir, capl
   job = job_lib.build_job(bigger_vocab)
   with pytest.raises(UserError, match='different model .*model.vocab_size: checkpoint 256 vs config 512'):
     checkpoint.Checkpointer(str(tmp_path), config.ckpt).check_compatible(
-        4, checkpoint.run_manifest(bigger_vocab, job.abstract, job.mesh))
+        7, checkpoint.run_manifest(bigger_vocab, job.abstract, job.mesh))
 
 
 def test_keep_period_keeps_old_multiples_beyond_max_to_keep(tmp_path, text_dir):
-  config = _config(text_dir, ckpt__max_to_keep=2, ckpt__keep_period=4, ckpt__every_steps=1)
+  config = _config(text_dir, ckpt__max_to_keep=2, ckpt__keep_period=4, ckpt__every_steps=1, ckpt__async_save=False)
   _save(tmp_path, config, steps=(2, 3, 4, 5, 6, 7, 8, 9))
   assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()) == [4, 8, 9]
   bad = _config(text_dir, ckpt__keep_period=-1)
