@@ -175,8 +175,8 @@ def test_manifest_records_the_run_and_logs_safe_changes(saved_2x4, text_dir, cap
   other = _config(text_dir, train__steps=50, parallel__strategy='pmap')
   job = job_lib.build_job(other, jax.devices()[:4])
   with caplog.at_level(std_logging.INFO):
-    checkpoint.Checkpointer(str(tmp_path), other.ckpt).check_compatible(
-        7, checkpoint.run_manifest(other, job.abstract, job.mesh))
+    assert checkpoint.Checkpointer(str(tmp_path), other.ckpt).resumable_steps(
+        checkpoint.run_manifest(other, job.abstract, job.mesh)) == [7]
   assert "config.train.steps: 8 -> 50" in caplog.text
   assert "strategy: 'jit' -> 'pmap'" in caplog.text
   assert 'device_count: 8 -> 4' in caplog.text

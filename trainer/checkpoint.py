@@ -138,13 +138,17 @@ class Checkpointer:
     steps, damaged = self.all_steps()[::-1], []
     for step in steps:
       try:
-        self.read_manifest(step)
+        saved = self.read_manifest(step)
       except Exception as e:  # pylint: disable=broad-except  (any failure: this checkpoint cannot be trusted)
         logging.warning('Checkpoint %s is damaged (manifest unreadable: %s): skipped, left on disk.',
                         self.directory / str(step), _short(e))
         damaged.append(step)
         continue
-      self.check_compatible(step, manifest)
+      self.check_compatible(step, manifest)  # Unsafe differences refuse; the safe ones are logged here:
+      changes = safe_differences(saved, manifest)
+      if changes:
+        logging.info('Resuming step %d with %d setting(s) changed since it was saved (safe): %s', step,
+                     len(changes), '; '.join(changes))
       return [s for s in steps if s <= step and s not in damaged]
     if steps or self.incomplete_saves():
       raise UserError(f'{self.directory} holds no intact checkpoint (damaged: {damaged[::-1] or "none"}; incomplete '
@@ -155,7 +159,7 @@ class Checkpointer:
   def check_compatible(self, step: int, manifest: dict[str, Any]) -> None:
     """Raises UserError if the checkpoint at `step` holds a different model than `manifest` describes."""
     try:
-      saved = self.read_manifest(step)
+      saved = self._manager.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))['manifest']
     except Exception as e:  # Any failure here means we cannot trust this checkpoint for resuming.
       raise UserError(f'checkpoint {self.directory / str(step)} has no readable manifest ({type(e).__name__}); '
                       f'it was not written by this launcher or is damaged. Use a fresh --workdir.') from e
@@ -168,10 +172,6 @@ class Checkpointer:
                       f'{self.directory}. Resume with the config it was trained with, or use a fresh --workdir; '
                       f'nothing was changed.')
     # Another process count is fine: the data position is a count of global examples (trainer/data/pipeline.py).
-    changes = safe_differences(saved, manifest)
-    if changes:
-      logging.info('Resuming step %d with %d setting(s) changed since it was saved (safe): %s', step, len(changes),
-                   '; '.join(changes))
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator, manifest: dict[str, Any],
            force: bool = False) -> bool:

@@ -25,7 +25,7 @@ class PreemptionWatch:
     self._flag = threading.Event()
     self._signal_name = None
     self._previous = None
-    # With jax.distributed up, jax's preemption service owns SIGTERM (when enabled; else it raises below).
+    # With jax.distributed up, jax's preemption service (on by default) owns SIGTERM and syncs the processes.
     self._use_jax = jax.distributed.is_initialized() and jax.config.jax_enable_preemption_service
     if not self._use_jax and threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGTERM, self._on_signal)
