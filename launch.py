@@ -70,10 +70,7 @@ def main(argv):
       plan.run(_CONFIG.value, _PLAN_MEMORY_GB.value, _TOPOLOGY.value)
       return
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _TIMEOUT.value)
-    if _START_OVER.value:
-      from trainer import checkpoint
-      checkpoint.start_over(_WORKDIR.value)
-    loop.run(_CONFIG.value, _WORKDIR.value)
+    loop.run(_CONFIG.value, _WORKDIR.value, start_over=_START_OVER.value)
   except UserError as e:
     _fail(str(e), getattr(e, 'exit_code', 2))  # 3: stopped on a non-finite loss (trainer/guardrails.py).
 

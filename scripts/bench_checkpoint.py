@@ -72,8 +72,7 @@ def bench(size_mb: int, steps: int, async_save: bool, root: pathlib.Path) -> dic
   state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(job.abstract))
   compiled = job.compile_train_step()
   state = job.init_state(0)
-  corpus = data.load_text_corpus(config.data)
-  iterator = data.train_iterator(corpus, config.data, 8, 0, 0, 1)
+  iterator = data.train_iterator_for(config)
   batch = data.to_global(next(iterator), job.batch_sharding, 1)
   manifest = checkpoint.run_manifest(config, job.abstract, job.mesh)
   workdir = root / f'run_{size_mb}'

@@ -39,8 +39,7 @@ def _config(text_dir, **overrides):
 
 
 def _iterator(config):
-  corpus = data.load_text_corpus(config.data)
-  return data.train_iterator(corpus, config.data, config.train.batch_size, config.train.seed, 0, 1)
+  return data.train_iterator_for(config)
 
 
 def _save(workdir, config, steps=(7,), devices=None):
@@ -211,8 +210,7 @@ config.data.text_dir = {text_dir!r}
 config.mesh.data, config.mesh.fsdp = 1, 8  # (1, 8, 1) over 2 processes x 4 devices: each holds only its shards.
 job = job_lib.build_job(config)
 state = job.init_state(5)
-corpus = data.load_text_corpus(config.data)
-iterator = data.train_iterator(corpus, config.data, 8, 0, jax.process_index(), 2)
+iterator = data.train_iterator_for(config, jax.process_index(), 2)
 ckpt = checkpoint.Checkpointer({workdir!r}, config.ckpt)
 ckpt.save(5, state, iterator, checkpoint.run_manifest(config, job.abstract, job.mesh), force=True)
 ckpt.close()

@@ -39,7 +39,7 @@ def test_export_writes_params_only_readable_by_plain_orbax(tmp_path):
   job = job_lib.build_job(config)
   state = job.init_state(3)
   ckpt = checkpoint.Checkpointer(str(tmp_path / 'run'), config.ckpt)
-  iterator = data.train_iterator(data.load_text_corpus(config.data), config.data, 8, 0, 0, 1)
+  iterator = data.train_iterator_for(config)
   ckpt.save(6, state, iterator, checkpoint.run_manifest(config, job.abstract, job.mesh), force=True)
   ckpt.close()
   expected = {jax.tree_util.keystr(p): np.asarray(v)

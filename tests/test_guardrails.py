@@ -71,8 +71,7 @@ def _config(text_dir):
 
 def _run(workdir, text_dir, mode: str, *extra: str, bad_step: int = 6) -> subprocess.CompletedProcess:
   config = _config(text_dir)
-  iterator = data.train_iterator(data.load_text_corpus(config.data), config.data, config.train.batch_size,
-                                 config.train.seed, 0, 1)
+  iterator = data.train_iterator_for(config)
   for _ in range(bad_step):
     row = next(iterator)['inputs'][0]
   env = {**os.environ, **CACHE_ENV, 'POISON_ROW': json.dumps(row.tolist())}

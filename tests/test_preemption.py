@@ -139,3 +139,13 @@ def test_start_over_moves_the_previous_run_aside_and_trains_from_step_0(uninterr
   assert before == after  # Everything kept, nothing deleted.
   assert _steps_saved(workdir) == [10, 15, 20]
   assert _losses(workdir) == reference  # A fresh run from step 0, not a resume.
+
+
+def test_start_over_with_a_bad_config_moves_nothing(uninterrupted, text_dir, tmp_path):
+  reference_dir, _ = uninterrupted
+  workdir = tmp_path / 'run'
+  subprocess.run(['cp', '-r', str(reference_dir), str(workdir)], check=True)
+  before = sorted(str(p.relative_to(workdir)) for p in workdir.rglob('*'))
+  result = _launch(_args(workdir, text_dir, '--start_over', '--config.mesh.data=3'))
+  assert result.returncode == 2 and 'mesh' in result.stderr.splitlines()[-1], result.stderr[-2000:]
+  assert sorted(str(p.relative_to(workdir)) for p in workdir.rglob('*')) == before  # Checked first, then moved.

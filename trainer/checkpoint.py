@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import subprocess
+import time
 from typing import Any
 
 import grain
@@ -245,10 +246,10 @@ def start_over(workdir: str) -> pathlib.Path | None:
   Nothing is deleted: the user can move them back. Process 0 moves, every
   process waits for it, so no process sees a half-moved workdir.
   """
-  import time  # noqa: PLC0415
   from jax.experimental import multihost_utils
   workdir = pathlib.Path(workdir).absolute()
-  names = ('checkpoints', 'metrics.jsonl', 'tensorboard', 'config.json', 'sharding.txt')
+  names = ('checkpoints', 'metrics.jsonl', 'goodput.jsonl', 'tensorboard', 'plugins', 'memory_profiles',
+           'config.json', 'sharding.txt')
   found = [workdir / n for n in names if (workdir / n).exists()]
   target = workdir / time.strftime('previous_run_%Y%m%dT%H%M%SZ', time.gmtime()) if found else None
   if found and jax.process_index() == 0:

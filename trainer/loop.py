@@ -45,7 +45,7 @@ class Window:
     }
 
 
-def run(config, workdir: str, devices: Sequence[jax.Device] | None = None) -> None:
+def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False) -> None:
   """Trains `config` in `workdir`, resuming from its newest checkpoint if there is one.
 
   `devices` (default: every device of every process) is what the mesh is built
@@ -61,6 +61,8 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None) -> No
   inputs = data.build(config, batch_sharding, process_index, process_count)
   train_iter, eval_set = inputs.train, inputs.eval_batches
   logging.info('Data: %s', inputs.description)
+  if start_over:  # Only once the config and data were checked: a launch that fails early moves nothing.
+    checkpoint.start_over(workdir)
 
   manifest = checkpoint.run_manifest(config, abstract, mesh)
   num_params = sum(x.size for x in jax.tree.leaves(abstract.params))

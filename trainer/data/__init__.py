@@ -108,6 +108,17 @@ def _token_shards(config):
                                  f'{0 if eval_docs is None else len(eval_docs.lengths)} held out, from {root}')
 
 
+def train_iterator_for(config, process_index: int = 0, process_count: int = 1) -> TrainIterator:
+  """Just the resumable train iterator of `config` (tools and tests that save or restore a data position)."""
+  return _train_iterator(config, load_sources(config), process_index, process_count)
+
+
+def _train_iterator(config, sources: Sources, process_index: int, process_count: int) -> TrainIterator:
+  d = config.data
+  return train_iterator(sources.train, d, config.train.batch_size, config.train.seed, process_index, process_count,
+                        {'source': d.source, 'packing': d.packing})
+
+
 def build(config, batch_sharding: NamedSharding, process_index: int, process_count: int) -> Inputs:
   """Everything the loop reads: the resumable train iterator, the eval batches and a description."""
   d, batch_size = config.data, config.train.batch_size
@@ -117,8 +128,7 @@ def build(config, batch_sharding: NamedSharding, process_index: int, process_cou
   sources = load_sources(config)
   pipeline.check_enough(sources.train, batch_size, f'the train split ({sources.description})',
                         'add data, or lower data.seq_len or train.batch_size.')
-  train = train_iterator(sources.train, d, batch_size, config.train.seed, process_index, process_count,
-                         {'source': d.source, 'packing': d.packing})
+  train = _train_iterator(config, sources, process_index, process_count)
   evals = []
   if sources.eval is not None and config.train.eval_batches:
     pipeline.check_enough(sources.eval, batch_size, f'the held-out split ({sources.description})',
