@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from conftest import REPO
+from conftest import REPO, make_text_dir
 from parallel import sharding
 from trainer import checkpoint, data
 from trainer import job as job_lib
@@ -22,11 +22,7 @@ from trainer.errors import UserError
 
 @pytest.fixture(scope='module')
 def text_dir(tmp_path_factory):
-  root = tmp_path_factory.mktemp('text')
-  rng = np.random.default_rng(0)
-  for i in range(20):
-    (root / f'file_{i}.py').write_bytes(bytes(rng.integers(32, 127, size=2000, dtype=np.uint8)))
-  return root
+  return make_text_dir(tmp_path_factory.mktemp('text'))
 
 
 def _config(text_dir, **overrides):

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from configs import tiny
-from conftest import REPO
+from conftest import REPO, launcher_env
 from trainer import checkpoint, data
 from trainer import job as job_lib
 
@@ -49,9 +49,9 @@ def test_export_writes_params_only_readable_by_plain_orbax(tmp_path):
   export = subprocess.run([sys.executable, str(REPO / 'scripts/export_params.py'), '--config=configs/tiny.py',
                            '--config.mesh.fsdp=4', f'--config.data.text_dir={text_dir}',
                            f'--workdir={tmp_path / "run"}', f'--output={out}'],
-                          cwd=REPO, capture_output=True, text=True, timeout=180, env=dict(os.environ))
+                          cwd=REPO, capture_output=True, text=True, timeout=180, env=launcher_env())
   assert export.returncode == 0, export.stderr[-3000:]
-  assert f'Exported the parameters of step 6' in export.stderr
+  assert 'Exported the parameters of step 6' in export.stderr
 
   # -I: no PYTHONPATH, no user site; cwd outside the repo: only the installed packages (orbax, jax, numpy).
   env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'XLA_FLAGS')}
@@ -65,5 +65,5 @@ def test_export_writes_params_only_readable_by_plain_orbax(tmp_path):
 
   again = subprocess.run([sys.executable, str(REPO / 'scripts/export_params.py'), '--config=configs/tiny.py',
                           f'--workdir={tmp_path / "run"}', f'--output={out}'],
-                         cwd=REPO, capture_output=True, text=True, timeout=180, env=dict(os.environ))
+                         cwd=REPO, capture_output=True, text=True, timeout=180, env=launcher_env())
   assert again.returncode == 2 and f'--output={out} exists' in again.stderr

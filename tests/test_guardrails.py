@@ -7,7 +7,6 @@ batch would, so a rollback that skips it must get past it.
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -16,12 +15,12 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from conftest import REPO
+from conftest import REPO, launcher_env, make_text_dir
 from parallel import sharding
 from trainer import checkpoint, data
 from trainer import job as job_lib
 
-LEAF = 'block_1/mlp/up/kernel'
+LEAF = 'layers/mlp/up/kernel'  # Scanned layers: one stacked leaf for every block.
 DRIVER = f'''
 import json, os, runpy, sys
 sys.path.insert(0, {str(REPO)!r})
@@ -30,8 +29,8 @@ from trainer import step
 row = jnp.asarray(json.loads(os.environ['POISON_ROW']), jnp.int32)
 original = step.grads_and_metrics
 
-def poisoned(params, batch, apply_fn):
-  grads, metrics = original(params, batch, apply_fn)
+def poisoned(params, batch, *args):
+  grads, metrics = original(params, batch, *args)
   hit = jnp.any(jnp.all(batch['inputs'] == row, axis=-1))
   name = lambda path: '/'.join(str(k.key) for k in path)
   return jax.tree_util.tree_map_with_path(
@@ -43,24 +42,10 @@ runpy.run_path({str(REPO / 'launch.py')!r}, run_name='__main__')
 '''
 
 
-# jax's persistent compilation cache, shared by this session's launcher runs: identical steps compile once
-# (a tiny run's 17 s of CPU drops to 5 s), which keeps these real-subprocess tests affordable.
-CACHE_ENV: dict[str, str] = {}
-
-
-@pytest.fixture(scope='module', autouse=True)
-def compile_cache(tmp_path_factory):
-  CACHE_ENV.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.getbasetemp() / 'jax_compilation_cache'),
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
-
 
 @pytest.fixture(scope='module')
 def text_dir(tmp_path_factory):
-  root = tmp_path_factory.mktemp('text')
-  rng = np.random.default_rng(0)
-  for i in range(20):
-    (root / f'file_{i}.py').write_bytes(bytes(rng.integers(32, 127, size=2000, dtype=np.uint8)))
-  return root
+  return make_text_dir(tmp_path_factory.mktemp('text'))
 
 
 def _config(text_dir):
@@ -74,7 +59,7 @@ def _run(workdir, text_dir, mode: str, *extra: str, bad_step: int = 6) -> subpro
   iterator = data.train_iterator_for(config)
   for _ in range(bad_step):
     row = next(iterator)['inputs'][0]
-  env = {**os.environ, **CACHE_ENV, 'POISON_ROW': json.dumps(row.tolist())}
+  env = launcher_env(POISON_ROW=json.dumps(row.tolist()))
   return subprocess.run([sys.executable, '-c', DRIVER, '--config=configs/tiny.py', f'--workdir={workdir}',
                          f'--config.data.text_dir={text_dir}', '--config.log.every_steps=1',
                          f'--config.train.on_nonfinite={mode}', *extra],

@@ -13,33 +13,18 @@ import subprocess
 import sys
 import threading
 
-import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, launcher_env, make_text_dir
 
 STEPS = 20
 TIMEOUT_S = 240
 
 
-# jax's persistent compilation cache, shared by this session's launcher runs: identical steps compile once
-# (a tiny run's 17 s of CPU drops to 5 s), which keeps these real-subprocess tests affordable.
-CACHE_ENV: dict[str, str] = {}
-
-
-@pytest.fixture(scope='module', autouse=True)
-def compile_cache(tmp_path_factory):
-  CACHE_ENV.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.getbasetemp() / 'jax_compilation_cache'),
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
-
 
 @pytest.fixture(scope='module')
 def text_dir(tmp_path_factory):
-  root = tmp_path_factory.mktemp('text')
-  rng = np.random.default_rng(0)
-  for i in range(20):
-    (root / f'file_{i}.py').write_bytes(bytes(rng.integers(32, 127, size=4000, dtype=np.uint8)))
-  return root
+  return make_text_dir(tmp_path_factory.mktemp('text'), bytes_per_file=4000)
 
 
 def _args(workdir, text_dir, *extra):
@@ -51,7 +36,7 @@ def _args(workdir, text_dir, *extra):
 
 def _launch(args, signal_at_step: int | None = None, sig: int = signal.SIGKILL) -> subprocess.CompletedProcess:
   """Runs launch.py; once its log shows `step N/`, sends `sig`. Kills the group and fails past TIMEOUT_S."""
-  proc = subprocess.Popen([sys.executable, str(REPO / 'launch.py'), *args], cwd=REPO, env={**os.environ, **CACHE_ENV},
+  proc = subprocess.Popen([sys.executable, str(REPO / 'launch.py'), *args], cwd=REPO, env=launcher_env(),
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
   timer = threading.Timer(TIMEOUT_S, lambda: os.killpg(proc.pid, signal.SIGKILL))
   timer.start()

@@ -19,6 +19,7 @@ import jax
 import pytest
 
 from configs import tiny
+from conftest import launcher_env
 from trainer import profiling
 from trainer.errors import UserError
 
@@ -56,7 +57,7 @@ def test_sigusr1_traces_the_next_steps_of_a_running_job(tmp_path):
              '--config.train.steps=30', '--config.profile.num_steps=3', '--config.ckpt.every_steps=1000',
              '--config.log.every_steps=1000']
   job = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                         env=dict(os.environ))
+                         env=launcher_env())
   lines, seen = queue.Queue(), []
   threading.Thread(target=_read_lines, args=(job.stderr, lines), daemon=True).start()
   try:

@@ -74,7 +74,9 @@ def test_state_is_donated_and_its_buffers_reused(strategy, mesh_shape):
   old_leaves = jax.tree.leaves(state)
   new_state, metrics = compiled(state, batch)
   assert np.isfinite(float(metrics['loss']))
-  assert all(x.is_deleted() for x in old_leaves)
+  kept = [x for x in old_leaves if not x.is_deleted()]
+  # Every array is reused in place; XLA may keep a scalar flag (optax.apply_if_finite's `last_finite`, 1 byte).
+  assert all(x.ndim == 0 for x in kept) and sum(x.nbytes for x in kept) <= 8, [(x.shape, x.dtype) for x in kept]
   assert not any(x.is_deleted() for x in jax.tree.leaves(new_state))
 
 
@@ -172,7 +174,7 @@ def test_bfloat16_first_moment_option():
 # ---- accumulation and z-loss ---------------------------------------------------------------------
 
 
-def _bigram_apply(variables, tokens):
+def _bigram_apply(variables, tokens, segment_ids=None, positions=None):
   """A stand-in model (logits = embedding @ head): the loss math does not depend on the model."""
   p = variables['params']
   return jnp.tanh(p['embed'][tokens]) @ p['head']
