@@ -56,33 +56,6 @@ def _assert_trees_close(a, b, rtol, atol):
 # ---- donation ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('strategy,mesh_shape', [('jit', (2, 2, 2)), ('shard_map', (4, 2, 1)), ('pmap', (8, 1, 1))])
-def test_state_is_donated_and_its_buffers_reused(strategy, mesh_shape):
-  config = tiny.get_config()
-  config.parallel.strategy = strategy
-  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_shape
-  job = job_lib.build_job(config)
-  compiled = job.compile_train_step()
-  _, totals = sharding.sharding_table(job.abstract, job.shardings)
-  state_bytes = totals['params_bytes_per_device'] + totals['opt_state_bytes_per_device']
-  alias = compiled.memory_analysis().alias_size_in_bytes
-  # Every state buffer (params, both Adam moments, the counters) is written in place.
-  assert state_bytes <= alias <= state_bytes + 1024, (alias, state_bytes)
-
-  state = job.init_state(0)
-  batch = {k: jax.device_put(np.zeros(v.shape, np.int32), job.batch_sharding) for k, v in job.abstract_batch.items()}
-  old_leaves = jax.tree.leaves(state)
-  new_state, metrics = compiled(state, batch)
-  assert np.isfinite(float(metrics['loss']))
-  kept = [x for x in old_leaves if not x.is_deleted()]
-  # Every array is reused in place; XLA may keep a scalar flag (optax.apply_if_finite's `last_finite`, 1 byte).
-  assert all(x.ndim == 0 for x in kept) and sum(x.nbytes for x in kept) <= 8, [(x.shape, x.dtype) for x in kept]
-  assert not any(x.is_deleted() for x in jax.tree.leaves(new_state))
-
-
-# ---- scanned layers and remat --------------------------------------------------------------------
-
-
 @pytest.fixture(scope='module')
 def variants():
   """Loss, gradients and temporary bytes of one fwd+bwd per remat policy (scanned), and unrolled: one compile each."""
@@ -242,3 +215,30 @@ def test_per_token_arrays_reach_every_block_through_scan_and_remat(scan_layers, 
   logits = jax.eval_shape(model.apply, params, tokens, segments, tokens)
   assert logits.shape == tokens.shape + (256,)
   assert seen and all(s == (tokens.shape, tokens.shape) for s in seen)
+
+
+@pytest.mark.parametrize('strategy,mesh_shape', [('jit', (2, 2, 2)), ('shard_map', (4, 2, 1)), ('pmap', (8, 1, 1))])
+def test_state_is_donated_and_its_buffers_reused(strategy, mesh_shape):
+  config = tiny.get_config()
+  config.parallel.strategy = strategy
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_shape
+  job = job_lib.build_job(config)
+  compiled = job.compile_train_step()
+  _, totals = sharding.sharding_table(job.abstract, job.shardings)
+  state_bytes = totals['params_bytes_per_device'] + totals['opt_state_bytes_per_device']
+  alias = compiled.memory_analysis().alias_size_in_bytes
+  # Every state buffer (params, both Adam moments, the counters) is written in place.
+  assert state_bytes <= alias <= state_bytes + 1024, (alias, state_bytes)
+
+  state = job.init_state(0)
+  batch = {k: jax.device_put(np.zeros(v.shape, np.int32), job.batch_sharding) for k, v in job.abstract_batch.items()}
+  old_leaves = jax.tree.leaves(state)
+  new_state, metrics = compiled(state, batch)
+  assert np.isfinite(float(metrics['loss']))
+  kept = [x for x in old_leaves if not x.is_deleted()]
+  # Every array is reused in place; XLA may keep a scalar flag (optax.apply_if_finite's `last_finite`, 1 byte).
+  assert all(x.ndim == 0 for x in kept) and sum(x.nbytes for x in kept) <= 8, [(x.shape, x.dtype) for x in kept]
+  assert not any(x.is_deleted() for x in jax.tree.leaves(new_state))
+
+
+# ---- scanned layers and remat --------------------------------------------------------------------
