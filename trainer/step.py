@@ -104,9 +104,9 @@ def apply_gradients(state: TrainState, grads, metrics: Metrics, *, tx: optax.Gra
                     schedule: optax.Schedule) -> tuple[TrainState, Metrics]:
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step),
+  metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step),
                  grads_finite=guardrails.leaf_finite(grads))  # Names non-finite leaves on the host.
-  metrics['param_norm'] = optax.tree.norm(params)  # Of the updated parameters (optax.global_norm is deprecated).
+  metrics['param_norm'] = optax.tree.norm(params)  # Of the updated parameters.
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
