@@ -1,5 +1,6 @@
 """Fakes 8 CPU devices before anything imports jax, and shares helpers for running the launcher."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -40,6 +41,11 @@ def make_text_dir(root: pathlib.Path, bytes_per_file: int = 2000, num_files: int
   for i in range(num_files):
     (root / f'file_{i}.py').write_bytes(bytes(rng.integers(32, 127, size=bytes_per_file, dtype=np.uint8)))
   return root
+
+
+def read_metrics(workdir: pathlib.Path) -> list[dict]:
+  """Every record of WORKDIR/metrics.jsonl, in order."""
+  return [json.loads(line) for line in (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines()]
 
 
 def run_launcher(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

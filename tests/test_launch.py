@@ -1,17 +1,14 @@
 """End to end through `python launch.py`: it learns, logs, checkpoints, resumes, and fails clearly."""
 
-import json
-import pathlib
 import shutil
 
 import pytest
+
+from conftest import read_metrics
 from tensorboard.backend.event_processing import event_accumulator
 
 TINY = '--config=configs/tiny.py'
 
-
-def _records(workdir: pathlib.Path) -> list[dict]:
-  return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
 
 
 @pytest.fixture(scope='module')
@@ -21,7 +18,7 @@ def finished_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('run')
   first = run_launcher(TINY, f'--workdir={workdir}')
   assert first.returncode == 0, first.stderr[-3000:]
-  records_after_first = _records(workdir)
+  records_after_first = read_metrics(workdir)
   second = run_launcher(TINY, f'--workdir={workdir}', '--config.train.steps=12')
   assert second.returncode == 0, second.stderr[-3000:]
   return workdir, first, second, records_after_first
@@ -55,7 +52,7 @@ def test_checkpoints_and_relaunch_resumes_at_saved_step(finished_run):
   workdir, _, second, _ = finished_run
   assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir() if p.name.isdigit()) == [4, 8, 12]
   assert 'Resuming from checkpoint at step 8' in second.stderr
-  steps = [r['step'] for r in _records(workdir)]
+  steps = [r['step'] for r in read_metrics(workdir)]
   assert steps == [1, 2, 4, 6, 8, 9, 10, 12]
 
 

@@ -5,11 +5,12 @@ this CPU-only machine; they are fed fakes of what those backends report.
 """
 
 import io
-import json
 import logging as py_logging
 
 import jax
 import pytest
+
+from conftest import read_metrics
 from absl import logging
 from tensorboard.backend.event_processing import event_accumulator
 
@@ -39,9 +40,6 @@ def _tb_scalars(workdir) -> dict[str, dict[int, float]]:
   return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()['scalars']}
 
 
-def _records(workdir) -> list[dict]:
-  return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
-
 
 def test_device_memory_is_the_fullest_devices_in_gib():
   assert metrics.device_memory_scalars(GPU_STATS) == {
@@ -61,7 +59,7 @@ def test_every_numeric_key_reaches_jsonl_and_tensorboard_with_memory_where_repor
   writer.close()
   assert 'step 5/10 | loss 2.5000 | eval_loss 2.7500 | 1,000 tok/s | MFU 41.0% | ETA 0m02s' in caplog.text
   assert 'reports no memory statistics' not in caplog.text
-  record = _records(tmp_path)[0]
+  record = read_metrics(tmp_path)[0]
   assert record == {'step': 5, 'loss': 2.5, 'tokens_per_s': 1000.0, 'step_time_s': 0.5, 'tflops_per_device': 312.5,
                     'mfu': 0.41, 'eval_loss': 2.75, 'device_memory_in_use_gib': 4.0, 'device_memory_peak_gib': 5.0,
                     'device_memory_limit_gib': 69.0}
@@ -79,7 +77,7 @@ def test_cpu_memory_is_said_once_and_never_logged_as_zeros(tmp_path, monkeypatch
     for step in (1, 2, 3):
       writer.write(step, {'loss': 1.0})
   writer.close()
-  assert all(not any(k.startswith('device_memory') for k in r) for r in _records(tmp_path))
+  assert all(not any(k.startswith('device_memory') for k in r) for r in read_metrics(tmp_path))
   said = [r.getMessage() for r in caplog.records if 'reports no memory statistics' in r.getMessage()]
   assert len(said) == 1 and 'device_memory_* is not logged' in said[0]
 

@@ -6,7 +6,6 @@ whole group if it overruns, so a hung collective fails the test instead of the s
 
 import json
 import os
-import pathlib
 import re
 import shlex
 import shutil
@@ -19,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import REPO, run_launcher
+from conftest import REPO, read_metrics, run_launcher
 from parallel import distributed
 from trainer.errors import UserError
 
@@ -52,16 +51,13 @@ def _two_processes(*args: str) -> subprocess.CompletedProcess:
   return result
 
 
-def _records(workdir: pathlib.Path) -> list[dict]:
-  return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
-
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
   """6 steps, then a relaunch to 10, each as 2 processes x 4 devices and as 1 process x 8 devices."""
   two, one = tmp_path_factory.mktemp('two_processes'), tmp_path_factory.mktemp('one_process')
   first = _two_processes(f'--workdir={two}', '--config.train.steps=6')
-  first_records = _records(two)
+  first_records = read_metrics(two)
   for steps in (6, 10):
     reference = run_launcher(*TINY, f'--workdir={one}', f'--config.train.steps={steps}', timeout=RUN_TIMEOUT_S)
     assert reference.returncode == 0, reference.stderr[-4000:]
@@ -77,7 +73,7 @@ def test_two_processes_train_exactly_like_one(runs):
   for process in (0, 1):
     assert any(f'Joined 2 processes as process {process}' in l for l in _lines_of(runs['first'], process))
   assert "Mesh {'data': 8, 'fsdp': 1, 'tensor': 1} over 8 devices (2 processes)" in runs['first'].stderr
-  two, one = _records(runs['two']), _records(runs['one'])
+  two, one = read_metrics(runs['two']), read_metrics(runs['one'])
   assert [r['step'] for r in two] == [r['step'] for r in one] == list(range(1, 11))
   for a, b in zip(two, one):
     for key in ('loss', 'eval_loss'):
@@ -105,8 +101,8 @@ def test_a_run_saved_by_two_processes_resumes_exactly_in_one(runs, tmp_path):
   result = run_launcher(*TINY, f'--workdir={workdir}', '--config.train.steps=10', timeout=RUN_TIMEOUT_S)
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Resuming from checkpoint at step 6' in result.stderr and '(1 processes)' in result.stderr
-  resumed = {r['step']: r['loss'] for r in _records(workdir)[-4:]}
-  reference = {r['step']: r['loss'] for r in _records(runs['one']) if r['step'] > 6}  # 1 process throughout.
+  resumed = {r['step']: r['loss'] for r in read_metrics(workdir)[-4:]}
+  reference = {r['step']: r['loss'] for r in read_metrics(runs['one']) if r['step'] > 6}  # 1 process throughout.
   assert list(resumed) == list(reference) == [7, 8, 9, 10]
   for step, loss in reference.items():
     assert abs(resumed[step] - loss) <= 1e-5 * abs(loss), (step, resumed, reference)

@@ -6,13 +6,14 @@ pay jax's start-up every time). float32 and one log line per step, so
 gradients and updates, since any difference would grow from step to step.
 """
 
-import json
 import os
 import pathlib
 import shutil
 
 import jax
 import pytest
+
+from conftest import read_metrics
 
 from configs import tiny
 from trainer import loop
@@ -41,13 +42,10 @@ def _config(strategy='jit', mesh=(8, 1, 1), steps=10, evaluate=False, **model):
   return c
 
 
-def _records(workdir: pathlib.Path) -> list[dict]:
-  return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
-
 
 def _train(workdir: pathlib.Path, config, devices=None) -> list[dict]:
   loop.run(config, str(workdir), devices=devices)
-  return _records(workdir)
+  return read_metrics(workdir)
 
 
 def _max_relative_difference(records, reference, keys=('loss', 'grad_norm', 'eval_loss')) -> float:

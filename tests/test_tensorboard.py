@@ -15,11 +15,10 @@ import urllib.request
 
 import pytest
 
+from conftest import read_metrics
+
 TINY = '--config=configs/tiny.py'
 
-
-def _records(workdir) -> list[dict]:
-  return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
 
 
 @pytest.fixture(scope='module')
@@ -90,7 +89,7 @@ def tensorboard(finished_run):
 
 
 def test_loss_and_tokens_per_s_served_by_tensorboard_match_metrics_jsonl(finished_run, tensorboard):
-  records = _records(finished_run[0])
+  records = read_metrics(finished_run[0])
   assert [r['step'] for r in records] == [1, 2, 4, 6, 8]
   for key in ('loss', 'tokens_per_s'):
     served = tensorboard.scalars('tensorboard', f'train/{key}')
@@ -147,7 +146,7 @@ def test_restart_counts_the_steps_it_redoes_as_lost(finished_run, launcher, tmp_
   workdir = tmp_path / 'restarted'
   shutil.copytree(finished_run[0], workdir)
   shutil.rmtree(workdir / 'checkpoints' / '8')
-  first = _records(workdir)
+  first = read_metrics(workdir)
   result = launcher(TINY, f'--workdir={workdir}')
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Resuming from checkpoint at step 4' in result.stderr
