@@ -53,7 +53,10 @@ def get_config() -> config_dict.ConfigDict:
       ('head_dim', None),
       ('length', None),
       ('norm', None),
+      ('kv_heads', 'tensor'),  # Key/value heads of grouped-query attention.
       ('layers', None),  # The stacked axis of scanned blocks: every device holds every layer's shard.
+      ('patch', None),  # Pixels of one image patch (ViT's patch embedding input).
+      ('classes', None),  # A classifier's output classes.
   )
 
   c.ckpt = config_dict.ConfigDict()
@@ -86,9 +89,11 @@ def get_config() -> config_dict.ConfigDict:
   c.data.seq_len = 256  # Tokens per training sequence.
   c.data.num_threads = 4  # Grain read threads per process.
   c.data.prefetch_buffer_size = 64  # Grain prefetch buffer, in batches-of-elements, per process.
+  c.data.image_shape = (32, 32, 3)  # Classifier inputs (height, width, channels); .npz images must have this shape.
 
   c.model = config_dict.ConfigDict()
-  c.model.name = 'llama'  # Model family; 'llama' is the Llama-style decoder LM (RMSNorm, RoPE, SwiGLU).
+  c.model.name = 'llama'  # A registered model ('llama', 'vit') or your own as an import path 'my_pkg.my_module:MyModel'.
+  c.model.task = 'lm'  # 'lm' (next-token loss; eval loss, perplexity) or 'classifier' (images -> labels; eval loss, accuracy).
   c.model.num_layers = 4  # Transformer blocks.
   c.model.d_model = 256  # Residual stream width.
   c.model.num_heads = 4  # Attention heads; d_model must divide by it.
@@ -96,6 +101,10 @@ def get_config() -> config_dict.ConfigDict:
   c.model.vocab_size = 256  # Vocabulary; 256 = raw bytes, no tokenizer.
   c.model.rope_max_wavelength = 10_000  # RoPE base wavelength.
   c.model.norm_eps = 1e-6  # RMSNorm epsilon.
+  c.model.num_kv_heads = 0  # Grouped-query attention: key/value heads, dividing num_heads; 0 = num_heads (multi-head).
+  c.model.tie_embeddings = False  # The output head reuses the input embedding table (GPT-2, Llama 3.2 1B) instead of its own.
+  c.model.num_classes = 10  # Classifier output classes; labels are integers in [0, num_classes).
+  c.model.patch_size = 4  # ViT: square patch side in pixels; data.image_shape's height and width must divide by it.
   c.model.scan_layers = True  # Scan one block over stacked layer parameters (compile time flat in depth); False unrolls.
 
   return c

@@ -16,16 +16,10 @@ from jax.sharding import Mesh, NamedSharding
 from parallel import mesh as mesh_lib
 from parallel import sharding, strategy
 from trainer import data, guardrails, optimizer, validation
+from trainer.precision import compute_dtype
 from trainer import step as step_lib
 from trainer import state as state_lib
 from trainer.models import llama
-
-
-def compute_dtype(name: str) -> jnp.dtype:
-  """'auto' is bfloat16 on accelerators and float32 on CPU, where bfloat16 is emulated and slower."""
-  if name == 'auto':
-    return jnp.float32 if jax.default_backend() == 'cpu' else jnp.bfloat16
-  return jnp.dtype(name)
 
 
 def build_model(config, mesh=None, rules=()) -> llama.Llama:
