@@ -205,3 +205,14 @@ class Llama(nn.Module):
         cfg.vocab_size, use_bias=False, kernel_init=_init(('embed', 'vocab')),
         dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='head')(x_BLD)
     return constrain(logits_BLV, ('batch', 'length', 'vocab'), cfg).astype(jnp.float32)
+
+
+def build(config, mesh: Mesh | None = None, rules: tuple = ()) -> Llama:
+  """The configured Llama; given a mesh (the 'jit' strategy), its activations carry sharding constraints."""
+  from trainer.precision import compute_dtype  # Interim: helper A replaces this builder (GQA, tied, checks).
+  m = config.model
+  return Llama(LlamaConfig(
+      num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
+      vocab_size=m.vocab_size, rope_max_wavelength=m.rope_max_wavelength, norm_eps=m.norm_eps,
+      dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
+      remat_policy=config.train.remat_policy, scan_layers=m.scan_layers, mesh=mesh, rules=tuple(rules)))
