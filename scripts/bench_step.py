@@ -79,11 +79,11 @@ def _host_batches(config, count=4):
 
 def _minimal_step(job, schedule_free_tx):
   """A hand-written train step: cross entropy, value_and_grad, the same optax update, donated, same shardings."""
-  model = job.model
+  bind = job.task.model.bind
 
   def step(params, opt_state, batch):
     def loss_fn(p):
-      logits = model.apply({'params': p}, batch['inputs'])
+      logits = bind(p)(batch['inputs'])
       return optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets']).mean()
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = schedule_free_tx.update(grads, opt_state, params)

@@ -117,10 +117,16 @@ class MetricsWriter:
     parts = [f'step {step}/{self._total_steps}']
     if 'loss' in record:
       parts.append(f'loss {record["loss"]:.4f}')
+    if 'accuracy' in record:
+      parts.append(f'accuracy {record["accuracy"]:.3f}')
     if 'eval_loss' in record:
       parts.append(f'eval_loss {record["eval_loss"]:.4f}')
+    if 'eval_accuracy' in record:
+      parts.append(f'eval_accuracy {record["eval_accuracy"]:.3f}')
     if 'tokens_per_s' in record:
       parts.append(f'{record["tokens_per_s"]:,.0f} tok/s')
+    if 'images_per_s' in record:
+      parts.append(f'{record["images_per_s"]:,.0f} images/s')
     if 'mfu' in record:
       parts.append(f'MFU {record["mfu"]:.1%}')
     if 'step_time_s' in record:

@@ -45,7 +45,7 @@ class Plan:
   alias_bytes: int  # Outputs written into donated inputs' buffers (the state).
   temp_bytes: int  # Activations, gradients and scratch, live only during the step.
   code_bytes: int
-  flops: flops.StepFlops
+  flops: flops.StepFlops | None  # None for models other than the built-in llama (not counted).
 
   @property
   def total_bytes(self) -> int:
@@ -78,7 +78,8 @@ def make_plan(config, devices: Sequence[jax.Device] | None = None) -> Plan:
       argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
       alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
       code_bytes=memory.generated_code_size_in_bytes,
-      flops=flops.step_flops(config.model, config.train.batch_size, config.data.seq_len))
+      flops=(flops.step_flops(config.model, config.train.batch_size, config.data.seq_len)
+             if config.model.name == 'llama' else None))
 
 
 def _gib(n: float) -> str:
@@ -111,6 +112,12 @@ def report(plan: Plan, config) -> str:
       f'  inputs {_gib(plan.argument_bytes)}, outputs {_gib(plan.output_bytes)}, of which donated and reused '
       f'{_gib(plan.alias_bytes)}; code {_gib(plan.code_bytes)}',
       f'  total               {_gib(plan.total_bytes)}',
+  ]
+  if plan.flops is None:
+    lines.append(f'FLOPs per step: not counted for model.name={config.model.name!r} (trainer/flops.py counts the '
+                 f'built-in llama only).')
+    return '\n'.join(lines)
+  lines += [
       f'FLOPs per step: {plan.flops.matmul:.4g} (matmul count, causal attention halved; MaxText), '
       f'{plan.flops.six_n:.4g} (6N + 12*layers*heads*head_dim*seq_len per token; nanoGPT), '
       f'N = {plan.flops.non_embedding_params:,} non-embedding parameters',
