@@ -11,6 +11,8 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trainer.errors import UserError
+
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 
@@ -73,3 +75,21 @@ def sharding_table(abstract_state, shardings) -> tuple[str, dict[str, int]]:
     lines.append(f'{part} per device: {totals[f"{part}_bytes_per_device"]:,} bytes '
                  f'of {totals[f"{part}_bytes_total"]:,} in total')
   return '\n'.join(lines), totals
+
+
+def check_divisible(abstract_boxed_params, mesh: Mesh, rules: Rules) -> None:
+  """Every parameter dimension the rules split over mesh axes divides by their size; else one UserError."""
+  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+  for path, box in jax.tree_util.tree_flatten_with_path(abstract_boxed_params, is_leaf=is_box)[0]:
+    if not is_box(box):
+      continue
+    spec = nn.logical_to_mesh_axes(tuple(box.names), rules)
+    for dim, (name, entry) in enumerate(zip(box.names, spec)):
+      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      devices = math.prod(mesh.shape[a] for a in axes)
+      if box.value.shape[dim] % devices:
+        split = ' x '.join(f'mesh.{a}={mesh.shape[a]}' for a in axes)
+        raise UserError(f'parameter {_path_name(path)} {tuple(box.value.shape)}: its {name!r} dimension of '
+                        f'{box.value.shape[dim]} does not divide over {split}; pick mesh sizes that divide '
+                        f'{box.value.shape[dim]}, change the model size behind {name!r}, or map {name!r} to other '
+                        f'axes in parallel.logical_axis_rules.')

@@ -23,7 +23,6 @@ Every train step donates the state, so its buffers are reused for the new state.
 """
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -38,40 +37,43 @@ STRATEGIES = ('jit', 'shard_map', 'pmap')
 PMAP_AXIS = 'devices'  # pmap's one axis: every device of the mesh, in mesh order.
 
 
-def partition_train_step(strategy: str, mesh: Mesh, state_shardings: Any, batch_sharding: NamedSharding, *,
-                         apply_fn: Callable[..., Any], tx: optax.GradientTransformation,
+def partition_train_step(strategy: str, mesh: Mesh, state_shardings: Any, batch_shardings: Any, *,
+                         task: step_lib.LossTask, tx: optax.GradientTransformation,
                          schedule: optax.Schedule, options: step_lib.StepOptions = step_lib.StepOptions()) -> Any:
-  """The train step for `strategy`, to be lowered and compiled ahead of time with the state's shardings."""
+  """The train step for `strategy`, to be lowered and compiled ahead of time with the state's shardings.
+
+  `batch_shardings` is a dict like the batch: each key's NamedSharding (rows split over the batch axes).
+  """
   if strategy == 'jit':
-    step = functools.partial(step_lib.train_step, apply_fn=apply_fn, tx=tx, schedule=schedule, options=options)
-    return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+    step = functools.partial(step_lib.train_step, task=task, tx=tx, schedule=schedule, options=options)
+    return jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
   if strategy == 'shard_map':
-    return _shard_map_train_step(mesh, state_shardings, batch_sharding, apply_fn, tx, schedule, options)
+    return _shard_map_train_step(mesh, state_shardings, batch_shardings, task, tx, schedule, options)
   if strategy == 'pmap':
-    return _pmap_train_step(mesh, apply_fn, tx, schedule, options)
+    return _pmap_train_step(mesh, task, tx, schedule, options)
   raise ValueError(f'unknown strategy {strategy!r}')  # validation rejects these earlier
 
 
-def partition_eval_step(strategy: str, mesh: Mesh, params_shardings: Any, batch_sharding: NamedSharding, *,
-                        apply_fn: Callable[..., Any]) -> Callable[..., Any]:
+def partition_eval_step(strategy: str, mesh: Mesh, params_shardings: Any, batch_shardings: Any, *,
+                        task: step_lib.LossTask) -> Any:
   """`(params, global batch) -> metrics`, partitioned the way the train step is.
 
   Not jit for every strategy: who chose 'shard_map' or 'pmap' to keep GSPMD out
   gets none in eval either, and eval_loss then checks the same per-device path.
   """
-  step = functools.partial(step_lib.eval_step, apply_fn=apply_fn)
+  step = functools.partial(step_lib.eval_step, task=task)
   if strategy == 'jit':
-    return jax.jit(step, in_shardings=(params_shardings, batch_sharding), out_shardings=sharding.replicated(mesh))
+    return jax.jit(step, in_shardings=(params_shardings, batch_shardings), out_shardings=sharding.replicated(mesh))
   if strategy == 'shard_map':
     param_specs = _specs(params_shardings)
 
     def local_eval(param_shards, local_batch):
       return jax.lax.pmean(step(_gather_params(param_shards, param_specs, mesh), local_batch), mesh.axis_names)
 
-    per_device = jax.shard_map(local_eval, mesh=mesh, in_specs=(param_specs, batch_sharding.spec),
+    per_device = jax.shard_map(local_eval, mesh=mesh, in_specs=(param_specs, _specs(batch_shardings)),
                                out_specs=PartitionSpec())
-    return jax.jit(per_device, in_shardings=(params_shardings, batch_sharding),
+    return jax.jit(per_device, in_shardings=(params_shardings, batch_shardings),
                    out_shardings=sharding.replicated(mesh))
   if strategy == 'pmap':
     pmapped = jax.pmap(lambda params, local_batch: jax.lax.pmean(step(params, local_batch), PMAP_AXIS),
@@ -154,34 +156,33 @@ def _reduce_grads(grads, param_specs, mesh: Mesh):
   return jax.tree.map(reduce, grads, param_specs)
 
 
-def _shard_map_train_step(mesh: Mesh, state_shardings, batch_sharding: NamedSharding, apply_fn, tx, schedule,
-                          options):
+def _shard_map_train_step(mesh: Mesh, state_shardings, batch_shardings, task, tx, schedule, options):
   param_specs = _specs(state_shardings.params)
 
   def local_grads(param_shards, local_batch):
     params = _mark_varying(_gather_params(param_shards, param_specs, mesh), param_specs, mesh)
-    grads, metrics = step_lib.grads_and_metrics(params, local_batch, apply_fn, options)
+    grads, metrics = step_lib.grads_and_metrics(params, local_batch, task, options)
     # Local batch shards are equal in size, so the mean of the per-device means is the global mean.
     return _reduce_grads(grads, param_specs, mesh), jax.lax.pmean(metrics, mesh.axis_names)
 
-  grads_fn = jax.shard_map(local_grads, mesh=mesh, in_specs=(param_specs, batch_sharding.spec),
+  grads_fn = jax.shard_map(local_grads, mesh=mesh, in_specs=(param_specs, _specs(batch_shardings)),
                            out_specs=(param_specs, PartitionSpec()))
 
   def train_step(state, batch):
     grads, metrics = grads_fn(state.params, batch)
     return step_lib.apply_gradients(state, grads, metrics, tx=tx, schedule=schedule)
 
-  return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+  return jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
                  out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
 
 
 # ---- pmap ---------------------------------------------------------------------------------------
 
 
-def _pmap_train_step(mesh: Mesh, apply_fn, tx, schedule, options) -> '_PmapWithGlobalBatch':
+def _pmap_train_step(mesh: Mesh, task, tx, schedule, options) -> '_PmapWithGlobalBatch':
 
   def train_step(state, local_batch):
-    grads, metrics = step_lib.grads_and_metrics(state.params, local_batch, apply_fn, options)
+    grads, metrics = step_lib.grads_and_metrics(state.params, local_batch, task, options)
     grads, metrics = jax.lax.pmean((grads, metrics), PMAP_AXIS)
     return step_lib.apply_gradients(state, grads, metrics, tx=tx, schedule=schedule)
 

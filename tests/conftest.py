@@ -57,3 +57,17 @@ def run_launcher(*args: str, timeout: float = 300) -> subprocess.CompletedProces
 @pytest.fixture
 def launcher():
   return run_launcher
+
+
+class ApplyTask:
+  """A bare Linen-style `apply_fn` under the LM objective: the step's task (trainer.step.LossTask) for step tests."""
+
+  def __init__(self, apply_fn, z_loss_weight: float = 0.0):
+    from trainer import objectives
+    self.apply_fn, self.objective = apply_fn, objectives.LanguageModeling(z_loss_weight=z_loss_weight)
+
+  def loss(self, params, batch):
+    return self.objective.loss(lambda *args, **kwargs: self.apply_fn({'params': params}, *args, **kwargs), batch)
+
+  def weight(self, batch):
+    return self.objective.weight(batch)

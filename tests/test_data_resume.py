@@ -11,9 +11,9 @@ import pytest
 
 from configs import tiny
 from trainer import checkpoint, data
-from trainer import step as step_lib
+from conftest import ApplyTask
 from trainer.errors import UserError
-from trainer.job import build_model
+from trainer.models.llama import build as build_model
 
 
 def _hash(batch) -> str:
@@ -113,7 +113,7 @@ def test_packed_documents_do_not_see_each_other(model):
 
 def test_padding_is_left_out_of_the_loss(model):
   llama, params, apply = model
-  loss_fn = jax.jit(lambda params, batch: step_lib.loss_fn(params, batch, llama.apply))
+  loss_fn = jax.jit(ApplyTask(llama.apply).loss)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, 32)), jnp.int32)
   segments = jnp.asarray([[1] * 20 + [0] * 12, [1] * 32], jnp.int32)
   batch = {'inputs': tokens, 'targets': jnp.roll(tokens, -1, 1), 'segment_ids': segments,

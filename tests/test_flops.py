@@ -8,11 +8,13 @@ import pytest
 from flax import linen as nn
 
 from configs import default, tiny
-from trainer import flops, job
+from trainer import flops
+from trainer.models import llama
 
 
 def _model(layers=12, d=768, heads=12, mlp=3072, vocab=50304):
-  return types.SimpleNamespace(num_layers=layers, d_model=d, num_heads=heads, mlp_dim=mlp, vocab_size=vocab)
+  return types.SimpleNamespace(num_layers=layers, d_model=d, num_heads=heads, mlp_dim=mlp, vocab_size=vocab,
+                               num_kv_heads=0)
 
 
 def test_matmul_convention_counts_every_matmul_with_causal_attention_halved():
@@ -36,7 +38,7 @@ def test_6n_convention_is_nanogpt_and_differs_from_matmul_by_unmasked_attention_
 
 def test_non_embedding_parameter_count_matches_the_model():
   config = default.get_config()
-  model = job.build_model(config)
+  model = llama.build(config)
   params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))['params'])
   total = sum(x.size for x in jax.tree.leaves(params))
   embedding = params['embed']['embedding'].size

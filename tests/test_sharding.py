@@ -1,13 +1,12 @@
 """Logical-axis rules to shardings: the table a user sees, and that nothing is held whole per device."""
 
-import jax
-import jax.numpy as jnp
 from ml_collections import config_dict
 
 from configs import tiny
 from parallel import mesh as mesh_lib
 from parallel import sharding
-from trainer import job, optimizer
+from trainer import optimizer
+from trainer import task as task_lib
 from trainer import state as state_lib
 
 
@@ -17,9 +16,8 @@ def _abstract(mesh_shape):
   mesh = mesh_lib.build_mesh(config.mesh)
   rules = sharding.rules_from_config(config.parallel)
   tx, _ = optimizer.build_optimizer(config.train)
-  example = jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len), jnp.int32)
-  model = job.build_model(config, mesh, rules)
-  return config, mesh, *state_lib.abstract_state(model, tx, example, mesh, rules)
+  model = task_lib.build_task(config, mesh, rules).model
+  return config, mesh, *state_lib.abstract_state(model, tx, mesh, rules)
 
 
 def test_table_on_2x2x2_shards_embed_over_fsdp_and_heads_mlp_over_tensor():
@@ -45,10 +43,9 @@ def test_pure_data_parallel_replicates_everything():
 
 def test_created_state_lands_in_its_shardings_without_a_whole_copy_per_device():
   config, mesh, abstract, shardings = _abstract((1, 8, 1))
-  model = job.build_model(config, mesh, sharding.rules_from_config(config.parallel))
+  model = task_lib.build_task(config, mesh, sharding.rules_from_config(config.parallel)).model
   tx, _ = optimizer.build_optimizer(config.train)
-  example = jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len), jnp.int32)
-  state = state_lib.create_state(0, model, tx, example, shardings)
+  state = state_lib.create_state(0, model, tx, shardings)
   kernel = state.params['layers']['mlp']['up']['kernel']
   assert kernel.sharding == shardings.params['layers']['mlp']['up']['kernel']
   assert {s.data.shape for s in kernel.addressable_shards} == {

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import ApplyTask
 from configs import tiny
 from parallel import sharding
 from trainer import job as job_lib
@@ -35,8 +36,8 @@ def _abstract_params(cfg=CFG):
 
 
 def _loss_and_grads(cfg, params, batch, options=step_lib.StepOptions()):
-  apply_fn = llama.Llama(cfg).apply
-  grads, metrics = jax.jit(lambda p, b: step_lib.grads_and_metrics(p, b, apply_fn, options))(params, batch)
+  task = ApplyTask(llama.Llama(cfg).apply)
+  grads, metrics = jax.jit(lambda p, b: step_lib.grads_and_metrics(p, b, task, options))(params, batch)
   return float(metrics['loss']), grads
 
 
@@ -67,8 +68,8 @@ def variants():
                            for policy in ('none',) + tuple(llama.REMAT_POLICIES)] + [
                                ('unrolled_full', dataclasses.replace(cfg, scan_layers=False, remat_policy='full'),
                                 unrolled_params)]:
-    apply_fn = llama.Llama(variant).apply
-    compiled = jax.jit(lambda p, b: step_lib.grads_and_metrics(p, b, apply_fn)).lower(p, batch).compile()
+    task = ApplyTask(llama.Llama(variant).apply)
+    compiled = jax.jit(lambda p, b: step_lib.grads_and_metrics(p, b, task)).lower(p, batch).compile()
     grads, metrics = compiled(p, batch)
     out[name] = (float(metrics['loss']), grads, compiled.memory_analysis().temp_size_in_bytes)
   return out
@@ -110,7 +111,7 @@ def _train_losses(cfg, steps, mu_dtype='float32'):
   tx, schedule = optimizer.build_optimizer(train)
   from trainer.state import TrainState
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(0))
-  step = jax.jit(lambda s, b: step_lib.train_step(s, b, apply_fn=model.apply, tx=tx, schedule=schedule))
+  step = jax.jit(lambda s, b: step_lib.train_step(s, b, task=ApplyTask(model.apply), tx=tx, schedule=schedule))
   losses = []
   for i in range(steps):
     state, metrics = step(state, _batch(seed=i % 2))  # Two batches in turn: the loss must fall.
@@ -161,7 +162,7 @@ def _bigram_params():
 def test_accumulated_gradients_equal_the_large_batch_step():
   params, batch = _bigram_params(), _batch(batch_size=8)
   run = lambda n: jax.jit(lambda p, b: step_lib.grads_and_metrics(
-      p, b, _bigram_apply, step_lib.StepOptions(grad_accum_steps=n, z_loss_weight=1e-3)))(params, batch)
+      p, b, ApplyTask(_bigram_apply, z_loss_weight=1e-3), step_lib.StepOptions(grad_accum_steps=n)))(params, batch)
   grads1, metrics1 = run(1)
   grads4, metrics4 = run(4)
   loss1, loss4 = float(metrics1['loss']), float(metrics4['loss'])
@@ -181,8 +182,8 @@ def test_grad_accum_that_does_not_split_the_per_device_batch_is_refused_before_c
 def test_z_loss_adds_the_weighted_mean_square_log_partition_and_keeps_loss_the_cross_entropy():
   params, batch = _bigram_params(), _batch()
   apply_fn = _bigram_apply
-  plain, plain_metrics = jax.jit(lambda p, b: step_lib.loss_fn(p, b, apply_fn))(params, batch)
-  total, metrics = jax.jit(lambda p, b: step_lib.loss_fn(p, b, apply_fn, z_loss_weight=1e-2))(params, batch)
+  plain, plain_metrics = jax.jit(ApplyTask(apply_fn).loss)(params, batch)
+  total, metrics = jax.jit(ApplyTask(apply_fn, z_loss_weight=1e-2).loss)(params, batch)
   logits = apply_fn({'params': params}, batch['inputs'])
   expected_z = 1e-2 * np.mean(np.square(jax.nn.logsumexp(np.asarray(logits), axis=-1)))
   assert float(metrics['loss']) == pytest.approx(float(plain), rel=1e-6)
@@ -191,7 +192,7 @@ def test_z_loss_adds_the_weighted_mean_square_log_partition_and_keeps_loss_the_c
   assert 'z_loss' not in plain_metrics
   # Its gradient pulls the log-partition towards 0.
   grad_norm = jax.jit(lambda p, b, w: optax.tree.norm(step_lib.grads_and_metrics(
-      p, b, apply_fn, step_lib.StepOptions(z_loss_weight=w))[0]), static_argnums=2)
+      p, b, ApplyTask(apply_fn, z_loss_weight=w))[0]), static_argnums=2)
   assert grad_norm(params, batch, 1.0) > grad_norm(params, batch, 0.0)
 
 
@@ -231,7 +232,7 @@ def test_state_is_donated_and_its_buffers_reused(strategy, mesh_shape):
   assert state_bytes <= alias <= state_bytes + 1024, (alias, state_bytes)
 
   state = job.init_state(0)
-  batch = {k: jax.device_put(np.zeros(v.shape, np.int32), job.batch_sharding) for k, v in job.abstract_batch.items()}
+  batch = {k: jax.device_put(np.zeros(v.shape, np.int32), v.sharding) for k, v in job.abstract_batch.items()}
   old_leaves = jax.tree.leaves(state)
   new_state, metrics = compiled(state, batch)
   assert np.isfinite(float(metrics['loss']))

@@ -61,15 +61,16 @@ def step_flops(model_config, batch_size: int, seq_len: int) -> StepFlops:
   """FLOPs of one train step of `batch_size` sequences of `seq_len` tokens for a `config.model`."""
   m = model_config
   d, f, v, layers, heads = m.d_model, m.mlp_dim, m.vocab_size, m.num_layers, m.num_heads
+  kv_heads = m.num_kv_heads or heads  # Grouped-query attention shrinks only the k/v projections.
   head_dim = d // heads
   tokens = batch_size * seq_len
   # Per token, forward, one block: q/k/v and out projections, the SwiGLU's gate, up and down.
-  block_matmul_flops = 2 * (3 * d * heads * head_dim + heads * head_dim * d + 3 * d * f)
+  block_matmul_flops = 2 * ((heads + 2 * kv_heads) * d * head_dim + heads * head_dim * d + 3 * d * f)
   head_flops = 2 * d * v
   # Scores (Q K^T) and the weighted sum (P V), 2*L*H*K each per token, halved for the causal mask.
   causal_attention_flops = 4 * seq_len * heads * head_dim / 2
   matmul = 3 * tokens * (layers * (block_matmul_flops + causal_attention_flops) + head_flops)
-  non_embedding = layers * (4 * d * heads * head_dim + 3 * d * f + 2 * d) + d + d * v
+  non_embedding = layers * ((2 * heads + 2 * kv_heads) * d * head_dim + 3 * d * f + 2 * d) + d + d * v
   six_n = tokens * (6 * non_embedding + 12 * layers * heads * head_dim * seq_len)
   return StepFlops(matmul=float(matmul), six_n=float(six_n), non_embedding_params=non_embedding)
 
@@ -82,7 +83,10 @@ class Throughput:
   peak_flops_per_device: float | None
 
   @classmethod
-  def for_run(cls, config, devices) -> 'Throughput':
+  def for_run(cls, config, devices) -> 'Throughput | None':
+    """The run's throughput counter; None for models other than the built-in Llama, whose FLOPs it cannot count."""
+    if config.model.name != 'llama':
+      return None
     devices = list(devices)
     return cls(step_flops(config.model, config.train.batch_size, config.data.seq_len), len(devices),
                peak_flops(devices[0]))

@@ -19,8 +19,11 @@ from trainer import checkpoint, compilation_cache, data, flops, guardrails, pree
 from trainer import goodput as goodput_lib
 from trainer import profiling, progress
 from trainer import job as job_lib
-from trainer import state as state_lib
 from trainer.metrics import MetricsWriter
+
+
+# Step metrics the window summarizes itself, or that are for the guardrails only.
+NOT_LOGGED = ('loss', 'grads_finite', 'learning_rate', 'grad_norm', 'param_norm')
 
 
 @dataclasses.dataclass
@@ -30,16 +33,17 @@ class Window:
   step_times: list[float] = dataclasses.field(default_factory=list)
   data_waits: list[float] = dataclasses.field(default_factory=list)
 
-  def summary(self, last_metrics: dict[str, float], tokens_per_step: int,
+  def summary(self, last_metrics: dict[str, float], units_per_step: int, unit: str = 'tokens',
               throughput: flops.Throughput | None = None) -> dict[str, float]:
     step_time = float(np.mean(self.step_times))
     return {**(throughput.metrics(step_time) if throughput else {}),
-        **({'z_loss': last_metrics['z_loss']} if 'z_loss' in last_metrics else {}),  # train.z_loss_weight > 0.
+        # The task's own metrics (z_loss, accuracy, ...), as of the window's last step.
+        **{k: float(v) for k, v in last_metrics.items() if k not in NOT_LOGGED and np.ndim(v) == 0},
         'loss': float(np.mean(self.losses)),
         'learning_rate': last_metrics['learning_rate'],
         'grad_norm': last_metrics['grad_norm'],
         'step_time_s': step_time,
-        'tokens_per_s': tokens_per_step / step_time,
+        f'{unit}_per_s': units_per_step / step_time,
         'data_wait_s': float(np.mean(self.data_waits)),
         'param_norm': last_metrics['param_norm'],
     }
@@ -56,6 +60,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   profiling.check_config(config.profile)
   progress.check_mode(config.log.progress_bar)
   mesh, batch_sharding, abstract, shardings = job.mesh, job.batch_sharding, job.abstract, job.shardings
+  objective = job.task.objective
   process_index, process_count = jax.process_index(), jax.process_count()
 
   inputs = data.build(config, batch_sharding, process_index, process_count)
@@ -66,8 +71,9 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
 
   manifest = checkpoint.run_manifest(config, abstract, mesh)
   num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
-  logging.info('Mesh %s over %d devices (%d processes); model: %s parameters', dict(mesh.shape), mesh.size,
-               process_count, f'{num_params:,}')
+  logging.info('Mesh %s over %d devices (%d processes); model: %s (%s, %s), %s parameters', dict(mesh.shape),
+               mesh.size, process_count, config.model.name, job.task.model.framework, config.model.task,
+               f'{num_params:,}')
   table, _ = sharding.sharding_table(abstract, shardings)
   if process_index == 0:
     logging.info('Sharding (also in %s/sharding.txt):\n%s', workdir, table)
@@ -106,7 +112,8 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
     throughput = flops.Throughput.for_run(config, mesh.devices.flat)
     while True:
       try:
-        _train(config, state, compiled_step, job.eval_step, eval_set, train_iter, batch_sharding, process_count,
+        _train(config, objective, state, compiled_step, job.eval_step, eval_set, train_iter, batch_sharding,
+               process_count,
                ckpt, manifest, writer, start_step=latest or 0, guard=guard, preempt=preempt, throughput=throughput,
                profiler=profiler)
         break
@@ -124,13 +131,13 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
     writer.close()
 
 
-def _evaluate(eval_step, params, eval_set) -> dict[str, float]:
-  losses = [float(eval_step(params, batch)['loss']) for batch in eval_set]
-  loss = float(np.mean(losses))
-  return {'eval_loss': loss, 'eval_perplexity': float(np.exp(loss))}
+def _evaluate(eval_step, params, eval_set, objective) -> dict[str, float]:
+  """The task's eval summary (loss and perplexity, or loss and accuracy) over the fixed held-out batches."""
+  per_batch = jax.device_get([eval_step(params, batch) for batch in eval_set])
+  return objective.eval_summary({k: float(np.mean([m[k] for m in per_batch])) for k in per_batch[0]})
 
 
-def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_sharding, process_count,
+def _train(config, objective, state, compiled_step, eval_step, eval_set, train_iter, batch_sharding, process_count,
            ckpt, manifest, writer, start_step: int, guard: guardrails.Guard,
            preempt: preemption.PreemptionWatch, throughput: flops.Throughput | None,
            profiler: profiling.Profiler) -> None:
@@ -138,7 +145,6 @@ def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_
   if start_step >= total:
     logging.info('Checkpoint step %d already reaches train.steps=%d: nothing to train.', start_step, total)
     return
-  tokens_per_step = config.train.batch_size * config.data.seq_len
   eval_every = config.train.eval_every_steps
 
   def is_log_step(s):
@@ -157,12 +163,12 @@ def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_
     if pending is not None:  # Fetch step-1's metrics while step runs: the one sync point per step.
       guard.check(*pending[:2])
       last_fetch, side_time = _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step,
-                                      tokens_per_step, throughput)
+                                      objective, throughput)
     pending = (step, metrics, data_wait)
 
     t_side = time.perf_counter()
     if eval_set and (step == total or (eval_every and step % eval_every == 0)):
-      evals[step] = _evaluate(eval_step, state.params, eval_set)
+      evals[step] = _evaluate(eval_step, state.params, eval_set, objective)
     preempted = preempt.reached(step)
     t_ckpt = time.perf_counter()
     if step % config.ckpt.every_steps == 0 or step == total or preempted:
@@ -176,12 +182,12 @@ def _train(config, state, compiled_step, eval_step, eval_set, train_iter, batch_
                       preempt.describe(), step, ckpt.directory)
       break
   guard.check(*pending[:2])
-  _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step, tokens_per_step, throughput)
+  _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step, objective, throughput)
   profiler.close(state)  # A trace window reaching the last step ends here, once its steps finished.
 
 
 def _finish(pending, window: Window, last_fetch: float, side_time: float, writer: MetricsWriter,
-            evals: dict[int, dict[str, float]], is_log_step, tokens_per_step: int,
+            evals: dict[int, dict[str, float]], is_log_step, objective,
             throughput: flops.Throughput | None = None) -> tuple[float, float]:
   """Fetches one step's metrics, adds them to the window, and logs the window if the step is due."""
   step, metrics, data_wait = pending
@@ -191,9 +197,9 @@ def _finish(pending, window: Window, last_fetch: float, side_time: float, writer
   # Eval and checkpoint time spent since the last fetch is not step time.
   window.step_times.append(max(now - last_fetch - side_time, 1e-9))
   window.data_waits.append(data_wait)
-  writer.step_done(step, window.losses[-1], window.step_times[-1], data_wait, tokens_per_step)
+  writer.step_done(step, window.losses[-1], window.step_times[-1], data_wait, objective.units_per_step)
   if is_log_step(step):
-    summary = window.summary(metrics, tokens_per_step, throughput)
+    summary = window.summary(metrics, objective.units_per_step, objective.unit, throughput)
     data.warn_if_stalled(step, summary)
     writer.write(step, {**summary, **evals.pop(step, {})})
     window.__init__()

@@ -3,6 +3,8 @@
 Parameters and optimizer state are never materialized whole on one host:
 `jax.eval_shape` gives the abstract state with its logical axes, the rules turn
 those into NamedShardings, and one jitted init writes every shard in place.
+Parameters come from the task's model (trainer/models/adapters.py) as a plain
+nested dict, whether Flax NNX or Linen built them.
 """
 
 from typing import Any
@@ -15,6 +17,7 @@ import optax
 from jax.sharding import Mesh
 
 from parallel import sharding
+from trainer.models.adapters import AdaptedModel
 
 
 @flax.struct.dataclass
@@ -25,23 +28,27 @@ class TrainState:
   rng: jax.Array  # uint32[2] key for any randomness in the step (e.g. dropout).
 
 
-def _init_boxed(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
-                example_tokens: jax.ShapeDtypeStruct) -> TrainState:
-  """The initial state with Flax's logical-axis boxes still on the parameter leaves."""
-  init_rng, state_rng = jax.random.split(rng)
-  params = model.init(init_rng, jnp.zeros(example_tokens.shape, example_tokens.dtype))['params']
+def _init_boxed(seed: jax.Array, model: AdaptedModel, tx: optax.GradientTransformation) -> TrainState:
+  """The initial state with Flax's logical-axis boxes still on the parameter leaves.
+
+  The parameters come from `jax.random.key(seed)` itself (see adapters.py), so a
+  user's own loop reproduces them; the step's key is folded off it.
+  """
+  key = jax.random.key(seed)
+  params = model.box(model.init(key))
   # optax maps over the boxes, so Adam's moments inherit the parameters' logical axes.
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=state_rng)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                    rng=jax.random.key_data(jax.random.fold_in(key, 1)))
 
 
-def abstract_state(model, tx, example_tokens, mesh: Mesh, rules) -> tuple[TrainState, TrainState]:
+def abstract_state(model: AdaptedModel, tx, mesh: Mesh, rules) -> tuple[TrainState, TrainState]:
   """(abstract state, its NamedShardings), both as TrainState trees; nothing is allocated."""
-  boxed = jax.eval_shape(lambda r: _init_boxed(r, model, tx, example_tokens), jax.random.PRNGKey(0))
+  boxed = jax.eval_shape(lambda s: _init_boxed(s, model, tx), jnp.zeros((), jnp.uint32))
   shardings = sharding.tree_shardings(boxed, mesh, rules)
   return nn.meta.unbox(boxed), shardings
 
 
-def create_state(seed: int, model, tx, example_tokens, shardings: TrainState) -> TrainState:
+def create_state(seed: int, model: AdaptedModel, tx, shardings: TrainState) -> TrainState:
   """Initializes the state directly into its shardings."""
-  init = jax.jit(lambda r: nn.meta.unbox(_init_boxed(r, model, tx, example_tokens)), out_shardings=shardings)
-  return init(jax.random.PRNGKey(seed))
+  init = jax.jit(lambda s: nn.meta.unbox(_init_boxed(s, model, tx)), out_shardings=shardings)
+  return init(jnp.asarray(seed, jnp.uint32))

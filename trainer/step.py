@@ -5,15 +5,18 @@ over devices. The step is two halves so a strategy can take over the first:
 `grads_and_metrics` (forward and backward on a batch) and `apply_gradients`
 (the optimizer update). Every strategy runs the same loss and the same update.
 
-Gradient accumulation lives in `grads_and_metrics`, so every strategy gets it:
-the (local) batch is cut into `grad_accum_steps` microbatches that `lax.scan`
-runs one after another, summing float32 gradients; the result is the gradient
-of the mean loss over the whole batch, as one large step would give.
+The loss comes from the task (trainer/task.py): anything with
+`loss(params, batch) -> (loss, metrics)`, a mean over `weight(batch)` units
+(tokens, rows). Gradient accumulation lives in `grads_and_metrics`, so every
+strategy gets it: the (local) batch is cut into `grad_accum_steps` microbatches
+that `lax.scan` runs one after another, each weighted by its share of the
+batch's units, summing float32 gradients; the result is the gradient of the
+whole batch's mean loss, as one large step would give, even when padding is
+spread unevenly over the microbatches.
 """
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -22,47 +25,26 @@ import optax
 from trainer import guardrails
 from trainer.state import TrainState
 
-Batch = dict[str, jax.Array]  # 'inputs', 'targets' (+ 'segment_ids', 'positions' when packed), int32 (B, L).
+Batch = dict[str, jax.Array]  # LM: 'inputs', 'targets' (+ 'segment_ids', 'positions'); classifier: 'images', 'labels'.
 Metrics = dict[str, jax.Array]
+
+
+class LossTask(Protocol):
+  """What the step needs from a task (trainer.task.Task is one)."""
+
+  def loss(self, params, batch: Batch) -> tuple[jax.Array, Metrics]: ...
+
+  def weight(self, batch: Batch) -> jax.Array: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
-  """The static settings of the loss and the gradient computation, from `config.train`."""
+  """The static settings of the gradient computation, from `config.train`."""
   grad_accum_steps: int = 1  # Microbatches per step.
-  z_loss_weight: float = 0.0  # Weight of mean(logsumexp(logits)^2) added to the loss; 0 = off.
 
   @classmethod
   def from_config(cls, train_config) -> 'StepOptions':
-    return cls(grad_accum_steps=train_config.grad_accum_steps, z_loss_weight=float(train_config.z_loss_weight))
-
-
-def token_weights(batch: Batch) -> jax.Array:
-  """1.0 for tokens that count in the loss, 0.0 for padding (segment id 0 in packed batches)."""
-  if 'segment_ids' in batch:
-    return (batch['segment_ids'] != 0).astype(jnp.float32)
-  return jnp.ones(batch['targets'].shape, jnp.float32)
-
-
-def loss_fn(params, batch: Batch, apply_fn: Callable[..., jax.Array], z_loss_weight: float = 0.0,
-            num_tokens: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
-  """Next-token cross entropy in float32 over non-padding tokens, plus the optional z-loss.
-
-  Sums are divided by `num_tokens` (default: this batch's non-padding tokens), so
-  microbatches given the whole batch's count add up to the whole batch's mean.
-  The 'loss' metric is the cross entropy alone, so runs with and without z-loss compare.
-  """
-  logits_BLV = apply_fn({'params': params}, batch['inputs'], segment_ids=batch.get('segment_ids'),
-                        positions=batch.get('positions'))
-  losses_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch['targets'])
-  weights_BL = token_weights(batch)
-  if num_tokens is None:
-    num_tokens = jnp.maximum(jnp.sum(weights_BL), 1.0)
-  loss = jnp.sum(losses_BL * weights_BL) / num_tokens
-  if not z_loss_weight:
-    return loss, {'loss': loss}
-  z_loss = z_loss_weight * jnp.sum(jnp.square(jax.nn.logsumexp(logits_BLV, axis=-1)) * weights_BL) / num_tokens
-  return loss + z_loss, {'loss': loss, 'z_loss': z_loss}
+    return cls(grad_accum_steps=train_config.grad_accum_steps)
 
 
 def _microbatches(x: jax.Array, n: int) -> jax.Array:
@@ -74,27 +56,30 @@ def _microbatches(x: jax.Array, n: int) -> jax.Array:
   return jnp.swapaxes(x.reshape((x.shape[0] // n, n) + x.shape[1:]), 0, 1)
 
 
-def grads_and_metrics(params, batch: Batch, apply_fn,
+def grads_and_metrics(params, batch: Batch, task: LossTask,
                       options: StepOptions = StepOptions()) -> tuple[Any, Metrics]:
   """Gradients of the batch-mean loss, and the batch's metrics (means over the batch)."""
-  def grad_fn(batch, num_tokens=None):
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, apply_fn, options.z_loss_weight,
-                                                                     num_tokens)
+  def grad_fn(batch, scale=1.0):
+    def scaled_loss(p):
+      loss, metrics = task.loss(p, batch)
+      return scale * loss, jax.tree.map(lambda m: scale * m, metrics)
+    (_, metrics), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
     return grads, metrics
 
   n = options.grad_accum_steps
   if n == 1:
     return grad_fn(batch)
 
-  # Every microbatch divides by the whole batch's token count, so the sum of their
-  # gradients is the whole batch's mean even when padding is spread unevenly.
-  num_tokens = jnp.maximum(jnp.sum(token_weights(batch)), 1.0)
+  # Microbatch j's mean counts with its share w_j / W of the batch's units, so the
+  # sum over microbatches is the whole batch's mean even when padding is uneven.
+  total = jnp.maximum(task.weight(batch), 1e-9)
 
   def accumulate(totals, microbatch):
-    return jax.tree.map(lambda t, x: t + x.astype(jnp.float32), totals, grad_fn(microbatch, num_tokens)), None
+    grads_metrics = grad_fn(microbatch, task.weight(microbatch) / total)
+    return jax.tree.map(lambda t, x: t + x.astype(jnp.float32), totals, grads_metrics), None
 
   micro = jax.tree.map(lambda x: _microbatches(x, n), batch)
-  shapes = jax.eval_shape(grad_fn, jax.tree.map(lambda x: x[0], micro), num_tokens)
+  shapes = jax.eval_shape(grad_fn, jax.tree.map(lambda x: x[0], micro))
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
   (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
   return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), metrics
@@ -110,12 +95,12 @@ def apply_gradients(state: TrainState, grads, metrics: Metrics, *, tx: optax.Gra
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def train_step(state: TrainState, batch: Batch, *, apply_fn, tx: optax.GradientTransformation,
+def train_step(state: TrainState, batch: Batch, *, task: LossTask, tx: optax.GradientTransformation,
                schedule: optax.Schedule, options: StepOptions = StepOptions()) -> tuple[TrainState, Metrics]:
-  grads, metrics = grads_and_metrics(state.params, batch, apply_fn, options)
+  grads, metrics = grads_and_metrics(state.params, batch, task, options)
   return apply_gradients(state, grads, metrics, tx=tx, schedule=schedule)
 
 
-def eval_step(params, batch: Batch, *, apply_fn) -> Metrics:
-  _, metrics = loss_fn(params, batch, apply_fn)
+def eval_step(params, batch: Batch, *, task: LossTask) -> Metrics:
+  _, metrics = task.loss(params, batch)
   return metrics

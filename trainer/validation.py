@@ -5,7 +5,6 @@ from jax.sharding import Mesh
 from parallel import strategy
 from trainer import data
 from trainer.errors import UserError
-from trainer.models import llama
 
 DTYPES = ('float32', 'bfloat16')
 
@@ -24,9 +23,9 @@ def _positive_int(config, path: str, minimum: int = 1) -> None:
 
 def validate_config(config) -> None:
   """Checks every value that can be judged without devices."""
+  # Model sizes are checked by the model's builder (trainer/models/), which knows which keys it reads.
   for path in ('train.steps', 'train.batch_size', 'data.seq_len', 'log.every_steps', 'ckpt.every_steps',
-               'ckpt.max_to_keep', 'model.num_layers', 'model.d_model', 'model.num_heads', 'model.mlp_dim',
-               'model.vocab_size', 'data.num_threads'):
+               'ckpt.max_to_keep', 'data.num_threads'):
     _positive_int(config, path)
   _positive_int(config, 'train.grad_accum_steps')
   _require(config.train.z_loss_weight >= 0, f'train.z_loss_weight={config.train.z_loss_weight} must be >= 0.')
@@ -42,31 +41,8 @@ def validate_config(config) -> None:
            f'train.compute_dtype={config.train.compute_dtype!r}: choose auto, float32 or bfloat16.')
   _require(config.train.param_dtype in DTYPES,
            f'train.param_dtype={config.train.param_dtype!r}: choose float32 or bfloat16.')
-  policies = ('none',) + tuple(llama.REMAT_POLICIES)
-  _require(config.train.remat_policy in policies,
-           f'train.remat_policy={config.train.remat_policy!r}: choose one of {policies}.')
-  _require(config.model.name == 'llama', f'model.name={config.model.name!r}: the built-in model is "llama".')
   data.check_config(config.data)
   _require(0 <= config.data.eval_percent < 100, f'data.eval_percent={config.data.eval_percent} must be in [0, 100).')
-  model = config.model
-  _require(model.d_model % model.num_heads == 0,
-           f'model.d_model={model.d_model} must divide by model.num_heads={model.num_heads}.')
-  _require((model.d_model // model.num_heads) % 2 == 0,
-           f'head dim model.d_model/model.num_heads={model.d_model // model.num_heads} must be even for RoPE; '
-           f'change model.d_model or model.num_heads.')
-  _require(model.vocab_size >= 256,
-           f'model.vocab_size={model.vocab_size} is too small for byte-level text; use at least 256.')
-
-
-def validate_against_mesh(config, mesh: Mesh) -> None:
-  """Checks that the model's sharded dimensions split evenly over the mesh axes the rules put them on."""
-  tensor, fsdp = mesh.shape['tensor'], mesh.shape['fsdp']
-  for key in ('num_heads', 'mlp_dim', 'vocab_size'):
-    value = config.model[key]
-    _require(value % tensor == 0, f'model.{key}={value} does not divide over mesh.tensor={tensor}; '
-             f'pick a tensor size that divides it, or change model.{key}.')
-  _require(config.model.d_model % fsdp == 0, f'model.d_model={config.model.d_model} does not divide over '
-           f'mesh.fsdp={fsdp}; pick an fsdp size that divides it.')
 
 
 def validate_strategy(config, mesh: Mesh) -> None:

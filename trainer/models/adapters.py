@@ -1,0 +1,150 @@
+"""Flax NNX and Linen models behind one functional face: `init(key) -> params`, `bind(params) -> model`.
+
+The train state keeps parameters as a plain nested dict of arrays whichever
+framework built them, so sharding, checkpoints and the optimizer never look at
+the framework. Each parameter's logical axis names (from
+`nnx.with_partitioning` / `nn.with_logical_partitioning`) are kept beside it
+as a Flax `LogicallyPartitioned` box in `abstract_boxed`, which
+parallel/sharding.py turns into NamedShardings.
+
+- NNX (primary): built under `nnx.use_eager_sharding(False)` (the launcher
+  places every shard itself, from the config's rules, after init), split into
+  graph and `nnx.Param` state; `bind` merges the graph with the given params.
+- Linen: `init`/`apply` on example inputs of the batch's shapes; `bind` returns
+  a callable whose methods (e.g. a custom `loss`) go through `apply(method=...)`.
+
+Both initialize from one key: NNX as `Model(config, rngs=nnx.Rngs(key))`, Linen
+as `model.init(key, ...)`, so a hand-written loop reproduces the launcher's
+initial parameters from `train.seed`.
+"""
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import nnx
+
+from trainer.errors import UserError
+
+Params = Any  # Nested dict of arrays.
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptedModel:
+  framework: str  # 'nnx' or 'linen'.
+  class_name: str  # The user's class, for messages and the log.
+  module_class: type  # Its type: custom methods (a `loss`) are looked up here.
+  abstract_boxed: Params  # ShapeDtypeStructs; named leaves boxed in nn.LogicallyPartitioned, unnamed ones bare.
+  init: Callable[[jax.Array], Params]  # key -> params (plain arrays, the same tree as abstract_boxed unboxed).
+  bind: Callable[[Params], Any]  # params -> a callable model.
+
+  @property
+  def abstract_params(self) -> Params:
+    return nn.meta.unbox(self.abstract_boxed)
+
+  def box(self, params: Params) -> Params:
+    """`params` with every named leaf in the box of its logical names (what optax and the rules need)."""
+    return jax.tree.map(lambda box, p: box.replace_boxed(p) if isinstance(box, nn.meta.AxisMetadata) else p,
+                        self.abstract_boxed, params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+
+def call_builder(builder: Callable, config, mesh, rules, **extra) -> Any:
+  """`builder(config, **extra)`, plus `mesh=`/`rules=` when its signature takes them."""
+  try:
+    accepted = inspect.signature(builder).parameters
+  except (TypeError, ValueError):
+    accepted = {}
+  takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+  context = {k: v for k, v in (('mesh', mesh), ('rules', rules)) if takes_all or k in accepted}
+  return builder(config, **extra, **context)
+
+
+def is_nnx_builder(builder: Callable) -> bool:
+  """An nnx.Module class, or a function taking `rngs`: built with `rngs=nnx.Rngs(key)`."""
+  if isinstance(builder, type):
+    return issubclass(builder, nnx.Module)
+  try:
+    return 'rngs' in inspect.signature(builder).parameters
+  except (TypeError, ValueError):
+    return False
+
+
+def adapt(builder: Callable, config, example_inputs: tuple[tuple, dict], mesh=None, rules=()) -> AdaptedModel:
+  """Builds the configured model abstractly (nothing allocated) and wraps it for the functional train step.
+
+  `example_inputs` is `(args, kwargs)` of ShapeDtypeStructs: what a Linen model is initialized on.
+  """
+  name = config.model.name
+  if is_nnx_builder(builder):
+    return _adapt_nnx(builder, config, mesh, rules)
+  module = call_builder(builder, config, mesh, rules)
+  if isinstance(module, nnx.Module):
+    raise UserError(f'model.name={name!r} built an NNX module without `rngs`; give its constructor an `rngs` '
+                    f'argument (the launcher passes nnx.Rngs seeded from train.seed).')
+  if not isinstance(module, nn.Module):
+    raise UserError(f'model.name={name!r} returned a {type(module).__name__}, not a Flax module; point it at an '
+                    f'nnx.Module class, or at a function `build(config)` returning a flax.linen Module.')
+  return _adapt_linen(module, example_inputs, name)
+
+
+def _adapt_nnx(builder, config, mesh, rules) -> AdaptedModel:
+  def make(key):
+    with nnx.use_eager_sharding(False):  # The launcher shards after init, from the config's rules.
+      return call_builder(builder, config, mesh, rules, rngs=nnx.Rngs(key))
+
+  abstract_module = nnx.eval_shape(lambda: make(jax.random.key(0)))
+  graphdef, abstract_state, rest = nnx.split(abstract_module, nnx.Param, ...)
+  others = [('/'.join(map(str, path)), type(v).__name__) for path, v in nnx.to_flat_state(rest)]
+  if others:
+    listed = ', '.join(f'{p} ({t})' for p, t in others[:5])
+    raise UserError(f'model.name={config.model.name!r} holds state other than nnx.Param: {listed}. The launcher trains '
+                    f'parameters only and runs the model deterministically: drop stored rngs and batch statistics '
+                    f'(e.g. use LayerNorm instead of BatchNorm, dropout off).')
+  boxed = {}
+  for path, variable in nnx.to_flat_state(abstract_state):
+    names = variable.get_metadata().get('out_sharding')
+    value = variable.get_value()
+    leaf = nn.LogicallyPartitioned(value, tuple(names)) if names is not None else value
+    node = boxed
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = leaf
+
+  def init(key):
+    return nnx.state(make(key), nnx.Param).to_pure_dict()
+
+  return AdaptedModel('nnx', type(abstract_module).__name__, type(abstract_module), boxed, init,
+                      lambda params: nnx.merge(graphdef, params))
+
+
+class _BoundLinen:
+  """A Linen module with its parameters: call it like the module; its methods go through `apply(method=...)`."""
+
+  def __init__(self, module: nn.Module, params: Params):
+    self._module, self._variables = module, {'params': params}
+
+  def __call__(self, *args, **kwargs):
+    return self._module.apply(self._variables, *args, **kwargs)
+
+  def __getattr__(self, name):
+    method = getattr(type(self._module), name)
+    return lambda *args, **kwargs: self._module.apply(self._variables, *args, method=method, **kwargs)
+
+
+def _adapt_linen(module: nn.Module, example_inputs, name: str) -> AdaptedModel:
+  def init_variables(key):
+    args, kwargs = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), example_inputs)
+    return module.init(key, *args, **kwargs)
+
+  variables = jax.eval_shape(init_variables, jax.random.key(0))
+  others = sorted(set(variables) - {'params'})
+  if others:
+    raise UserError(f'model.name={name!r} creates variable collections {others} besides "params". The launcher '
+                    f'trains parameters only and runs the model deterministically: drop batch statistics and '
+                    f'other mutable state (e.g. LayerNorm instead of BatchNorm).')
+  return AdaptedModel('linen', type(module).__name__, type(module), variables['params'],
+                      lambda key: nn.meta.unbox(init_variables(key)['params']),
+                      lambda params: _BoundLinen(module, params))

@@ -1,0 +1,133 @@
+"""What a model is trained to do (`model.task`): the batch it reads, its loss and metrics, its eval summary.
+
+- 'lm': batches of token rows `inputs`/`targets` (B, L) int32, plus `segment_ids`
+  and `positions` when data.packing; next-token cross entropy in float32 over
+  non-padding tokens, plus the optional z-loss; eval loss and perplexity.
+- 'classifier': `images` (B, H, W, C) float32 and `labels` (B,) int32; cross
+  entropy and accuracy; eval loss and accuracy.
+
+A loss here is the mean over what `weight(batch)` counts (tokens, or rows), so
+gradient accumulation can weight microbatches back into the whole batch's mean.
+A model whose class defines `loss(self, batch) -> (loss, metrics)` replaces the
+objective's loss with its own (see trainer/task.py).
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from trainer import data
+from trainer.errors import UserError
+
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+TASKS = ('lm', 'classifier')
+
+
+def token_weights(batch: Batch) -> jax.Array:
+  """1.0 for tokens that count in the loss, 0.0 for padding (segment id 0 in packed batches)."""
+  if 'segment_ids' in batch:
+    return (batch['segment_ids'] != 0).astype(jnp.float32)
+  return jnp.ones(batch['targets'].shape, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class LanguageModeling:
+  batch_size: int = 1  # Global batch, in rows.
+  seq_len: int = 1
+  keys: tuple[str, ...] = ('inputs', 'targets')  # + data.PACKED_KEYS when packing.
+  z_loss_weight: float = 0.0  # Weight of mean(logsumexp(logits)^2) added to the loss; 0 = off.
+  kind: ClassVar[str] = 'lm'
+  unit: ClassVar[str] = 'tokens'  # Throughput is reported as tokens_per_s.
+
+  @classmethod
+  def from_config(cls, config) -> 'LanguageModeling':
+    return cls(config.train.batch_size, config.data.seq_len, data.batch_keys(config.data),
+               float(config.train.z_loss_weight))
+
+  @property
+  def units_per_step(self) -> int:
+    return self.batch_size * self.seq_len
+
+  def batch_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+    return {k: jax.ShapeDtypeStruct((self.batch_size, self.seq_len), jnp.int32) for k in self.keys}
+
+  def model_inputs(self, batch) -> tuple[tuple, dict]:
+    """How the model is called: `model(inputs)`, with `segment_ids=`/`positions=` for packed rows."""
+    packed = {k: batch[k] for k in data.PACKED_KEYS if k in batch}
+    return (batch['inputs'],), packed
+
+  def weight(self, batch: Batch) -> jax.Array:
+    return jnp.sum(token_weights(batch))
+
+  def loss(self, model: Callable, batch: Batch) -> tuple[jax.Array, Metrics]:
+    """Mean cross entropy over non-padding tokens; the 'loss' metric leaves the z-loss out, so runs compare."""
+    args, kwargs = self.model_inputs(batch)
+    logits_BLV = model(*args, **kwargs).astype(jnp.float32)
+    weights_BL = token_weights(batch)
+    num_tokens = jnp.maximum(jnp.sum(weights_BL), 1.0)
+    loss = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch['targets']) * weights_BL)
+    loss = loss / num_tokens
+    if not self.z_loss_weight:
+      return loss, {'loss': loss}
+    z_loss = self.z_loss_weight * jnp.sum(jnp.square(jax.nn.logsumexp(logits_BLV, axis=-1)) * weights_BL) / num_tokens
+    return loss + z_loss, {'loss': loss, 'z_loss': z_loss}
+
+  def eval_summary(self, means: dict[str, float]) -> dict[str, float]:
+    return {'eval_loss': means['loss'], 'eval_perplexity': float(math.exp(min(means['loss'], 80.0)))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Classification:
+  batch_size: int = 1  # Global batch, in images.
+  image_shape: tuple[int, ...] = (32, 32, 3)  # (H, W, C).
+  kind: ClassVar[str] = 'classifier'
+  unit: ClassVar[str] = 'images'  # Throughput is reported as images_per_s.
+
+  @classmethod
+  def from_config(cls, config) -> 'Classification':
+    return cls(config.train.batch_size, tuple(config.data.image_shape))
+
+  @property
+  def units_per_step(self) -> int:
+    return self.batch_size
+
+  def batch_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+    return {'images': jax.ShapeDtypeStruct((self.batch_size,) + self.image_shape, jnp.float32),
+            'labels': jax.ShapeDtypeStruct((self.batch_size,), jnp.int32)}
+
+  def model_inputs(self, batch) -> tuple[tuple, dict]:
+    return (batch['images'],), {}
+
+  def weight(self, batch: Batch) -> jax.Array:
+    return jnp.asarray(batch['labels'].shape[0], jnp.float32)
+
+  def loss(self, model: Callable, batch: Batch) -> tuple[jax.Array, Metrics]:
+    logits_BC = model(batch['images']).astype(jnp.float32)
+    loss = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits_BC, batch['labels']))
+    accuracy = jnp.mean((jnp.argmax(logits_BC, axis=-1) == batch['labels']).astype(jnp.float32))
+    return loss, {'loss': loss, 'accuracy': accuracy}
+
+  def eval_summary(self, means: dict[str, float]) -> dict[str, float]:
+    return {'eval_loss': means['loss'], 'eval_accuracy': means['accuracy']}
+
+
+Objective = LanguageModeling | Classification
+
+
+def for_config(config) -> Objective:
+  if config.model.task not in TASKS:
+    raise UserError(f'model.task={config.model.task!r}: choose one of {TASKS}.')
+  return (LanguageModeling if config.model.task == 'lm' else Classification).from_config(config)
+
+
+def example_inputs(objective: Objective) -> tuple[tuple, dict]:
+  """The model's call arguments as ShapeDtypeStructs of the global batch (what a Linen model is initialized on)."""
+  return objective.model_inputs(objective.batch_shapes())
+
+
