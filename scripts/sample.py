@@ -59,8 +59,10 @@ def load_run_config(workdir: pathlib.Path):
   return config
 
 
-def restore_params(config, workdir: pathlib.Path, step: str):
-  """(step, params) of checkpoint `step` ('latest': the newest intact one), restored onto one CPU device.
+def restore_model(config, workdir: pathlib.Path, step: str):
+  """(step, bind, params) of checkpoint `step` ('latest': the newest intact one), on one CPU device.
+
+  `bind(params)` is the model: `bind(params)(tokens)` -> logits.
 
   The run's Job is rebuilt on a one-device mesh and restored as scripts/export_params.py does, so the checkpoint's
   manifest is checked against the config first; the optimizer state is restored too and dropped.
@@ -93,7 +95,7 @@ def restore_params(config, workdir: pathlib.Path, step: str):
     state = ckpt.restore_state(steps[0], sharding.with_shardings(job.abstract, job.shardings))
   finally:
     ckpt.close()
-  return steps[0], job.model, state.params
+  return steps[0], job.task.model.bind, state.params
 
 
 def byte_level(config) -> bool:
@@ -123,8 +125,9 @@ def encode_prompt(prompt: str, as_bytes: bool, vocab_size: int) -> list[int]:
   return tokens
 
 
-def generate(logits_fn, prompt: list[int], num_tokens: int, seq_len: int, temperature: float, seed: int) -> list[int]:
-  """`num_tokens` tokens after `prompt`, each from the logits of the last `seq_len` tokens.
+def generate(bind, params, prompt: list[int], num_tokens: int, seq_len: int, temperature: float,
+             seed: int) -> list[int]:
+  """`num_tokens` tokens after `prompt`, each from the logits `bind(params)(window)` of the last `seq_len` tokens.
 
   The window is always `seq_len` long (right-padded while the text is shorter), so the forward compiles once;
   causal attention keeps the padding from reaching the position read.
@@ -134,8 +137,8 @@ def generate(logits_fn, prompt: list[int], num_tokens: int, seq_len: int, temper
   import numpy as np
 
   @jax.jit
-  def next_token(window_1L, last, key):
-    logits_V = logits_fn(window_1L)[0, last]
+  def next_token(params, window_1L, last, key):  # params as an argument: closed over, they would be constants.
+    logits_V = bind(params)(window_1L)[0, last]
     greedy = jnp.argmax(logits_V)
     sampled = jax.random.categorical(key, logits_V / jnp.maximum(temperature, 1e-6))
     return jnp.where(temperature > 0, sampled, greedy)
@@ -146,7 +149,7 @@ def generate(logits_fn, prompt: list[int], num_tokens: int, seq_len: int, temper
     window = np.zeros((1, seq_len), np.int32)
     window[0, :len(context)] = context
     key, sub = jax.random.split(key)
-    tokens.append(int(next_token(window, len(context) - 1, sub)))
+    tokens.append(int(next_token(params, window, len(context) - 1, sub)))
   return tokens[len(prompt):]
 
 
@@ -161,10 +164,9 @@ def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed:
   config = load_run_config(workdir)
   as_bytes = byte_level(config)
   tokens = encode_prompt(prompt, as_bytes, config.model.vocab_size)
-  _, model, params = restore_params(config, workdir, step)
+  _, bind, params = restore_model(config, workdir, step)
   with jax.default_device(jax.devices('cpu')[0]):
-    new = generate(lambda t: model.apply({'params': params}, t), tokens, num_tokens, config.data.seq_len,
-                   temperature, seed)
+    new = generate(bind, params, tokens, num_tokens, config.data.seq_len, temperature, seed)
   if as_bytes:
     return bytes(tokens + new)
   return ' '.join(map(str, tokens + new)).encode()
