@@ -1,8 +1,10 @@
-"""A Llama-style decoder LM: pre-RMSNorm blocks, rotary positions, SwiGLU MLP, untied head.
+"""A Llama-style decoder LM: pre-RMSNorm blocks, rotary positions, SwiGLU MLP,
+grouped-query attention, and an untied head or one tied to the embedding table.
 
-Shape letters: B batch, L sequence length, D d_model, H heads, K head dim,
-F mlp hidden, V vocabulary. Parameters carry logical axis names ('embed',
-'heads', 'head_dim', 'mlp', 'vocab', 'norm', and 'layers' for the stacked axis
+Shape letters: B batch, L sequence length, D d_model, H query heads, G key/value
+heads (G divides H; G = H is plain multi-head attention), K head dim, F mlp
+hidden, V vocabulary. Parameters carry logical axis names ('embed', 'heads',
+'kv_heads', 'head_dim', 'mlp', 'vocab', 'norm', and 'layers' for the stacked axis
 of scanned blocks) that config rules map to mesh axes;
 so do the key activations ('batch', 'length', ...), as sharding constraints,
 when the config gives the model a mesh (the 'jit' strategy: per-device
@@ -13,15 +15,22 @@ once and run `num_layers` times over parameters stacked on a leading 'layers'
 axis, so compile time does not grow with depth. Rematerialization wraps each
 block, scanned or not; the names given to activations with `checkpoint_name`
 below are what the save-by-name policies keep.
+
+`build(config, mesh, rules)` is the launcher's entry point (registered as
+'llama'): it checks the model's config keys and returns the Linen module.
 """
 
 import dataclasses
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
+
+from trainer.errors import UserError
+from trainer.precision import compute_dtype
 
 # What each block keeps for the backward pass; everything else is recomputed there.
 REMAT_POLICIES = {
@@ -46,6 +55,8 @@ class LlamaConfig:
   num_heads: int
   mlp_dim: int
   vocab_size: int
+  num_kv_heads: int = 0  # Key/value heads of grouped-query attention, dividing num_heads; 0 = num_heads.
+  tie_embeddings: bool = False  # Logits from the embedding table (transposed) instead of a separate head.
   rope_max_wavelength: float = 10_000.0
   norm_eps: float = 1e-6
   dtype: jnp.dtype = jnp.float32  # Compute dtype of matmuls; norms, softmax and logits stay float32.
@@ -58,6 +69,10 @@ class LlamaConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
 
 
 def constrain(x, axes: tuple[str, ...], cfg: LlamaConfig):
@@ -100,20 +115,22 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL=None):
     cfg = self.cfg
-    dense = lambda name, axes: nn.DenseGeneral(
-        (cfg.num_heads, cfg.head_dim), use_bias=False, kernel_init=_init(axes),
+    dense = lambda heads, name, axes: nn.DenseGeneral(
+        (heads, cfg.head_dim), use_bias=False, kernel_init=_init(axes),
         dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
-    q_BLHK = checkpoint_name(dense('query', ('embed', 'heads', 'head_dim'))(x_BLD), 'query_proj')
-    k_BLHK = checkpoint_name(dense('key', ('embed', 'heads', 'head_dim'))(x_BLD), 'key_proj')
-    v_BLHK = checkpoint_name(dense('value', ('embed', 'heads', 'head_dim'))(x_BLD), 'value_proj')
-    qkv_axes = ('batch', 'length', 'heads', 'head_dim')
-    q_BLHK = constrain(rope(q_BLHK, positions_BL, cfg.rope_max_wavelength), qkv_axes, cfg)
-    k_BLHK = constrain(rope(k_BLHK, positions_BL, cfg.rope_max_wavelength), qkv_axes, cfg)
-    v_BLHK = constrain(v_BLHK, qkv_axes, cfg)
-    # jax.nn.dot_product_attention takes the fused cuDNN path on GPU when it can.
+    q_BLHK = checkpoint_name(dense(cfg.num_heads, 'query', ('embed', 'heads', 'head_dim'))(x_BLD), 'query_proj')
+    k_BLGK = checkpoint_name(dense(cfg.kv_heads, 'key', ('embed', 'kv_heads', 'head_dim'))(x_BLD), 'key_proj')
+    v_BLGK = checkpoint_name(dense(cfg.kv_heads, 'value', ('embed', 'kv_heads', 'head_dim'))(x_BLD), 'value_proj')
+    kv_axes = ('batch', 'length', 'kv_heads', 'head_dim')
+    q_BLHK = constrain(rope(q_BLHK, positions_BL, cfg.rope_max_wavelength), ('batch', 'length', 'heads', 'head_dim'),
+                       cfg)
+    k_BLGK = constrain(rope(k_BLGK, positions_BL, cfg.rope_max_wavelength), kv_axes, cfg)
+    v_BLGK = constrain(v_BLGK, kv_axes, cfg)
+    # jax.nn.dot_product_attention takes the fused cuDNN path on GPU when it can, and with G < H key/value
+    # heads it shares each among H/G query heads itself (no repeated copies of k and v).
     # Packed rows: a token attends only to earlier tokens of its own document (segment).
     mask_B1LL = None if segment_ids_BL is None else segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :]
-    out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, mask=mask_B1LL, is_causal=True)
+    out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask_B1LL, is_causal=True)
     out_BLHK = checkpoint_name(out_BLHK, 'attention_out')
     return nn.DenseGeneral(
         cfg.d_model, axis=(-2, -1), use_bias=False, kernel_init=_init(('heads', 'head_dim', 'embed')),
@@ -167,17 +184,27 @@ def block_stack(cfg: LlamaConfig):
 
 
 class Embed(nn.Module):
+  """The token embedding table: `__call__` looks tokens up, `attend` turns hidden states into logits (tied head)."""
   cfg: LlamaConfig
 
-  @nn.compact
-  def __call__(self, tokens_BL):
+  def setup(self):
     cfg = self.cfg
-    table_VD = self.param('embedding', _init(('vocab', 'embed'), stddev=1.0), (cfg.vocab_size, cfg.d_model),
-                          cfg.param_dtype)
+    # A tied table is also the output head: at stddev 1 its logits would start with stddev sqrt(D) (a loss far
+    # above log V), so it starts at 1/sqrt(D) like the untied head's lecun_normal kernel. The pre-norm blocks
+    # do not mind the smaller input scale.
+    stddev = cfg.d_model ** -0.5 if cfg.tie_embeddings else 1.0
+    self.embedding = self.param('embedding', _init(('vocab', 'embed'), stddev=stddev), (cfg.vocab_size, cfg.d_model),
+                                cfg.param_dtype)
+
+  def __call__(self, tokens_BL):
     # Gathered whole before the lookup, as FSDP does for every weight: a gather from a
     # table split over two mesh axes makes GSPMD replicate it anyway, less efficiently.
-    table_VD = constrain(table_VD, (None, None), cfg)
-    return jnp.take(table_VD, tokens_BL, axis=0).astype(cfg.dtype)
+    table_VD = constrain(self.embedding, (None, None), self.cfg)
+    return jnp.take(table_VD, tokens_BL, axis=0).astype(self.cfg.dtype)
+
+  def attend(self, x_BLD):
+    """Logits in the compute dtype: x @ table.T, the table left in its ('vocab', 'embed') sharding."""
+    return jnp.einsum('bld,vd->blv', x_BLD, self.embedding.astype(self.cfg.dtype))
 
 
 class Llama(nn.Module):
@@ -192,7 +219,8 @@ class Llama(nn.Module):
   def __call__(self, tokens_BL, segment_ids=None, positions=None):
     cfg = self.cfg
     positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape) if positions is None else positions
-    x_BLD = Embed(cfg, name='embed')(tokens_BL)
+    embed = Embed(cfg, name='embed')
+    x_BLD = embed(tokens_BL)
     x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'), cfg)
     block = block_stack(cfg)
     if cfg.scan_layers:
@@ -201,18 +229,63 @@ class Llama(nn.Module):
       for i in range(cfg.num_layers):
         x_BLD, _ = block(cfg, name=f'block_{i}')(x_BLD, positions_BL, segment_ids)
     x_BLD = RMSNorm(cfg, name='final_norm')(x_BLD)
-    logits_BLV = nn.Dense(
-        cfg.vocab_size, use_bias=False, kernel_init=_init(('embed', 'vocab')),
-        dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='head')(x_BLD)
+    if cfg.tie_embeddings:
+      logits_BLV = embed.attend(x_BLD)
+    else:
+      logits_BLV = nn.Dense(
+          cfg.vocab_size, use_bias=False, kernel_init=_init(('embed', 'vocab')),
+          dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='head')(x_BLD)
     return constrain(logits_BLV, ('batch', 'length', 'vocab'), cfg).astype(jnp.float32)
 
 
-def build(config, mesh: Mesh | None = None, rules: tuple = ()) -> Llama:
-  """The configured Llama; given a mesh (the 'jit' strategy), its activations carry sharding constraints."""
-  from trainer.precision import compute_dtype  # Interim: helper A replaces this builder (GQA, tied, checks).
+def _require(ok: bool, message: str) -> None:
+  if not ok:
+    raise UserError(message)
+
+
+def check_config(config) -> None:
+  """Raises UserError, naming the key and the fix, for model settings this model cannot build."""
+  m = config.model
+  _require(m.d_model % m.num_heads == 0, f'model.d_model={m.d_model} must divide by model.num_heads={m.num_heads}.')
+  _require((m.d_model // m.num_heads) % 2 == 0,
+           f'head dim model.d_model/model.num_heads={m.d_model // m.num_heads} must be even for RoPE; '
+           f'change model.d_model or model.num_heads.')
+  _require(isinstance(m.num_kv_heads, int) and m.num_kv_heads >= 0 and m.num_heads % (m.num_kv_heads or 1) == 0,
+           f'model.num_kv_heads={m.num_kv_heads!r} must divide model.num_heads={m.num_heads} '
+           f'(or be 0 for one key/value head per query head).')
+  if config.data.source == 'text':  # Byte-level: every byte value is a token.
+    _require(m.vocab_size >= 256,
+             f'model.vocab_size={m.vocab_size} is too small for byte-level text; use at least 256.')
+  policies = ('none',) + tuple(REMAT_POLICIES)
+  _require(config.train.remat_policy in policies,
+           f'train.remat_policy={config.train.remat_policy!r}: choose one of {policies}.')
+
+
+def _check_kv_heads_split(config, mesh: Mesh, rules) -> None:
+  """Key/value heads are sharded by their own rule, and there may be fewer of them than the tensor axis."""
+  axes = dict(rules).get('kv_heads')
+  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  size = math.prod(mesh.shape[a] for a in axes)
+  kv_heads = config.model.num_kv_heads or config.model.num_heads
+  _require(kv_heads % size == 0,
+           f'model.num_kv_heads={kv_heads} does not divide over the mesh axes {axes} (size {size}) that '
+           f"parallel.logical_axis_rules maps 'kv_heads' to; raise model.num_kv_heads to a multiple of {size}, "
+           f'or shrink those mesh axes.')
+
+
+def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
+  """The Llama of `config` (the whole launcher config), checked first; with a mesh its activations are constrained.
+
+  Raises:
+    UserError: a model setting this model cannot build, naming the key and the fix.
+  """
+  check_config(config)
+  if mesh is not None:
+    _check_kv_heads_split(config, mesh, rules)
   m = config.model
   return Llama(LlamaConfig(
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
-      vocab_size=m.vocab_size, rope_max_wavelength=m.rope_max_wavelength, norm_eps=m.norm_eps,
+      vocab_size=m.vocab_size, num_kv_heads=m.num_kv_heads, tie_embeddings=m.tie_embeddings,
+      rope_max_wavelength=m.rope_max_wavelength, norm_eps=m.norm_eps,
       dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
       remat_policy=config.train.remat_policy, scan_layers=m.scan_layers, mesh=mesh, rules=tuple(rules)))

@@ -1,0 +1,191 @@
+"""Print a prompt and the continuation a trained LM writes for it.
+
+  python scripts/sample.py --workdir=DIR [--prompt='def '] [--num_tokens=200] [--temperature=0.8] [--seed=0]
+      [--step=latest]
+
+Reads the run's config from WORKDIR/config.json (written by launch.py),
+restores the parameters of the newest intact checkpoint (or --step) onto one
+CPU device, and generates one token at a time: each step runs the model over
+the last data.seq_len tokens (no KV cache: simple, and fast enough for the
+small models this runs on a CPU). --temperature=0 is greedy.
+
+Runs on byte-level text (data.source='text', or prepare_data.py shards
+tokenized as bytes) take the prompt as text and print text. Other runs know no
+tokenizer here: the prompt is token ids ('15 27 3') and the output is ids.
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+from absl import app, flags, logging
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # One CPU device is all this needs; don't claim an accelerator.
+
+_WORKDIR = flags.DEFINE_string('workdir', None, 'The run folder: config.json and checkpoints/ from launch.py.')
+_PROMPT = flags.DEFINE_string('prompt', 'def ', 'Text to continue (token ids, space-separated, for non-byte runs).')
+_NUM_TOKENS = flags.DEFINE_integer('num_tokens', 200, 'Tokens to generate after the prompt.')
+_TEMPERATURE = flags.DEFINE_float('temperature', 0.8, 'Softmax temperature of the sampling; 0 = greedy.')
+_SEED = flags.DEFINE_integer('seed', 0, 'Seeds the sampling.')
+_STEP = flags.DEFINE_string('step', 'latest', "Checkpoint step to load, or 'latest' (the newest intact one).")
+flags.mark_flags_as_required(['workdir'])
+
+
+def _tuples(value):
+  """JSON lists back to the tuples the configs use (logical_axis_rules, image_shape)."""
+  if isinstance(value, dict):
+    return {k: _tuples(v) for k, v in value.items()}
+  return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def load_run_config(workdir: pathlib.Path):
+  """The ConfigDict the run in `workdir` was launched with."""
+  from ml_collections import config_dict
+
+  from trainer.errors import UserError
+  if not workdir.is_dir():
+    raise UserError(f'--workdir={str(workdir)!r} does not exist; give the --workdir of a launch.py run.')
+  path = workdir / 'config.json'
+  if not path.is_file():
+    raise UserError(f'{str(path)!r} not found: --workdir={str(workdir)!r} is not a launch.py run folder (or its run '
+                    f'never started training); give the --workdir of a launch.py run.')
+  config = config_dict.ConfigDict(_tuples(json.loads(path.read_text())))
+  task = config.model.get('task', 'lm')  # Runs from before model.task were all LMs.
+  if task != 'lm':
+    raise UserError(f"--workdir={str(workdir)!r} trained model.task={task!r}; sample.py continues text with "
+                    f"language models (model.task='lm') only.")
+  return config
+
+
+def restore_model(config, workdir: pathlib.Path, step: str):
+  """(step, bind, params) of checkpoint `step` ('latest': the newest intact one), on one CPU device.
+
+  `bind(params)` is the model: `bind(params)(tokens)` -> logits.
+
+  The run's Job is rebuilt on a one-device mesh and restored as scripts/export_params.py does, so the checkpoint's
+  manifest is checked against the config first; the optimizer state is restored too and dropped.
+  """
+  from trainer.errors import UserError
+  if not (workdir / 'checkpoints').is_dir():  # Checked first: Checkpointer would create the folder.
+    raise UserError(f'--workdir={str(workdir)!r} holds no checkpoint (no checkpoints/ folder); train it with '
+                    f'launch.py until a checkpoint is saved (ckpt.every_steps, or the last step).')
+  import jax
+
+  from parallel import sharding
+  from trainer import checkpoint
+  from trainer import job as job_lib
+  for key in ('data', 'fsdp', 'tensor', 'dcn_data', 'dcn_fsdp'):
+    config.mesh[key] = 1
+  config.parallel.strategy = 'jit'
+  config.train.grad_accum_steps = 1
+  job = job_lib.build_job(config, devices=jax.devices('cpu')[:1])
+  ckpt = checkpoint.Checkpointer(str(workdir), config.ckpt)
+  try:
+    steps = ckpt.resumable_steps(checkpoint.run_manifest(config, job.abstract, job.mesh))
+    if not steps:
+      raise UserError(f'--workdir={str(workdir)!r} holds no checkpoint in {ckpt.directory}; train it with '
+                      f'launch.py until a checkpoint is saved (ckpt.every_steps, or the last step).')
+    if step != 'latest':
+      if not step.isdigit() or int(step) not in ckpt.all_steps():
+        raise UserError(f"--step={step}: no such checkpoint in {ckpt.directory} (have {ckpt.all_steps()}); "
+                        f"give one of them or 'latest'.")
+      steps = [int(step)]
+    state = ckpt.restore_state(steps[0], sharding.with_shardings(job.abstract, job.shardings))
+  finally:
+    ckpt.close()
+  return steps[0], job.task.model.bind, state.params
+
+
+def byte_level(config) -> bool:
+  """Whether the run's tokens are bytes: text read raw, or shards prepare_data.py tokenized as bytes."""
+  if config.data.source == 'text':
+    return True
+  if config.data.source == 'array_record' and config.data.path:
+    meta = pathlib.Path(config.data.path) / 'meta.json'
+    return meta.is_file() and json.loads(meta.read_text()).get('tokenizer') == 'bytes'
+  return False
+
+
+def encode_prompt(prompt: str, as_bytes: bool, vocab_size: int) -> list[int]:
+  from trainer.errors import UserError
+  if as_bytes:
+    tokens = list(prompt.encode())
+  else:
+    try:
+      tokens = [int(t) for t in prompt.replace(',', ' ').split()]
+    except ValueError:
+      raise UserError(f'--prompt={prompt!r}: this run\'s tokens are not bytes and sample.py has no tokenizer for '
+                      f'them; give the prompt as token ids, e.g. --prompt="15 27 3".') from None
+    if any(not 0 <= t < vocab_size for t in tokens):
+      raise UserError(f'--prompt={prompt!r}: token ids must be in [0, model.vocab_size={vocab_size}).')
+  if not tokens:
+    raise UserError('--prompt is empty; give at least one token to continue.')
+  return tokens
+
+
+def generate(bind, params, prompt: list[int], num_tokens: int, seq_len: int, temperature: float,
+             seed: int) -> list[int]:
+  """`num_tokens` tokens after `prompt`, each from the logits `bind(params)(window)` of the last `seq_len` tokens.
+
+  The window is always `seq_len` long (right-padded while the text is shorter), so the forward compiles once;
+  causal attention keeps the padding from reaching the position read.
+  """
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  @jax.jit
+  def next_token(params, window_1L, last, key):  # params as an argument: closed over, they would be constants.
+    logits_V = bind(params)(window_1L)[0, last]
+    greedy = jnp.argmax(logits_V)
+    sampled = jax.random.categorical(key, logits_V / jnp.maximum(temperature, 1e-6))
+    return jnp.where(temperature > 0, sampled, greedy)
+
+  tokens, key = list(prompt), jax.random.key(seed)
+  for _ in range(num_tokens):
+    context = tokens[-seq_len:]
+    window = np.zeros((1, seq_len), np.int32)
+    window[0, :len(context)] = context
+    key, sub = jax.random.split(key)
+    tokens.append(int(next_token(params, window, len(context) - 1, sub)))
+  return tokens[len(prompt):]
+
+
+def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed: int, step: str) -> bytes:
+  """The prompt and its continuation, as the bytes to print."""
+  import jax
+
+  from trainer.errors import UserError
+  if num_tokens < 0 or temperature < 0:
+    raise UserError(f'--num_tokens={num_tokens} and --temperature={temperature} must be >= 0.')
+  workdir = pathlib.Path(workdir).absolute()
+  config = load_run_config(workdir)
+  as_bytes = byte_level(config)
+  tokens = encode_prompt(prompt, as_bytes, config.model.vocab_size)
+  _, bind, params = restore_model(config, workdir, step)
+  with jax.default_device(jax.devices('cpu')[0]):
+    new = generate(bind, params, tokens, num_tokens, config.data.seq_len, temperature, seed)
+  if as_bytes:
+    return bytes(tokens + new)
+  return ' '.join(map(str, tokens + new)).encode()
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  from trainer.errors import UserError
+  if not flags.FLAGS['verbosity'].present:  # The restore's log lines (a "resume" onto one device) are noise here.
+    logging.set_verbosity(logging.ERROR)
+  try:
+    out = sample(_WORKDIR.value, _PROMPT.value, _NUM_TOKENS.value, _TEMPERATURE.value, _SEED.value, _STEP.value)
+  except UserError as e:
+    print(f'sample.py: error: {" ".join(str(e).split())}', file=sys.stderr)
+    sys.exit(2)
+  sys.stdout.buffer.write(out + b'\n')
+  sys.stdout.flush()
+
+
+if __name__ == '__main__':
+  app.run(main)
