@@ -57,7 +57,8 @@ def _adamw(config):
 
 
 def _hand_written_nnx_losses(config) -> list[float]:
-  model = custom_models.MlpLM(config, rngs=nnx.Rngs(config.train.seed))
+  with nnx.use_eager_sharding(False):  # One device, no mesh: the logical names stay metadata.
+    model = custom_models.MlpLM(config, rngs=nnx.Rngs(config.train.seed))
   optimizer = nnx.Optimizer(model, _adamw(config), wrt=nnx.Param)
 
   @nnx.jit
@@ -135,7 +136,7 @@ def test_a_custom_loss_method_replaces_the_objective():
     ('tests.custom_modls:MlpLM', r"there is no module 'tests.custom_modls' to import"),
     ('tests.custom_models:MlpLm', r"has no attribute 'MlpLM'|has no attribute 'MlpLm'.*Did you mean 'MlpLM'"),
     ('custom_models.MlpLM', r"neither a registered model \(llama, vit\) nor an import path"),
-    ('tests.custom_models:NnxWithoutNames', r'2 parameter\(s\) have no logical axis names: embed/embedding \(256, 8\), '
+    ('tests.custom_models:NnxWithoutNames', r'3 parameter\(s\) have no logical axis names: embed/embedding \(256, 8\), '
      r'out/bias \(256,\).*nnx.with_partitioning'),
     ('tests.custom_models:linen_without_names', r'3 parameter\(s\) have no logical axis names: .*Dense_0/bias.*'
      r'nn.with_logical_partitioning'),

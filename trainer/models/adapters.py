@@ -53,8 +53,10 @@ class AdaptedModel:
 
 def call_builder(builder: Callable, config, mesh, rules, **extra) -> Any:
   """`builder(config, **extra)`, plus `mesh=`/`rules=` when its signature takes them."""
+  # A class's own __init__: NNX's metaclass hides it behind a generic (*args, **kwargs) __call__.
+  target = builder.__init__ if isinstance(builder, type) else builder
   try:
-    accepted = inspect.signature(builder).parameters
+    accepted = inspect.signature(target).parameters
   except (TypeError, ValueError):
     accepted = {}
   takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
@@ -114,7 +116,7 @@ def _adapt_nnx(builder, config, mesh, rules) -> AdaptedModel:
     node[path[-1]] = leaf
 
   def init(key):
-    return nnx.state(make(key), nnx.Param).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(make(key), nnx.Param))
 
   return AdaptedModel('nnx', type(abstract_module).__name__, type(abstract_module), boxed, init,
                       lambda params: nnx.merge(graphdef, params))
