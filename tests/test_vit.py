@@ -2,14 +2,18 @@
 changes nothing but memory, the base preset's size without allocating it, it learns synthetic images, and each
 bad setting ends in one UserError naming the key."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from configs import base, vit_base, vit_tiny
+from parallel import mesh as mesh_lib
 from trainer.data import arrays
 from trainer.errors import UserError
 from trainer.models import vit
@@ -162,6 +166,24 @@ def test_remat_wraps_each_unrolled_block(initial):
   images = _images(config)
   jaxpr = str(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(images))(params))
   assert jaxpr.count('remat2[') == 2  # One checkpoint per block; the numbers are checked scanned, above.
+
+
+def test_on_a_2x2x2_mesh_parameters_shard_by_name_and_logits_match(initial):
+  config = _config(scan_layers=True)
+  config.mesh.update(data=2, fsdp=2, tensor=2)
+  mesh, rules = mesh_lib.build_mesh(config.mesh), tuple(config.parallel.logical_axis_rules)
+  images = _images(config, batch=8)
+  expected = _forward(_model(config, initial), images)
+  with nnx.use_eager_sharding(False):
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: vit.ViT(config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules)))
+  nnx.replace_by_pure_dict(state, nnx.to_pure_dict(nnx.state(_model(config, initial))))
+  state = jax.tree.map(
+      lambda v: v.replace(jax.device_put(v[...], NamedSharding(mesh, nn.logical_to_mesh_axes(
+          v.get_metadata()['out_sharding'], rules)))), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  assert state['blocks']['attention']['query']['kernel'][...].sharding.spec == P(None, 'fsdp', 'tensor', None)
+  images = jax.device_put(images, NamedSharding(mesh, P(('data', 'fsdp'))))
+  logits = jax.jit(lambda state, images: nnx.merge(graphdef, state)(images))(state, images)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5)
 
 
 @pytest.mark.parametrize('preset, expected', [(vit_tiny, 1_205_642), (vit_base, 86_566_120)])
