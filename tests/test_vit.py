@@ -195,7 +195,7 @@ def test_preset_parameter_counts_without_allocating(preset, expected):
 
 def _synthetic_batch(source, start, size):
   examples = [source[i] for i in range(start, start + size)]
-  return (jnp.asarray(np.stack([e['images'] for e in examples])), jnp.asarray(np.stack([e['labels'] for e in examples])))
+  return tuple(jnp.asarray(np.stack([e[key] for e in examples])) for key in ('images', 'labels'))
 
 
 def test_a_few_adam_steps_learn_synthetic_images_and_generalize(initial):

@@ -76,8 +76,9 @@ def vit_config(config, mesh: Mesh | None = None, rules=()) -> VitConfig:
     if not isinstance(m[key], int) or m[key] < 1:
       raise UserError(f'model.{key}={m[key]!r} must be a positive integer.')
   if m.d_model % m.num_heads:
+    suggestion = _divisor(m.d_model, m.num_heads)
     raise UserError(f'model.d_model={m.d_model} does not divide by model.num_heads={m.num_heads}; '
-                    f'choose num_heads dividing d_model (e.g. --config.model.num_heads={_divisor(m.d_model, m.num_heads)}).')
+                    f'choose num_heads dividing d_model (e.g. --config.model.num_heads={suggestion}).')
   if height % m.patch_size or width % m.patch_size:
     raise UserError(f'data.image_shape={tuple(shape)} has height and width that do not divide by '
                     f'model.patch_size={m.patch_size}; choose a patch size dividing both, or resize the images.')
