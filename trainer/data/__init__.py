@@ -4,7 +4,10 @@ Sources (`data.source`):
   'text'          byte-level text files (trainer/data/text.py), the default job;
   'array_record'  token shards written by scripts/prepare_data.py (trainer/data/token_shards.py);
   'arrays'        images and labels from .npz / .npy, for classification (trainer/data/arrays.py);
-  'synthetic'     random tokens of the configured shape, for benchmarks.
+  'synthetic'     for an LM random tokens of the configured shape (benchmarks); for a classifier learnable
+                  images of data.image_shape (class templates plus noise; runs and tests without a dataset).
+Which sources fit depends on model.task: an 'lm' reads tokens (every source but 'arrays'), a 'classifier'
+reads images and labels ('arrays' or 'synthetic'); `build` refuses the other pairs.
 Token sources are cut into examples by trainer/data/documents.py (stream windows,
 or document packing with segment ids), then batched, sharded over processes and
 made resumable by trainer/data/pipeline.py.
@@ -24,6 +27,8 @@ from trainer.data.text import TextCorpus, TextWindows, default_text_dir, load_te
 from trainer.errors import UserError
 
 SOURCES = ('text', 'array_record', 'arrays', 'synthetic')
+CLASSIFIER_SOURCES = ('arrays', 'synthetic')
+CLASSIFIER_KEYS = ('images', 'labels')
 PACKED_KEYS = ('segment_ids', 'positions')
 
 
@@ -43,6 +48,25 @@ def check_config(data_config) -> None:
 def batch_keys(data_config) -> tuple[str, ...]:
   """The keys of every LM batch: inputs and targets, plus segment ids and positions when packing."""
   return ('inputs', 'targets') + (PACKED_KEYS if data_config.packing else ())
+
+
+def check_task(config) -> None:
+  """The data source fits model.task: tokens for an 'lm', images and labels for a 'classifier'."""
+  d, task = config.data, config.model.task
+  if task == 'lm' and d.source == 'arrays':
+    raise UserError(f"data.source='arrays' gives images and labels for classification, but model.task='lm': "
+                    f"model.name={config.model.name!r} is a language model; use data.source='text', 'array_record' "
+                    f"or 'synthetic', or set model.task='classifier' with an image model.")
+  if task == 'classifier':
+    if d.source not in CLASSIFIER_SOURCES:
+      raise UserError(f"data.source={d.source!r} gives tokens, but model.task='classifier' trains on images and "
+                      f"labels; set --config.data.source=arrays (with data.path to an .npz) or "
+                      f"--config.data.source=synthetic.")
+    shape = d.image_shape
+    if (not isinstance(shape, (tuple, list)) or len(shape) != 3
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape)):
+      raise UserError(f'data.image_shape={shape!r} must be 3 positive integers (height, width, channels), '
+                      f'e.g. --config.data.image_shape="(32, 32, 3)".')
 
 
 @dataclasses.dataclass
@@ -65,12 +89,18 @@ def load_sources(config) -> Sources:
   check_config(d)
   if d.source == 'arrays':
     loaded = arrays.load_arrays(d)
+    arrays.check_arrays(loaded, d.image_shape, config.model.num_classes, d.path)
     n = len(loaded['labels'])
     train = arrays.ArrayExamples(loaded, arrays.split_rows(n, d.eval_percent, 'train'))
     eval_ = arrays.ArrayExamples(loaded, arrays.split_rows(n, d.eval_percent, 'eval'))
     shape = 'x'.join(map(str, loaded['images'].shape[1:]))
     return Sources(train, eval_ if len(eval_) else None,
                    f'{len(train)} train / {len(eval_)} held-out images ({shape}) with labels from {d.path}')
+  if d.source == 'synthetic' and config.model.task == 'classifier':
+    shape, classes, seed = tuple(d.image_shape), config.model.num_classes, config.train.seed
+    return Sources(arrays.SyntheticImages(shape, classes, seed, template_seed=seed),
+                   arrays.SyntheticImages(shape, classes, seed + 1, template_seed=seed, num_examples=1 << 16),
+                   f"synthetic images ({'x'.join(map(str, shape))}, {classes} classes: class templates plus noise)")
   if d.source == 'synthetic':
     vocab = config.model.vocab_size
     return Sources(arrays.SyntheticTokens(d.seq_len, vocab, config.train.seed),
@@ -122,17 +152,16 @@ def _train_iterator(config, sources: Sources, process_index: int, process_count:
 def build(config, batch_sharding: NamedSharding, process_index: int, process_count: int) -> Inputs:
   """Everything the loop reads: the resumable train iterator, the eval batches and a description."""
   d, batch_size = config.data, config.train.batch_size
-  if d.source == 'arrays' and config.model.name == 'llama':
-    raise UserError("data.source='arrays' gives images and labels for classification, but model.name='llama' is a "
-                    "language model; use data.source='text', 'array_record' or 'synthetic'.")
+  check_task(config)
   sources = load_sources(config)
+  shorter = 'lower train.batch_size' if config.model.task == 'classifier' else 'lower data.seq_len or train.batch_size'
   pipeline.check_enough(sources.train, batch_size, f'the train split ({sources.description})',
-                        'add data, or lower data.seq_len or train.batch_size.')
+                        f'add data, or {shorter}.')
   train = _train_iterator(config, sources, process_index, process_count)
   evals = []
   if sources.eval is not None and config.train.eval_batches:
     pipeline.check_enough(sources.eval, batch_size, f'the held-out split ({sources.description})',
-                          'add data, lower data.seq_len or train.batch_size, or set data.eval_percent=0.')
+                          f'add data, {shorter}, or set data.eval_percent=0.')
     evals = [to_global(b, batch_sharding, process_count) for b in eval_batches(
         sources.eval, batch_size, config.train.eval_batches, process_index, process_count)]
   description = (f'{sources.description}; {len(sources.train)} train examples, {len(evals)} eval batches; '
