@@ -94,7 +94,7 @@ def test_array_record_source_trains_end_to_end_with_packing(tmp_path, launcher):
 def test_npz_images_and_labels_become_sharded_global_batches(tmp_path):
   images = np.arange(40 * 4 * 4 * 3, dtype=np.float32).reshape(40, 4, 4, 3)
   np.savez(tmp_path / 'set.npz', images=images, labels=np.arange(40) % 10)
-  config = _config(source='arrays', path=str(tmp_path / 'set.npz'), eval_percent=10)
+  config = _config(source='arrays', path=str(tmp_path / 'set.npz'), eval_percent=10, image_shape=(4, 4, 3))
   sources = data.load_sources(config)
   assert len(sources.train) + len(sources.eval) == 40 and len(sources.eval) > 0
   mesh = mesh_lib.build_mesh(config.mesh)

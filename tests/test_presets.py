@@ -30,8 +30,8 @@ def _shrink(config):
   """Tiny sizes with the preset's structure: the same kv-head ratio, tying, patch size, scan and remat."""
   m = config.model
   ratio = m.num_heads // (m.num_kv_heads or m.num_heads)
-  m.num_layers, m.d_model, m.num_heads, m.mlp_dim = 2, 32, 4, 64
-  m.num_kv_heads = 4 // ratio if m.num_kv_heads else 0
+  m.num_layers, m.d_model, m.num_heads, m.mlp_dim = 2, 64, 8, 64
+  m.num_kv_heads = 8 // ratio if m.num_kv_heads else 0  # llama_1b's 4 query heads per kv head: 2 kv heads.
   if m.task == 'lm':
     m.vocab_size, config.data.seq_len = 256, 32
   else:
