@@ -164,3 +164,19 @@ def test_readme_example_is_the_tested_model():
   tested = re.search(r'# --- README example start ---\n(.*?)# --- README example end ---\n', source, re.S).group(1)
   assert block.group(1).strip() == tested.strip()
   assert len(block.group(1).strip().splitlines()) < 40
+
+
+def test_nnx_model_runs_under_every_strategy_with_the_same_numbers():
+  """The fallbacks wrap the same task loss: one step under shard_map and pmap equals the jit step."""
+  results = {}
+  for strategy in ('jit', 'shard_map', 'pmap'):
+    config = _config('tests.custom_models:MlpLM')
+    config.parallel.strategy = strategy
+    built = job.build_job(config)
+    batch = {k: jax.device_put(v, built.abstract_batch[k].sharding) for k, v in _batches(config)[0].items()}
+    state, metrics = built.compile_train_step()(built.init_state(0), batch)
+    results[strategy] = (float(metrics['loss']), jax.device_get(state.params))
+  for strategy in ('shard_map', 'pmap'):
+    assert results[strategy][0] == pytest.approx(results['jit'][0], rel=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), results[strategy][1],
+                 results['jit'][1])
