@@ -9,13 +9,14 @@ import dataclasses
 import pathlib
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
 
 from parallel import sharding
-from trainer import checkpoint, compilation_cache, data, flops, guardrails, preemption
+from trainer import checkpoint, compilation_cache, data, flops, guardrails, objectives, preemption
 from trainer import goodput as goodput_lib
 from trainer import profiling, progress
 from trainer import job as job_lib
@@ -47,6 +48,26 @@ class Window:
         'data_wait_s': float(np.mean(self.data_waits)),
         'param_norm': last_metrics['param_norm'],
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+  """What stays fixed while a run trains: the compiled step, data, checkpointer, writers and watchers."""
+  config: Any
+  objective: objectives.Objective
+  compiled_step: Any  # `(state, global batch) -> (state, metrics)`, compiled once.
+  eval_step: Any
+  eval_set: list  # Fixed held-out global batches; empty = no eval.
+  train_iter: data.TrainIterator
+  batch_sharding: Any
+  process_count: int
+  ckpt: checkpoint.Checkpointer
+  manifest: dict
+  writer: MetricsWriter
+  guard: guardrails.Guard
+  preempt: preemption.PreemptionWatch
+  throughput: flops.Throughput | None  # None where the model's FLOPs are not counted.
+  profiler: profiling.Profiler
 
 
 def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False) -> None:
@@ -108,14 +129,15 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   preempt = preemption.PreemptionWatch()
   profiler = profiling.Profiler(config.profile, workdir, first_step=(latest or 0) + 1, total_steps=config.train.steps,
                                 goodput=tracker)
+  run_context = RunContext(
+      config=config, objective=objective, compiled_step=compiled_step, eval_step=job.eval_step, eval_set=eval_set,
+      train_iter=train_iter, batch_sharding=batch_sharding, process_count=process_count, ckpt=ckpt,
+      manifest=manifest, writer=writer, guard=guard, preempt=preempt,
+      throughput=flops.Throughput.for_run(config, mesh.devices.flat), profiler=profiler)
   try:
-    throughput = flops.Throughput.for_run(config, mesh.devices.flat)
     while True:
       try:
-        _train(config, objective, state, compiled_step, job.eval_step, eval_set, train_iter, batch_sharding,
-               process_count,
-               ckpt, manifest, writer, start_step=latest or 0, guard=guard, preempt=preempt, throughput=throughput,
-               profiler=profiler)
+        _train(run_context, state, start_step=latest or 0)
         break
       except guardrails.Rollback as rollback:
         latest, state = guard.roll_back(rollback, ckpt, sharding.with_shardings(abstract, shardings), train_iter)
@@ -137,10 +159,9 @@ def _evaluate(eval_step, params, eval_set, objective) -> dict[str, float]:
   return objective.eval_summary({k: float(np.mean([m[k] for m in per_batch])) for k in per_batch[0]})
 
 
-def _train(config, objective, state, compiled_step, eval_step, eval_set, train_iter, batch_sharding, process_count,
-           ckpt, manifest, writer, start_step: int, guard: guardrails.Guard,
-           preempt: preemption.PreemptionWatch, throughput: flops.Throughput | None,
-           profiler: profiling.Profiler) -> None:
+def _train(run: 'RunContext', state, start_step: int) -> None:
+  config, ckpt, guard, preempt, profiler, train_iter = (run.config, run.ckpt, run.guard, run.preempt, run.profiler,
+                                                        run.train_iter)
   total = config.train.steps
   if start_step >= total:
     logging.info('Checkpoint step %d already reaches train.steps=%d: nothing to train.', start_step, total)
@@ -156,42 +177,40 @@ def _train(config, objective, state, compiled_step, eval_step, eval_set, train_i
     side_time += profiler.step(step, state)  # Writing a trace out is not step time.
     t0 = time.perf_counter()
     guard.skip_offending_batch(step, train_iter)
-    batch = data.to_global(next(train_iter), batch_sharding, process_count)
+    batch = data.to_global(next(train_iter), run.batch_sharding, run.process_count)
     data_wait = time.perf_counter() - t0
     with jax.profiler.StepTraceAnnotation('train', step_num=step):  # Step markers for the profile's step view.
-      state, metrics = compiled_step(state, batch)
+      state, metrics = run.compiled_step(state, batch)
     if pending is not None:  # Fetch step-1's metrics while step runs: the one sync point per step.
-      guard.check(*pending[:2])
-      last_fetch, side_time = _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step,
-                                      objective, throughput)
+      last_fetch, side_time = _finish(run, pending, window, last_fetch, side_time, evals, is_log_step)
     pending = (step, metrics, data_wait)
 
     t_side = time.perf_counter()
-    if eval_set and (step == total or (eval_every and step % eval_every == 0)):
-      evals[step] = _evaluate(eval_step, state.params, eval_set, objective)
+    if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
+      evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
     preempted = preempt.reached(step)
     t_ckpt = time.perf_counter()
     if step % config.ckpt.every_steps == 0 or step == total or preempted:
       guard.check(step, metrics)  # Metrics come a step late; a state is checked before it is ever saved.
-      ckpt.save(step, state, train_iter, manifest, force=True)
-    writer.goodput.record_side(eval_s=t_ckpt - t_side, checkpoint_s=time.perf_counter() - t_ckpt)
+      ckpt.save(step, state, train_iter, run.manifest, force=True)
+    run.writer.goodput.record_side(eval_s=t_ckpt - t_side, checkpoint_s=time.perf_counter() - t_ckpt)
     side_time += time.perf_counter() - t_side
     if preempted:
       ckpt.wait_until_finished()
       logging.warning('%s received: saved step %d to %s and stopped. Relaunch the same command to continue.',
                       preempt.describe(), step, ckpt.directory)
       break
-  guard.check(*pending[:2])
-  _finish(pending, window, last_fetch, side_time, writer, evals, is_log_step, objective, throughput)
+  _finish(run, pending, window, last_fetch, side_time, evals, is_log_step)
   profiler.close(state)  # A trace window reaching the last step ends here, once its steps finished.
 
 
-def _finish(pending, window: Window, last_fetch: float, side_time: float, writer: MetricsWriter,
-            evals: dict[int, dict[str, float]], is_log_step, objective,
-            throughput: flops.Throughput | None = None) -> tuple[float, float]:
-  """Fetches one step's metrics, adds them to the window, and logs the window if the step is due."""
+def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_time: float,
+            evals: dict[int, dict[str, float]], is_log_step) -> tuple[float, float]:
+  """Fetches one step's metrics (once, for the guardrails and the log), adds them to the window, logs if due."""
   step, metrics, data_wait = pending
   metrics = jax.device_get(metrics)
+  run.guard.check(step, metrics)
+  objective, writer = run.objective, run.writer
   now = time.perf_counter()
   window.losses.append(float(metrics['loss']))
   # Eval and checkpoint time spent since the last fetch is not step time.
@@ -199,7 +218,7 @@ def _finish(pending, window: Window, last_fetch: float, side_time: float, writer
   window.data_waits.append(data_wait)
   writer.step_done(step, window.losses[-1], window.step_times[-1], data_wait, objective.units_per_step)
   if is_log_step(step):
-    summary = window.summary(metrics, objective.units_per_step, objective.unit, throughput)
+    summary = window.summary(metrics, objective.units_per_step, objective.unit, run.throughput)
     data.warn_if_stalled(step, summary)
     writer.write(step, {**summary, **evals.pop(step, {})})
     window.__init__()
