@@ -91,15 +91,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
     checkpoint.start_over(workdir)
 
   manifest = checkpoint.run_manifest(config, abstract, mesh)
-  num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
-  logging.info('Mesh %s over %d devices (%d processes); model: %s (%s, %s), %s parameters', dict(mesh.shape),
-               mesh.size, process_count, config.model.name, job.task.model.framework, config.model.task,
-               f'{num_params:,}')
-  table, _ = sharding.sharding_table(abstract, shardings)
-  if process_index == 0:
-    logging.info('Sharding (also in %s/sharding.txt):\n%s', workdir, table)
-    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
-    (pathlib.Path(workdir) / 'sharding.txt').write_text(table + '\n')
+  _describe(job, workdir, write=process_index == 0)
 
   ckpt = checkpoint.Checkpointer(workdir, config.ckpt)
   # Before compiling: a foreign or unreadable workdir should fail in seconds, not minutes.
@@ -151,6 +143,20 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
     ckpt.close()  # Waits for an async save in flight: a finished run never leaves a half-written checkpoint.
     tracker.record_side(checkpoint_s=time.perf_counter() - t_close)
     writer.close()
+
+
+def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
+  """Logs the mesh and model, and the sharding table (also written to WORKDIR/sharding.txt by process 0)."""
+  config, mesh = job.config, job.mesh
+  num_params = sum(x.size for x in jax.tree.leaves(job.abstract.params))
+  logging.info('Mesh %s over %d devices (%d processes); model: %s (%s, %s), %s parameters', dict(mesh.shape),
+               mesh.size, jax.process_count(), config.model.name, job.task.model.framework, config.model.task,
+               f'{num_params:,}')
+  table, _ = sharding.sharding_table(job.abstract, job.shardings)
+  if write:
+    logging.info('Sharding (also in %s/sharding.txt):\n%s', workdir, table)
+    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+    (pathlib.Path(workdir) / 'sharding.txt').write_text(table + '\n')
 
 
 def _evaluate(eval_step, params, eval_set, objective) -> dict[str, float]:
