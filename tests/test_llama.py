@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 import configs.gpt2_124m
 import configs.llama_1b
 import configs.tiny
+from trainer import job
 from trainer.errors import UserError
 from trainer.models import llama
 
@@ -116,13 +117,14 @@ def test_build_refuses_a_model_it_cannot_build(overrides, message):
   assert message in str(error.value)
 
 
-def test_build_checks_kv_heads_against_the_mesh_and_vocab_only_for_byte_text():
+def test_kv_heads_are_checked_against_the_mesh_and_vocab_only_for_byte_text():
   config = _config(num_kv_heads=1)
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ('data', 'fsdp', 'tensor'))
-  with pytest.raises(UserError, match=r"model.num_kv_heads=1 does not divide over the mesh axes \('tensor',\) "
-                                      r"\(size 2\) that parallel.logical_axis_rules maps 'kv_heads' to"):
-    llama.build(config, mesh, config.parallel.logical_axis_rules)
-  llama.build(config)  # Without a mesh (per-device strategies) there is nothing to split.
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
+  # One kv head cannot split over tensor=2: the launcher's one divisibility check for every parameter says so.
+  with pytest.raises(UserError, match=r"parameter layers/attention/key/kernel .*its 'kv_heads' dimension of 1 does "
+                                      r"not divide over mesh.tensor=2"):
+    job.build_job(config)
+  llama.build(config)  # The model itself builds: the mesh is not its business.
   config = _config(vocab_size=100)
   config.data.source = 'synthetic'  # Token ids of any vocabulary: 100 is fine.
   assert llama.build(config).cfg.vocab_size == 100

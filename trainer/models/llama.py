@@ -21,7 +21,6 @@ below are what the save-by-name policies keep.
 """
 
 import dataclasses
-import math
 
 import flax.linen as nn
 import jax
@@ -261,27 +260,13 @@ def check_config(config) -> None:
            f'train.remat_policy={config.train.remat_policy!r}: choose one of {policies}.')
 
 
-def _check_kv_heads_split(config, mesh: Mesh, rules) -> None:
-  """Key/value heads are sharded by their own rule, and there may be fewer of them than the tensor axis."""
-  axes = dict(rules).get('kv_heads')
-  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-  size = math.prod(mesh.shape[a] for a in axes)
-  kv_heads = config.model.num_kv_heads or config.model.num_heads
-  _require(kv_heads % size == 0,
-           f'model.num_kv_heads={kv_heads} does not divide over the mesh axes {axes} (size {size}) that '
-           f"parallel.logical_axis_rules maps 'kv_heads' to; raise model.num_kv_heads to a multiple of {size}, "
-           f'or shrink those mesh axes.')
-
-
 def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
   """The Llama of `config` (the whole launcher config), checked first; with a mesh its activations are constrained.
 
   Raises:
     UserError: a model setting this model cannot build, naming the key and the fix.
   """
-  check_config(config)
-  if mesh is not None:
-    _check_kv_heads_split(config, mesh, rules)
+  check_config(config)  # Mesh fit (e.g. fewer kv heads than the tensor axis) is parallel/sharding.check_divisible's.
   m = config.model
   return Llama(LlamaConfig(
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
