@@ -45,7 +45,7 @@ def with_shardings(abstract_tree, shardings):
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_tree, shardings)
 
 
-def _path_name(path) -> str:
+def path_name(path) -> str:
   return '/'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path)
 
 
@@ -61,7 +61,7 @@ def sharding_table(abstract_state, shardings) -> tuple[str, dict[str, int]]:
   rows = [('parameter', 'shape', 'spec', 'bytes/device')]
   for (path, leaf), named in zip(jax.tree_util.tree_flatten_with_path(abstract_state.params)[0],
                                  jax.tree.leaves(shardings.params)):
-    rows.append((_path_name(path), str(tuple(leaf.shape)), str(tuple(named.spec)),
+    rows.append((path_name(path), str(tuple(leaf.shape)), str(tuple(named.spec)),
                  f'{_bytes_per_device(leaf, named):,}'))
   totals = {}
   for part in ('params', 'opt_state'):
@@ -89,7 +89,7 @@ def check_divisible(abstract_boxed_params, mesh: Mesh, rules: Rules) -> None:
       devices = math.prod(mesh.shape[a] for a in axes)
       if box.value.shape[dim] % devices:
         split = ' x '.join(f'mesh.{a}={mesh.shape[a]}' for a in axes)
-        raise UserError(f'parameter {_path_name(path)} {tuple(box.value.shape)}: its {name!r} dimension of '
+        raise UserError(f'parameter {path_name(path)} {tuple(box.value.shape)}: its {name!r} dimension of '
                         f'{box.value.shape[dim]} does not divide over {split}; pick mesh sizes that divide '
                         f'{box.value.shape[dim]}, change the model size behind {name!r}, or map {name!r} to other '
                         f'axes in parallel.logical_axis_rules.')

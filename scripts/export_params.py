@@ -39,31 +39,16 @@ def export(config, workdir: str, output: str, step: int | None = None) -> int:
   """Exports the params of checkpoint `step` (default newest intact) of `workdir` to `output`; returns the step."""
   import orbax.checkpoint as ocp
 
-  from parallel import sharding
   from trainer import checkpoint
   from trainer import job as job_lib
   from trainer.errors import UserError
   output_path = pathlib.Path(output).absolute()
   if output_path.exists():
     raise UserError(f'--output={output} exists; choose a new folder (nothing is overwritten).')
-  job = job_lib.build_job(config)
-  ckpt = checkpoint.Checkpointer(workdir, config.ckpt)
-  try:
-    steps = ckpt.resumable_steps(checkpoint.run_manifest(config, job.abstract, job.mesh))
-    if step is not None:
-      if step not in ckpt.all_steps():
-        raise UserError(f'--step={step}: no such checkpoint in {ckpt.directory} (have {ckpt.all_steps()}).')
-      steps = [step]
-    if not steps:
-      raise UserError(f'{ckpt.directory} holds no checkpoint to export.')
-    target = sharding.with_shardings(job.abstract, job.shardings)
-    step = steps[0]
-    params = ckpt.restore_state(step, target).params
-  finally:
-    ckpt.close()
+  step, state = checkpoint.restore_for_tool(job_lib.build_job(config), workdir, step)
   with ocp.StandardCheckpointer() as writer:
-    writer.save(output_path, params)
-  logging.info('Exported the parameters of step %d of %s to %s', step, ckpt.directory, output_path)
+    writer.save(output_path, state.params)
+  logging.info('Exported the parameters of step %d of %s to %s', step, workdir, output_path)
   return step
 
 

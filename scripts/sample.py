@@ -71,9 +71,10 @@ def restore_model(config, workdir: pathlib.Path, step: str):
   if not (workdir / 'checkpoints').is_dir():  # Checked first: Checkpointer would create the folder.
     raise UserError(f'--workdir={str(workdir)!r} holds no checkpoint (no checkpoints/ folder); train it with '
                     f'launch.py until a checkpoint is saved (ckpt.every_steps, or the last step).')
+  if step != 'latest' and not step.isdigit():
+    raise UserError(f"--step={step}: give a checkpoint step or 'latest'.")
   import jax
 
-  from parallel import sharding
   from trainer import checkpoint
   from trainer import job as job_lib
   for key in ('data', 'fsdp', 'tensor', 'dcn_data', 'dcn_fsdp'):
@@ -81,21 +82,8 @@ def restore_model(config, workdir: pathlib.Path, step: str):
   config.parallel.strategy = 'jit'
   config.train.grad_accum_steps = 1
   job = job_lib.build_job(config, devices=jax.devices('cpu')[:1])
-  ckpt = checkpoint.Checkpointer(str(workdir), config.ckpt)
-  try:
-    steps = ckpt.resumable_steps(checkpoint.run_manifest(config, job.abstract, job.mesh))
-    if not steps:
-      raise UserError(f'--workdir={str(workdir)!r} holds no checkpoint in {ckpt.directory}; train it with '
-                      f'launch.py until a checkpoint is saved (ckpt.every_steps, or the last step).')
-    if step != 'latest':
-      if not step.isdigit() or int(step) not in ckpt.all_steps():
-        raise UserError(f"--step={step}: no such checkpoint in {ckpt.directory} (have {ckpt.all_steps()}); "
-                        f"give one of them or 'latest'.")
-      steps = [int(step)]
-    state = ckpt.restore_state(steps[0], sharding.with_shardings(job.abstract, job.shardings))
-  finally:
-    ckpt.close()
-  return steps[0], job.task.model.bind, state.params
+  restored, state = checkpoint.restore_for_tool(job, str(workdir), None if step == 'latest' else int(step))
+  return restored, job.task.model.bind, state.params
 
 
 def byte_level(config) -> bool:

@@ -26,6 +26,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+from parallel import sharding
 from trainer.errors import UserError
 
 # Settings that change what a checkpoint means; any other difference is safe and only logged.
@@ -40,7 +41,7 @@ _MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL = 4 << 20
 def param_shapes(params) -> dict[str, list[int]]:
   """{'block_0/mlp/up/kernel': [d, f], ...}: the shape signature of a parameter tree."""
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  return {'/'.join(str(getattr(k, 'key', k)) for k in path): list(leaf.shape) for path, leaf in flat}
+  return {sharding.path_name(path): list(leaf.shape) for path, leaf in flat}
 
 
 def _git_commit() -> str | None:
@@ -261,3 +262,25 @@ def start_over(workdir: str) -> pathlib.Path | None:
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices('start_over')
   return target
+
+
+def restore_for_tool(job, workdir: str, step: int | None = None) -> tuple[int, Any]:
+  """(step, train state) of checkpoint `step` (default: the newest intact one) of `workdir`, for tools.
+
+  `job` (a trainer.job.Job) describes the model: the checkpoint's manifest is
+  checked against it first, and the state is restored into its shardings.
+  """
+  ckpt = Checkpointer(workdir, job.config.ckpt)
+  try:
+    steps = ckpt.resumable_steps(run_manifest(job.config, job.abstract, job.mesh))
+    if step is not None:
+      if step not in ckpt.all_steps():
+        raise UserError(f'--step={step}: no such checkpoint in {ckpt.directory} (have {ckpt.all_steps()}); give one '
+                        f'of them, or leave --step out for the newest intact one.')
+      steps = [step]
+    if not steps:
+      raise UserError(f'{ckpt.directory} holds no checkpoint; train with launch.py until one is saved '
+                      f'(ckpt.every_steps, or the last step).')
+    return steps[0], ckpt.restore_state(steps[0], sharding.with_shardings(job.abstract, job.shardings))
+  finally:
+    ckpt.close()

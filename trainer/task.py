@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 
+from parallel import sharding
 from trainer import objectives
 from trainer.errors import UserError
 from trainer.models import adapters, registry
@@ -71,15 +72,11 @@ def build_task(config, mesh=None, rules: Sequence = ()) -> Task:
   return Task(objective, model, custom_loss=callable(getattr(model.module_class, 'loss', None)))
 
 
-def _path(path) -> str:
-  return '/'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path)
-
-
 def check_axis_names(model: adapters.AdaptedModel, name: str, rules: Sequence) -> None:
   """Every parameter names each of its dimensions, with names the rules know; else one error listing them."""
   is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
   leaves = jax.tree_util.tree_flatten_with_path(model.abstract_boxed, is_leaf=is_box)[0]
-  unnamed = [f'{_path(p)} {tuple(leaf.shape)}' for p, leaf in leaves if not is_box(leaf)]
+  unnamed = [f'{sharding.path_name(p)} {tuple(leaf.shape)}' for p, leaf in leaves if not is_box(leaf)]
   if unnamed:
     how = ('nnx.with_partitioning(init, names) on its initializer' if model.framework == 'nnx'
            else 'nn.with_logical_partitioning(init, names) on its initializer')
@@ -88,12 +85,12 @@ def check_axis_names(model: adapters.AdaptedModel, name: str, rules: Sequence) -
                     f"e.g. ('embed', 'mlp'); parallel.logical_axis_rules maps the names to mesh axes.")
   known = {rule[0] for rule in rules}
   for p, box in leaves:
-    names = tuple(box.names)
+    names, where = tuple(box.names), sharding.path_name(p)
     if len(names) != len(box.value.shape):
-      raise UserError(f'model.name={name!r}: parameter {_path(p)} has shape {tuple(box.value.shape)} but '
+      raise UserError(f'model.name={name!r}: parameter {where} has shape {tuple(box.value.shape)} but '
                       f'{len(names)} axis names {names}; give one name (or None) per dimension.')
     missing = [n for n in names if n is not None and n not in known]
     if rules and missing:
-      raise UserError(f'model.name={name!r}: parameter {_path(p)} uses logical axis name(s) {missing} that '
+      raise UserError(f'model.name={name!r}: parameter {where} uses logical axis name(s) {missing} that '
                       f'parallel.logical_axis_rules does not map; add e.g. ({missing[0]!r}, None) (replicated) or '
                       f"({missing[0]!r}, 'tensor') to the rules in your config.")
