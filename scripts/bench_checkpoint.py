@@ -73,7 +73,7 @@ def bench(size_mb: int, steps: int, async_save: bool, root: pathlib.Path) -> dic
   compiled = job.compile_train_step()
   state = job.init_state(0)
   iterator = data.train_iterator_for(config)
-  batch = data.to_global(next(iterator), job.batch_sharding, 1)
+  batch = data.to_global(next(iterator), job.batch_shardings, 1)
   manifest = checkpoint.run_manifest(config, job.abstract, job.mesh)
   workdir = root / f'run_{size_mb}'
   ckpt = checkpoint.Checkpointer(str(workdir), config.ckpt)

@@ -42,12 +42,12 @@ def load_config(path: str, overrides: list[str]):
 def pipeline_rate(config, job, batches: int) -> float:
   import jax
   from trainer import data
-  inputs = data.build(config, job.batch_sharding, jax.process_index(), jax.process_count())
+  inputs = data.build(config, job.batch_shardings, jax.process_index(), jax.process_count())
   for _ in range(5):  # Start threads and workers, fill the buffers.
-    data.to_global(next(inputs.train), job.batch_sharding, 1)
+    data.to_global(next(inputs.train), job.batch_shardings, 1)
   start = time.perf_counter()
   for _ in range(batches):
-    batch = data.to_global(next(inputs.train), job.batch_sharding, 1)
+    batch = data.to_global(next(inputs.train), job.batch_shardings, 1)
   jax.block_until_ready(batch)
   rate = batches / (time.perf_counter() - start)
   inputs.train.close()
@@ -57,8 +57,8 @@ def pipeline_rate(config, job, batches: int) -> float:
 def step_rate(config, job, steps: int) -> float:
   import jax
   from trainer import data
-  inputs = data.build(config, job.batch_sharding, 0, 1)
-  batch = data.to_global(next(inputs.train), job.batch_sharding, 1)
+  inputs = data.build(config, job.batch_shardings, 0, 1)
+  batch = data.to_global(next(inputs.train), job.batch_shardings, 1)
   compiled, state = job.compile_train_step(), job.init_state(config.train.seed)
   for _ in range(3):
     state, metrics = compiled(state, batch)

@@ -76,7 +76,7 @@ def strategy_times(base_config, steps: int, rounds: int = 3) -> dict[str, float]
     rng = np.random.default_rng(0)
     local = {k: rng.integers(0, 256, job.abstract_batch['inputs'].shape, dtype=np.int32)
              for k in ('inputs', 'targets')}
-    batch = {k: jax.device_put(v, job.batch_sharding) for k, v in local.items()}
+    batch = {k: jax.device_put(v, job.batch_shardings[k]) for k, v in local.items()}
     runners[strategy] = [compiled, state, batch]
   times = {s: [] for s in runners}
   for _ in range(rounds):

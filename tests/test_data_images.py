@@ -7,7 +7,7 @@ import pytest
 from configs import tiny, vit_tiny
 from parallel import mesh as mesh_lib
 from parallel import sharding
-from trainer import data
+from trainer import data, job, objectives
 from trainer.data import arrays
 from trainer.errors import UserError
 
@@ -21,8 +21,9 @@ def _classifier(**data_overrides):
 
 
 def _sharding(config):
-  mesh = mesh_lib.build_mesh(config.mesh)
-  return sharding.named_sharding(mesh, sharding.rules_from_config(config.parallel), ('batch', 'length'))
+  """The per-key batch shardings the Job gives a classifier's images and labels."""
+  rules = sharding.rules_from_config(config.parallel)
+  return job.batch_shardings(mesh_lib.build_mesh(config.mesh), rules, objectives.for_config(config).batch_shapes())
 
 
 def _error(config, load=lambda config: data.build(config, None, 0, 1)) -> str:

@@ -98,8 +98,10 @@ def test_npz_images_and_labels_become_sharded_global_batches(tmp_path):
   sources = data.load_sources(config)
   assert len(sources.train) + len(sources.eval) == 40 and len(sources.eval) > 0
   mesh = mesh_lib.build_mesh(config.mesh)
-  batch_sharding = sharding.named_sharding(mesh, sharding.rules_from_config(config.parallel), ('batch', 'length'))
-  batch = data.to_global(next(data.train_iterator(sources.train, config.data, 8, 0, 0, 1)), batch_sharding, 1)
+  rules = sharding.rules_from_config(config.parallel)
+  shardings = {'images': sharding.named_sharding(mesh, rules, ('batch', None, None, None)),
+               'labels': sharding.named_sharding(mesh, rules, ('batch',))}
+  batch = data.to_global(next(data.train_iterator(sources.train, config.data, 8, 0, 0, 1)), shardings, 1)
   assert batch['images'].shape == (8, 4, 4, 3) and batch['labels'].shape == (8,)
   assert len(batch['images'].sharding.device_set) == 8
   # Each label still belongs to its image: the row's first pixel value encodes the row index.

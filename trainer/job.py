@@ -28,8 +28,7 @@ class Job:
   tx: optax.GradientTransformation
   abstract: state_lib.TrainState  # Shapes and dtypes of the state; nothing allocated.
   shardings: state_lib.TrainState  # NamedSharding per state leaf.
-  batch_sharding: NamedSharding  # Rows over the batch axes, for (B, L) arrays; data.to_global adapts it per rank.
-  batch_shardings: dict[str, NamedSharding]  # Per batch key, as the steps take the batch.
+  batch_shardings: dict[str, NamedSharding]  # Per batch key: rows over the batch axes (steps and data.to_global).
   abstract_batch: dict[str, jax.ShapeDtypeStruct]
   train_step: Any  # Partitioned by the strategy; `.lower(state, batch).compile()`.
   eval_step: Any
@@ -69,5 +68,4 @@ def build_job(config, devices: Sequence[jax.Device] | None = None) -> Job:
   train_step = strategy.partition_train_step(name, mesh, shardings, per_key, task=task, tx=tx, schedule=schedule,
                                              options=step_lib.StepOptions.from_config(config.train))
   eval_step = strategy.partition_eval_step(name, mesh, shardings.params, per_key, task=task)
-  return Job(config, mesh, task, tx, abstract, shardings, sharding.named_sharding(mesh, rules, ('batch', 'length')),
-             per_key, abstract_batch, train_step, eval_step)
+  return Job(config, mesh, task, tx, abstract, shardings, per_key, abstract_batch, train_step, eval_step)

@@ -59,7 +59,7 @@ class RunContext:
   eval_step: Any
   eval_set: list  # Fixed held-out global batches; empty = no eval.
   train_iter: data.TrainIterator
-  batch_sharding: Any
+  batch_shardings: dict  # Per batch key (the Job's).
   process_count: int
   ckpt: checkpoint.Checkpointer
   manifest: dict
@@ -80,11 +80,11 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   job = job_lib.build_job(config, devices)
   profiling.check_config(config.profile)
   progress.check_mode(config.log.progress_bar)
-  mesh, batch_sharding, abstract, shardings = job.mesh, job.batch_sharding, job.abstract, job.shardings
+  mesh, abstract, shardings = job.mesh, job.abstract, job.shardings
   objective = job.task.objective
   process_index, process_count = jax.process_index(), jax.process_count()
 
-  inputs = data.build(config, batch_sharding, process_index, process_count)
+  inputs = data.build(config, job.batch_shardings, process_index, process_count)
   train_iter, eval_set = inputs.train, inputs.eval_batches
   logging.info('Data: %s', inputs.description)
   if start_over:  # Only once the config and data were checked: a launch that fails early moves nothing.
@@ -123,7 +123,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
                                 goodput=tracker)
   run_context = RunContext(
       config=config, objective=objective, compiled_step=compiled_step, eval_step=job.eval_step, eval_set=eval_set,
-      train_iter=train_iter, batch_sharding=batch_sharding, process_count=process_count, ckpt=ckpt,
+      train_iter=train_iter, batch_shardings=job.batch_shardings, process_count=process_count, ckpt=ckpt,
       manifest=manifest, writer=writer, guard=guard, preempt=preempt,
       throughput=flops.Throughput.for_run(config, mesh.devices.flat), profiler=profiler)
   try:
@@ -183,7 +183,7 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     side_time += profiler.step(step, state)  # Writing a trace out is not step time.
     t0 = time.perf_counter()
     guard.skip_offending_batch(step, train_iter)
-    batch = data.to_global(next(train_iter), run.batch_sharding, run.process_count)
+    batch = data.to_global(next(train_iter), run.batch_shardings, run.process_count)
     data_wait = time.perf_counter() - t0
     with jax.profiler.StepTraceAnnotation('train', step_num=step):  # Step markers for the profile's step view.
       state, metrics = run.compiled_step(state, batch)

@@ -1,4 +1,4 @@
-"""The input side of a run, built with one call: `build(config, batch_sharding, process_index, process_count)`.
+"""The input side of a run, built with one call: `build(config, batch_shardings, process_index, process_count)`.
 
 Sources (`data.source`):
   'text'          byte-level text files (trainer/data/text.py), the default job;
@@ -28,7 +28,6 @@ from trainer.errors import UserError
 
 SOURCES = ('text', 'array_record', 'arrays', 'synthetic')
 CLASSIFIER_SOURCES = ('arrays', 'synthetic')
-CLASSIFIER_KEYS = ('images', 'labels')
 PACKED_KEYS = ('segment_ids', 'positions')
 
 
@@ -62,11 +61,7 @@ def check_task(config) -> None:
       raise UserError(f"data.source={d.source!r} gives tokens, but model.task='classifier' trains on images and "
                       f"labels; set --config.data.source=arrays (with data.path to an .npz) or "
                       f"--config.data.source=synthetic.")
-    shape = d.image_shape
-    if (not isinstance(shape, (tuple, list)) or len(shape) != 3
-        or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape)):
-      raise UserError(f'data.image_shape={shape!r} must be 3 positive integers (height, width, channels), '
-                      f'e.g. --config.data.image_shape="(32, 32, 3)".')
+    arrays.check_image_shape(d.image_shape)
 
 
 @dataclasses.dataclass
@@ -149,7 +144,7 @@ def _train_iterator(config, sources: Sources, process_index: int, process_count:
                         {'source': d.source, 'packing': d.packing})
 
 
-def build(config, batch_sharding: NamedSharding, process_index: int, process_count: int) -> Inputs:
+def build(config, batch_shardings: dict[str, NamedSharding], process_index: int, process_count: int) -> Inputs:
   """Everything the loop reads: the resumable train iterator, the eval batches and a description."""
   d, batch_size = config.data, config.train.batch_size
   check_task(config)
@@ -162,7 +157,7 @@ def build(config, batch_sharding: NamedSharding, process_index: int, process_cou
   if sources.eval is not None and config.train.eval_batches:
     pipeline.check_enough(sources.eval, batch_size, f'the held-out split ({sources.description})',
                           f'add data, {shorter}, or set data.eval_percent=0.')
-    evals = [to_global(b, batch_sharding, process_count) for b in eval_batches(
+    evals = [to_global(b, batch_shardings, process_count) for b in eval_batches(
         sources.eval, batch_size, config.train.eval_batches, process_index, process_count)]
   description = (f'{sources.description}; {len(sources.train)} train examples, {len(evals)} eval batches; '
                  f'{d.worker_count} worker process(es), {d.num_threads} read threads, prefetch {d.prefetch}')

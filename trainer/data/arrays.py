@@ -68,6 +68,14 @@ def load_arrays(data_config) -> dict[str, np.ndarray]:
   return {'images': images, 'labels': np.asarray(labels).astype(np.int32)}
 
 
+def check_image_shape(shape) -> None:
+  """data.image_shape is (height, width, channels) of positive integers; UserError naming the key if not."""
+  if (not isinstance(shape, (tuple, list)) or len(shape) != 3
+      or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape)):
+    raise UserError(f'data.image_shape={shape!r} must be 3 positive integers (height, width, channels), '
+                    f'e.g. --config.data.image_shape="(32, 32, 3)".')
+
+
 def check_arrays(arrays: dict[str, np.ndarray], image_shape, num_classes: int, path) -> None:
   """The images have data.image_shape and every label is a class of the model; UserError naming the key if not."""
   shape = tuple(arrays['images'].shape[1:])

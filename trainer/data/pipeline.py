@@ -124,20 +124,14 @@ def check_enough(source, batch_size: int, what: str, fix: str) -> None:
                     f'(train.batch_size={batch_size}); {fix}')
 
 
-def to_global(local_batch: dict[str, np.ndarray], batch_sharding: NamedSharding,
+def to_global(local_batch: dict[str, np.ndarray], batch_shardings: dict[str, NamedSharding],
               process_count: int) -> dict[str, jax.Array]:
-  """Stitches every process's local rows into one global jax.Array per key."""
+  """Stitches every process's local rows into one global jax.Array per key, on that key's sharding (the Job's)."""
   return {
-      key: jax.make_array_from_process_local_data(
-          batch_sharding if value.ndim == 2 else _for_rank(batch_sharding, value.ndim), value,
-          (value.shape[0] * process_count,) + value.shape[1:])
+      key: jax.make_array_from_process_local_data(batch_shardings[key], value,
+                                                  (value.shape[0] * process_count,) + value.shape[1:])
       for key, value in local_batch.items()
   }
-
-
-def _for_rank(batch_sharding: NamedSharding, ndim: int) -> NamedSharding:
-  """The batch sharding's leading (batch) axis for arrays of another rank (labels, images)."""
-  return NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec(batch_sharding.spec[0], *[None] * (ndim - 1)))
 
 
 def warn_if_stalled(step: int, summary: dict[str, float]) -> bool:

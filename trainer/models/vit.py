@@ -18,8 +18,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
+from trainer.data import arrays
 from trainer.errors import UserError
 from trainer.precision import compute_dtype
 
@@ -67,10 +68,7 @@ class VitConfig:
 def vit_config(config, mesh: Mesh | None = None, rules=()) -> VitConfig:
   """Reads and checks the ViT sizes of a launcher config; raises UserError naming the key and the fix."""
   m, shape = config.model, config.data.image_shape
-  if (not isinstance(shape, (tuple, list)) or len(shape) != 3
-      or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape)):
-    raise UserError(f'data.image_shape={shape!r} must be 3 positive integers (height, width, channels), '
-                    f'e.g. --config.data.image_shape="(32, 32, 3)".')
+  arrays.check_image_shape(shape)
   height, width, _ = shape
   for key in ('num_layers', 'd_model', 'num_heads', 'mlp_dim', 'patch_size'):
     if not isinstance(m[key], int) or m[key] < 1:
@@ -104,10 +102,10 @@ def _divisor(n: int, near: int) -> int:
 
 
 def constrain(x, axes: tuple[str, ...], cfg: VitConfig):
-  """Pins an activation's sharding by logical names; a no-op without a mesh."""
+  """Pins an activation's sharding by logical names; a no-op without a mesh (as in llama.py)."""
   if cfg.mesh is None:
     return x
-  return jax.lax.with_sharding_constraint(x, NamedSharding(cfg.mesh, nn.logical_to_mesh_axes(axes, cfg.rules)))
+  return nn.with_logical_constraint(x, axes, rules=cfg.rules, mesh=cfg.mesh)
 
 
 def _dense(cfg: VitConfig, einsum: str, kernel_shape, kernel_axes, bias_axes, in_axis, out_axis, rngs, *,
