@@ -38,8 +38,8 @@ import optax  # noqa: E402
 
 from parallel import sharding  # noqa: E402
 from trainer import job as job_lib  # noqa: E402
-from trainer import loop  # noqa: E402
-from trainer import optimizer  # noqa: E402
+from trainer import goodput, guardrails, loop, preemption, profiling  # noqa: E402
+from trainer.metrics import MetricsWriter  # noqa: E402
 from trainer.models import llama  # noqa: E402
 
 
@@ -48,9 +48,17 @@ class _NoCheckpoints:
     pass
 
 
-class _NoMetrics:
-  def write(self, step, scalars):
-    pass
+def _run_context(config, job, step_fn, train_iter, workdir: str) -> loop.RunContext:
+  """The loop's real per-step machinery (guardrails, preemption watch, profiler, a disabled metrics writer with
+  its goodput) around `step_fn`, with no checkpoints or eval: what the launcher does on the host each step."""
+  names = [sharding.path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(job.abstract.params)[0]]
+  return loop.RunContext(
+      config=config, objective=job.task.objective, compiled_step=step_fn, eval_step=None, eval_set=[],
+      train_iter=train_iter, batch_shardings=job.batch_shardings, process_count=1, ckpt=_NoCheckpoints(),
+      manifest={}, writer=MetricsWriter(workdir, enabled=False, total_steps=config.train.steps,
+                                        goodput=goodput.Goodput(workdir, resumed_step=None)),
+      guard=guardrails.Guard('stop', names), preempt=preemption.PreemptionWatch(), throughput=None,
+      profiler=profiling.Profiler(config.profile, workdir, first_step=1, total_steps=config.train.steps))
 
 
 def _load_config(path: str):
@@ -90,7 +98,7 @@ def _minimal_step(job, schedule_free_tx):
     return optax.apply_updates(params, updates), opt_state, loss
 
   s = job.shardings
-  return jax.jit(step, in_shardings=(s.params, s.opt_state, job.batch_sharding),
+  return jax.jit(step, in_shardings=(s.params, s.opt_state, job.batch_shardings),
                  out_shardings=(s.params, s.opt_state, sharding.replicated(job.mesh)), donate_argnums=(0, 1))
 
 
@@ -98,19 +106,18 @@ def step_vs_minimal(base_config, num_devices: int, rounds: int, steps_per_round:
   config = _quiet(base_config, num_devices)
   job = job_lib.build_job(config, jax.devices()[:num_devices])
   compiled = job.compile_train_step()
-  tx, _ = optimizer.build_optimizer(config.train)
-  minimal = _minimal_step(job, tx)
+  minimal = _minimal_step(job, job.tx)  # The launcher's optimizer, guard included, so its state fits.
   host = _host_batches(config)
   cycle = iter(lambda: host[0], None)  # An endless iterator of host batches, as Grain's would be.
   state = job.init_state(0)
   other = job.init_state(0)
   params, opt_state = other.params, other.opt_state
-  throughput = None
   holder = {}
+  workdir = tempfile.mkdtemp()
+  context = _run_context(config, job, _Keep(compiled, holder), cycle, workdir)
 
   def launcher_round(state, start):
-    loop._train(config, state, _Keep(compiled, holder), None, [], cycle, job.batch_sharding, 1, _NoCheckpoints(),
-                {}, _NoMetrics(), start_step=start, throughput=throughput)
+    loop._train(context, state, start_step=start)
 
   launcher, hand = [], []
   step = 0
@@ -127,7 +134,7 @@ def step_vs_minimal(base_config, num_devices: int, rounds: int, steps_per_round:
 
     t0 = time.perf_counter()
     for i in range(steps_per_round):  # Its batch goes host -> device each step too, as a real loop's would.
-      batch = jax.device_put(host[0], job.batch_sharding)
+      batch = jax.device_put(host[0], job.batch_shardings)
       params, opt_state, loss = minimal(params, opt_state, batch)
     jax.block_until_ready((params, opt_state, loss))
     t_hand = (time.perf_counter() - t0) / steps_per_round
@@ -155,18 +162,17 @@ def host_overhead(base_config, steps: int) -> float:
   """Seconds per step the loop spends on the host with a step that costs nothing."""
   config = _quiet(base_config, 1)
   job = job_lib.build_job(config, jax.devices()[:1])
-  state = job.init_state(0)
-  metrics = jax.device_put({'loss': np.float32(1), 'learning_rate': np.float32(1), 'grad_norm': np.float32(1)})
-  jax.block_until_ready(metrics)
   host = _host_batches(config)
+  batch = jax.device_put(host[0], job.batch_shardings)
+  state, metrics = job.compile_train_step()(job.init_state(0), batch)  # Real metrics; the free step returns them.
+  jax.block_until_ready(metrics)
   cycle = iter(lambda: host[0], None)
+  context = _run_context(config, job, lambda s, b: (s, metrics), cycle, tempfile.mkdtemp())
   config.train.steps = steps
-  loop._train(config, state, lambda s, b: (s, metrics), None, [], cycle, job.batch_sharding, 1, _NoCheckpoints(),
-              {}, _NoMetrics(), start_step=0)  # Warm-up.
+  loop._train(context, state, start_step=0)  # Warm-up.
   config.train.steps = 2 * steps
   t0 = time.perf_counter()
-  loop._train(config, state, lambda s, b: (s, metrics), None, [], cycle, job.batch_sharding, 1, _NoCheckpoints(),
-              {}, _NoMetrics(), start_step=steps)
+  loop._train(context, state, start_step=steps)
   return (time.perf_counter() - t0) / steps
 
 
