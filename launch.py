@@ -5,8 +5,10 @@ one run out; everything a user can get wrong ends in one line on stderr and
 exit code 2.
 """
 
+import os
 import re
 import sys
+import traceback
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -29,13 +31,13 @@ _START_OVER = flags.DEFINE_bool('start_over', False, 'Train from step 0 in a --w
                                 'checkpoints and logs are moved to WORKDIR/previous_run_<time>/, never deleted.')
 
 
-def _fail(message: str, exit_code: int = 2) -> None:
-  print(f'launch.py: error: {" ".join(message.split())}', file=sys.stderr)
+def _fail(message: str, exit_code: int = 2, kind: str = 'error') -> None:
+  print(f'launch.py: {kind}: {" ".join(message.split())}', file=sys.stderr)
   sys.exit(exit_code)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl flag parsing, with config_flags' errors (tracebacks for unknown keys) turned into one line."""
+  """absl flag parsing, with config_flags' errors (tracebacks for unknown keys, bad files) turned into one line."""
   try:
     argv = flags.FLAGS(argv)
     _CONFIG.value.keys()  # config_flags defers a failed file load to the first access.
@@ -44,13 +46,54 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _fail(str(e))
   except OSError as e:
     _fail(f'cannot load the --config file: {str(e).strip().splitlines()[-1].strip()}')
+  except SyntaxError as e:
+    _fail(f'--config file {e.filename}, line {e.lineno}: {e.msg}; fix the file.')
   except (AttributeError, KeyError) as e:  # config_flags raises these for an override key that does not exist.
+    if _failed_in_config_file(argv, e) or 'get_config' in str(e):
+      _config_file_error(argv, e)
     text = str(e).replace('\\n', ' ').replace('\\', '').strip('\'"')
     bad = re.search(r'instead of "(\w+)"', text) or re.search(r'(\w+)', text)
     overrides = [a.lstrip('-').split('=')[0] for a in argv[1:] if a.lstrip('-').startswith('config.')]
     culprit = next((o for o in overrides if bad and bad.group(1) in o.split('.')), 'a --config override')
     hint = text[text.find('Did you mean'):] if 'Did you mean' in text else ''
     _fail(f'unknown config key --{culprit}. {hint} Every key is declared in configs/base.py.')
+  except Exception as e:  # pylint: disable=broad-except  (the config file's own code failed: an import, a typo)
+    _config_file_error(argv, e)
+
+
+def _config_path(argv: list[str]) -> str:
+  """The --config file as given (`--config=F`, `--config F`, either with a `:arg` suffix)."""
+  given = [a.split('=', 1)[1] for a in argv[1:] if a.startswith(('--config=', '-config='))]
+  given += [b for a, b in zip(argv[1:], argv[2:]) if a in ('--config', '-config')]
+  return given[-1].split(':', 1)[0] if given else '(none)'
+
+
+def _frames_in_config_file(argv: list[str], error: BaseException) -> list[traceback.FrameSummary]:
+  path = os.path.abspath(_config_path(argv))
+  return [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == path]
+
+
+def _failed_in_config_file(argv: list[str], error: BaseException) -> bool:
+  return bool(_frames_in_config_file(argv, error))
+
+
+def _config_file_error(argv: list[str], error: BaseException) -> None:
+  path = _config_path(argv)
+  if 'get_config' in str(error) and isinstance(error, AttributeError):
+    _fail(f'--config file {path} has no get_config() function; a config file defines get_config() returning an '
+          f'ml_collections.ConfigDict (see configs/tiny.py).')
+  frames = _frames_in_config_file(argv, error)
+  where = f'{path}, line {frames[-1].lineno}' if frames else path
+  _fail(f'--config file {where}: {type(error).__name__}: {" ".join(str(error).split())}; fix the file.')
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+  """`error` and every exception it was raised from or while handling, newest first."""
+  chain = []
+  while error is not None and error not in chain:
+    chain.append(error)
+    error = error.__cause__ or error.__context__
+  return chain
 
 
 def main(argv):
@@ -60,19 +103,43 @@ def main(argv):
     _fail('--plan_memory_gb and --topology only apply with --plan.')
   if not _PLAN.value and not _WORKDIR.value:
     _fail('flag --workdir must have a value (a folder for checkpoints and logs); only --plan runs without one.')
-  from parallel import distributed  # After flag parsing, so --help does not wait for jax.
-  from trainer import console, loop
   from trainer.errors import UserError
+  from trainer.safety import workdir as workdir_lib
+  try:
+    if not _PLAN.value:
+      workdir_lib.check(_WORKDIR.value)  # Before jax is imported: a bad --workdir fails in a second.
+  except UserError as e:
+    _fail(str(e))
+  from parallel import distributed  # After flag parsing, so --help does not wait for jax.
+  from trainer import console, loop, preemption
+  from trainer.safety import disk, lock
   console.quiet_library_info()
+  held = None
   try:
     if _PLAN.value:
       from trainer import plan
       plan.run(_CONFIG.value, _PLAN_MEMORY_GB.value, _TOPOLOGY.value)
       return
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _TIMEOUT.value)
+    held = lock.acquire_for_run(_WORKDIR.value)  # Before --start_over moves anything, and before compiling.
     loop.run(_CONFIG.value, _WORKDIR.value, start_over=_START_OVER.value)
   except UserError as e:
     _fail(str(e), getattr(e, 'exit_code', 2))  # 3: stopped on a non-finite loss (trainer/guardrails.py).
+  except Exception as e:  # pylint: disable=broad-except
+    # A UserError that a cleanup step (closing a writer on a full disk) raised over, or a disk/permission failure.
+    cause = next((c for c in _chain(e) if isinstance(c, UserError)), None)
+    message = str(cause) if cause else disk.describe(e, _WORKDIR.value)
+    if message is None:
+      raise  # A bug: keep the traceback.
+    _fail(message, getattr(cause, 'exit_code', 2))
+  except KeyboardInterrupt:  # Ctrl-C before the step loop installed its handler (trainer/preemption.py).
+    _fail('Ctrl-C before training started; nothing was saved.', preemption.INTERRUPTED_EXIT_CODE, 'interrupted')
+  finally:
+    if held is not None:
+      held.release()
+  if preemption.interrupted_by_user():
+    _fail(f'Ctrl-C: saved the current step to {_WORKDIR.value}/checkpoints and stopped; relaunch the same command '
+          f'to continue.', preemption.INTERRUPTED_EXIT_CODE, 'interrupted')
 
 
 if __name__ == '__main__':

@@ -1,0 +1,163 @@
+"""One launch per workdir: WORKDIR/launch.lock, held for the whole run by process 0.
+
+Two launches in one workdir would interleave their steps in metrics.jsonl and
+save over each other's checkpoints, and a second launch's `--start_over` would
+move a live run's files away. So a launch takes the lock before it compiles or
+moves anything, and a second one stops with one line naming the first.
+
+How the lock works, and how a stale one is told apart:
+- `flock` on the file is the lock itself. The kernel drops it when the holding
+  process dies however it dies (kill -9 included), so a lock left by a dead
+  process on the same host is free again at once and simply taken over.
+- The file's content says who holds it (host, pid, since when, the command) so
+  the refusal can name it; it is cleared (never deleted) when the run ends.
+- On a shared file system `flock` may not reach across hosts (NFS maps it to
+  its own locks; some FUSE mounts keep it per host). So the holder also touches
+  the file every HEARTBEAT_S seconds. A lock naming another host whose file
+  was touched in the last STALE_AFTER_S seconds is taken as live, even when
+  `flock` succeeded; one older than that is stale (its host died or lost the
+  mount) and is taken over with a warning naming it.
+- On the holder's own host `flock` is trusted: free means the holder is gone
+  (its pid may since belong to another program).
+In a multi-process run only process 0 takes the lock; the others learn its
+outcome through jax's key-value store and stop with the same line.
+"""
+
+import dataclasses
+import datetime
+import fcntl
+import json
+import os
+import pathlib
+import socket
+import sys
+import threading
+import time
+
+from absl import logging
+
+from trainer.errors import UserError
+
+LOCK_NAME = 'launch.lock'
+HEARTBEAT_S = 30
+STALE_AFTER_S = 120
+_KV_KEY = 'jax_launch/workdir_lock'
+
+
+@dataclasses.dataclass(frozen=True)
+class Holder:
+  host: str
+  pid: int
+  since: str  # UTC, ISO 8601.
+  command: str
+
+  def describe(self) -> str:
+    return f'pid {self.pid} on host {self.host}, running since {self.since}: {self.command}'
+
+
+def _read(path: pathlib.Path) -> Holder | None:
+  try:
+    fields = json.loads(path.read_text() or 'null')
+    return Holder(**fields) if isinstance(fields, dict) else None
+  except (OSError, ValueError, TypeError):
+    return None  # Empty (released) or unreadable: nobody to name.
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True  # Someone else's live process.
+  return True
+
+
+class WorkdirLock:
+  """The held lock; `release()` (or the process's death) frees it."""
+
+  def __init__(self, path: pathlib.Path, fd: int):
+    self.path, self._fd = path, fd
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._heartbeat, daemon=True, name='workdir-lock-heartbeat')
+    self._thread.start()
+
+  def _heartbeat(self) -> None:
+    while not self._stop.wait(HEARTBEAT_S):
+      try:
+        os.utime(self.path)
+      except OSError:
+        pass  # A full or lost disk is reported by the checkpointer, not here.
+
+  def release(self) -> None:
+    if self._fd is None:
+      return
+    self._stop.set()
+    try:
+      os.ftruncate(self._fd, 0)  # Cleared, not deleted: deleting would let two launches lock two different files.
+    except OSError:
+      pass
+    fcntl.flock(self._fd, fcntl.LOCK_UN)
+    os.close(self._fd)
+    self._fd = None
+
+
+def acquire(workdir: str | os.PathLike) -> WorkdirLock:
+  """Takes WORKDIR/launch.lock for this process, or raises UserError naming the launch that holds it."""
+  path = pathlib.Path(workdir).absolute() / LOCK_NAME
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      raise _in_use(workdir, _read(path)) from None
+    holder, age_s = _read(path), time.time() - os.fstat(fd).st_mtime
+    if holder is not None:
+      here = holder.host == socket.gethostname()
+      if not here and age_s < STALE_AFTER_S:
+        raise _in_use(workdir, holder, age_s)
+      why = (f'process {holder.pid} is gone' if not _pid_alive(holder.pid) else f'pid {holder.pid} no longer holds '
+             f'it') if here else f'no heartbeat for {age_s:.0f}s'
+      logging.warning('--workdir=%s: took over the lock of an earlier launch (%s; %s).', workdir, holder.describe(),
+                      why)
+    since = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
+    me = Holder(socket.gethostname(), os.getpid(), since, ' '.join(sys.argv))
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(dataclasses.asdict(me)).encode(), 0)
+    os.fsync(fd)
+  except BaseException:
+    os.close(fd)  # Closing drops our flock, if we got it.
+    raise
+  return WorkdirLock(path, fd)
+
+
+def _in_use(workdir, holder: Holder | None, heartbeat_age_s: float | None = None) -> UserError:
+  who = holder.describe() if holder else 'another launch'
+  stale = (f' Its last heartbeat was {heartbeat_age_s:.0f}s ago; if that host is down, the lock is taken over once '
+           f'it is {STALE_AFTER_S}s old.' if heartbeat_age_s is not None else '')
+  return UserError(f'--workdir={workdir} is in use by another launch ({who}). Wait for it to finish or stop it, '
+                   f'or choose another --workdir; nothing was changed.{stale}')
+
+
+def acquire_for_run(workdir: str) -> WorkdirLock | None:
+  """Process 0 takes the lock; in a multi-process run the others wait for its outcome and share it.
+
+  Returns the lock on process 0, None on the others.
+  """
+  import jax
+  if jax.process_count() == 1:
+    return acquire(workdir)
+  from jax._src import distributed as jax_distributed  # The key-value store of the already joined processes.
+  client = jax_distributed.global_state.client
+  if jax.process_index() == 0:
+    try:
+      lock = acquire(workdir)
+    except UserError as e:
+      client.key_value_set(_KV_KEY, f'fail {e}')
+      raise
+    client.key_value_set(_KV_KEY, 'ok')
+    return lock
+  answer = client.blocking_key_value_get(_KV_KEY, 600_000)
+  if answer != 'ok':
+    raise UserError(answer.removeprefix('fail '))
+  return None
