@@ -134,3 +134,33 @@ def test_start_over_with_a_bad_config_moves_nothing(uninterrupted, text_dir, tmp
   result = _launch(_args(workdir, text_dir, '--start_over', '--config.mesh.data=3'))
   assert result.returncode == 2 and 'mesh' in result.stderr.splitlines()[-1], result.stderr[-2000:]
   assert sorted(str(p.relative_to(workdir)) for p in workdir.rglob('*')) == before  # Checked first, then moved.
+
+
+def test_ctrl_c_saves_the_current_step_and_exits_130_in_one_line(text_dir, tmp_path):
+  stopped = _launch(_args(tmp_path, text_dir), signal_at_step=7, sig=signal.SIGINT)
+  assert stopped.returncode == 130, stopped.stderr[-3000:]
+  match = re.search(r'SIGINT received: saved step (\d+) to (\S+) and stopped', stopped.stderr)
+  assert match, stopped.stderr[-3000:]
+  step = int(match.group(1))
+  assert 7 < step < STEPS and _steps_saved(tmp_path)[-1] == step
+  assert stopped.stderr.splitlines()[-1] == (f'launch.py: interrupted: Ctrl-C: saved the current step to {tmp_path}/'
+                                             f'checkpoints and stopped; relaunch the same command to continue.')
+  assert 'Traceback' not in stopped.stderr and 'KeyboardInterrupt' not in stopped.stderr
+
+
+def test_a_second_ctrl_c_exits_at_once():
+  script = f'''
+import os, signal, sys, time
+sys.path.insert(0, {str(REPO)!r})
+from trainer import preemption
+watch = preemption.PreemptionWatch()
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(0.2)
+assert watch.reached(1)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(5)
+print('not reached')
+'''
+  result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=60)
+  assert result.returncode == 130 and 'not reached' not in result.stdout, result.stderr
+  assert result.stderr.splitlines()[-1].startswith('launch.py: interrupted again (Ctrl-C): exiting now')

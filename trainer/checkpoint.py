@@ -10,10 +10,13 @@ Nothing here deletes a checkpoint it cannot read. Orbax writes each save into
 `<step>.orbax-checkpoint-tmp-*` and renames it to `<step>` only once every
 file is written, so a save killed midway leaves a tmp folder that is never
 taken for a checkpoint; we report it and leave it (Orbax's tmp cleanup is off).
-A finished checkpoint that fails to read (a truncated or missing file) is
-reported and the next older one is tried.
+A finished checkpoint that fails to read (a truncated or missing file, an
+empty folder) is reported and the next older one is tried; once an older one
+is good, the damaged ones are moved to WORKDIR/damaged_checkpoints/
+(trainer/safety/damaged.py) so the run can save those steps again.
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -28,6 +31,8 @@ from absl import logging
 
 from parallel import sharding
 from trainer.errors import UserError
+from trainer.safety import damaged as damaged_lib
+from trainer.safety import disk
 
 # Settings that change what a checkpoint means; any other difference is safe and only logged.
 _UNSAFE_SECTIONS = ('model',)
@@ -94,8 +99,11 @@ def _normal(value):
 class Checkpointer:
   """Saves every `ckpt.every_steps` (and on demand), restores the newest intact one, guards against foreign workdirs."""
 
-  def __init__(self, workdir: str, ckpt_config):
+  def __init__(self, workdir: str, ckpt_config, move_damaged: bool = True):
+    """`move_damaged`: move unreadable steps aside once an older one is good; only for the run holding the workdir
+    (tools reading a live run's workdir pass False)."""
     self.directory = pathlib.Path(workdir).absolute() / 'checkpoints'
+    self._move_damaged = move_damaged
     if not (isinstance(ckpt_config.keep_period, int) and ckpt_config.keep_period >= 0):
       raise UserError(f'ckpt.keep_period={ckpt_config.keep_period!r} must be an integer >= 0 (0 keeps none extra).')
     keep = [ocp.checkpoint_managers.LatestN(ckpt_config.max_to_keep)]
@@ -111,6 +119,9 @@ class Checkpointer:
       ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
           min_slice_bytes_for_replica_parallel=_MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL), override=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._saving_step = None  # The step of the save in flight, to name it if the write fails.
+    self._failed = None  # The SaveFailedError already raised: close() does not raise it twice.
+    disk.quiet_orbax_tracebacks()
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -142,7 +153,7 @@ class Checkpointer:
       try:
         saved = self.read_manifest(step)
       except Exception as e:  # pylint: disable=broad-except  (any failure: this checkpoint cannot be trusted)
-        logging.warning('Checkpoint %s is damaged (manifest unreadable: %s): skipped, left on disk.',
+        logging.warning('Checkpoint %s is damaged (manifest unreadable: %s): trying an older one.',
                         self.directory / str(step), _short(e))
         damaged.append(step)
         continue
@@ -151,6 +162,7 @@ class Checkpointer:
       if changes:
         logging.info('Resuming step %d with %d setting(s) changed since it was saved (safe): %s', step,
                      len(changes), '; '.join(changes))
+      self._set_aside(damaged, 'manifest unreadable')
       return [s for s in steps if s <= step and s not in damaged]
     if steps or self.incomplete_saves():
       raise UserError(f'{self.directory} holds no intact checkpoint (damaged: {damaged[::-1] or "none"}; incomplete '
@@ -183,28 +195,68 @@ class Checkpointer:
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_iterator.get_state()),
         manifest=ocp.args.JsonSave(manifest))
-    return self._manager.save(step, args=args, force=force)
+    with self._save_failures(step):
+      started = self._manager.save(step, args=args, force=force)
+    if started:
+      self._saving_step = step
+    return started
+
+  @contextlib.contextmanager
+  def _save_failures(self, step: int):
+    """Turns a write that failed for space or permission (now, or in the async save in flight) into one line."""
+    try:
+      yield
+    except Exception as e:
+      code = disk.write_failure(e)
+      if code is None:
+        raise
+      failed_step = self._saving_step if self._saving_step is not None else step
+      good = [s for s in self._complete_steps_on_disk() if s != failed_step]
+      self._failed = disk.save_failed(self.directory, failed_step, code, good)
+      raise self._failed from None
+
+  def _complete_steps_on_disk(self) -> list[int]:
+    return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) if self.directory.exists() else []
 
   def restore(self, step: int, abstract_state_with_shardings, data_iterator: grain.DatasetIterator):
     """Restores the state straight into its target shardings and rewinds the data iterator."""
+    restored = self._restore_state_and_data(step, abstract_state_with_shardings)
+    data_iterator.set_state(restored['data'])  # Same position on every process, for any process count.
+    return restored['state']
+
+  def _restore_state_and_data(self, step: int, abstract_state_with_shardings):
     args = ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state_with_shardings),
         data=ocp.args.JsonRestore())
-    restored = self._manager.restore(step, args=args)
-    data_iterator.set_state(restored['data'])  # Same position on every process, for any process count.
-    return restored['state']
+    return self._manager.restore(step, args=args)
 
   def restore_newest_intact(self, steps: list[int], abstract_state_with_shardings,
                             data_iterator: grain.DatasetIterator):
     """(step, state) from the first of `steps` that restores; damaged ones are reported and skipped, never deleted."""
+    failed = []
     for step in steps:
       try:
-        return step, self.restore(step, abstract_state_with_shardings, data_iterator)
+        restored = self._restore_state_and_data(step, abstract_state_with_shardings)
       except Exception as e:  # pylint: disable=broad-except  (a truncated file surfaces as many error types)
-        logging.warning('Checkpoint %s is damaged (%s): skipped, left on disk; trying an older one.',
-                        self.directory / str(step), _short(e))
+        logging.warning('Checkpoint %s is damaged (%s): trying an older one.', self.directory / str(step), _short(e))
+        failed.append(step)
+        continue
+      # A refusal here is a changed data.* setting or train.seed (a UserError naming them), not damage.
+      data_iterator.set_state(restored['data'])
+      self._set_aside(failed, 'could not be restored')
+      return step, restored['state']
     raise UserError(f'no checkpoint in {self.directory} could be restored (tried steps {steps}); nothing was '
                     f'changed. Use a fresh --workdir, or relaunch with --start_over to train from step 0.')
+
+  def _set_aside(self, steps: list[int], why: str) -> None:
+    """Moves damaged `steps` out of Orbax's sight (WORKDIR/damaged_checkpoints/), so they can be saved again."""
+    if not (steps and self._move_damaged):
+      if steps:
+        logging.warning('Damaged checkpoint(s) %s (%s): skipped, left on disk.', steps, why)
+      return
+    for step in steps:
+      damaged_lib.move_aside(self.directory, step, why)
+    self._manager.reload()
 
   def restore_state(self, step: int, abstract_state_with_shardings):
     """Only the train state (e.g. for export, or onto another process count), into the given shardings."""
@@ -215,12 +267,19 @@ class Checkpointer:
     return self._manager.is_saving_in_progress()
 
   def wait_until_finished(self) -> None:
-    self._manager.wait_until_finished()
+    with self._save_failures(self._saving_step or 0):
+      self._manager.wait_until_finished()
+    self._saving_step = None
 
   def close(self) -> None:
-    """Waits for any save in flight, then releases the manager."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for any save in flight, then releases the manager (a save failure already raised is not raised again)."""
+    reported = self._failed is not None
+    try:
+      self.wait_until_finished()
+      self._manager.close()
+    except Exception:  # pylint: disable=broad-except
+      if not reported:
+        raise
 
 
 def _detach_on_cpu(state):
@@ -250,7 +309,7 @@ def start_over(workdir: str) -> pathlib.Path | None:
   from jax.experimental import multihost_utils
   workdir = pathlib.Path(workdir).absolute()
   names = ('checkpoints', 'metrics.jsonl', 'goodput.jsonl', 'tensorboard', 'plugins', 'memory_profiles',
-           'config.json', 'sharding.txt')
+           'config.json', 'sharding.txt', damaged_lib.FOLDER)
   found = [workdir / n for n in names if (workdir / n).exists()]
   target = workdir / time.strftime('previous_run_%Y%m%dT%H%M%SZ', time.gmtime()) if found else None
   if found and jax.process_index() == 0:
@@ -270,7 +329,7 @@ def restore_for_tool(job, workdir: str, step: int | None = None) -> tuple[int, A
   `job` (a trainer.job.Job) describes the model: the checkpoint's manifest is
   checked against it first, and the state is restored into its shardings.
   """
-  ckpt = Checkpointer(workdir, job.config.ckpt)
+  ckpt = Checkpointer(workdir, job.config.ckpt, move_damaged=False)  # The run may still be writing there.
   try:
     steps = ckpt.resumable_steps(run_manifest(job.config, job.abstract, job.mesh))
     if step is not None:

@@ -9,13 +9,32 @@ Two ways to learn of it:
 - a single process: a Python SIGTERM handler sets a flag, read at the next step.
 Either way the loop finishes the step in flight, saves it with the data
 position, waits for the write, and returns; a relaunch resumes from that step.
+
+Ctrl-C (SIGINT) does the same, then launch.py exits with code 130 (128 +
+SIGINT, what shells report for a process Ctrl-C stopped) and one line, so a
+script can tell "interrupted, relaunch to continue" from "finished" (0). With
+jax.distributed up, the handler turns SIGINT into a SIGTERM to this process, so
+jax's preemption service syncs the save step across processes as for SIGTERM.
+A second Ctrl-C exits at once (130); an interrupted save leaves only a tmp
+folder, never a checkpoint that looks complete (trainer/checkpoint.py).
 """
 
+import os
 import signal
+import sys
 import threading
 
 import jax
 from jax.experimental import multihost_utils
+
+
+INTERRUPTED_EXIT_CODE = 130
+_interrupted = threading.Event()  # Set once a Ctrl-C was honoured by saving; read by launch.py.
+
+
+def interrupted_by_user() -> bool:
+  """Whether the last run stopped because of Ctrl-C (after saving)."""
+  return _interrupted.is_set()
 
 
 class PreemptionWatch:
@@ -27,12 +46,29 @@ class PreemptionWatch:
     self._previous = None
     # With jax.distributed up, jax's preemption service (on by default) owns SIGTERM and syncs the processes.
     self._use_jax = jax.distributed.is_initialized() and jax.config.jax_enable_preemption_service
-    if not self._use_jax and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+    self._previous_int = None
+    _interrupted.clear()
+    if threading.current_thread() is threading.main_thread():
+      if not self._use_jax:
+        self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+      self._previous_int = signal.signal(signal.SIGINT, self._on_interrupt)
 
   def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
     self._signal_name = signal.Signals(signum).name
     self._flag.set()  # Only a flag: the loop saves at a step boundary, never inside a handler.
+
+  def _on_interrupt(self, signum, frame) -> None:
+    if _interrupted.is_set():
+      print('launch.py: interrupted again (Ctrl-C): exiting now, without waiting for the save; the newest complete '
+            'checkpoint is intact.', file=sys.stderr, flush=True)
+      os._exit(INTERRUPTED_EXIT_CODE)
+    _interrupted.set()
+    print('Ctrl-C: saving the current step, then stopping (Ctrl-C again to exit at once).', file=sys.stderr,
+          flush=True)
+    if self._use_jax:
+      os.kill(os.getpid(), signal.SIGTERM)  # jax's preemption service agrees on the step with every process.
+    else:
+      self._on_signal(signum, frame)
 
   def reached(self, step: int) -> bool:
     if self._use_jax:
@@ -46,3 +82,6 @@ class PreemptionWatch:
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
       self._previous = None
+    if self._previous_int is not None:
+      signal.signal(signal.SIGINT, self._previous_int)
+      self._previous_int = None

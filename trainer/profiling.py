@@ -55,7 +55,14 @@ def _port_is_free(port: int) -> bool:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-  """XLA reports a failed device allocation as RESOURCE_EXHAUSTED (an XlaRuntimeError)."""
+  """XLA reports a failed device allocation as RESOURCE_EXHAUSTED (an XlaRuntimeError).
+
+  A full disk is not: tensorstore reports ENOSPC as RESOURCE_EXHAUSTED too, and a
+  failed save arrives as trainer.safety.disk.SaveFailedError (a UserError).
+  """
+  from trainer.safety import disk
+  if isinstance(error, (UserError, OSError)) or disk.write_failure(error) is not None:
+    return False
   text = str(error)
   return 'RESOURCE_EXHAUSTED' in text or 'Out of memory' in text or 'out of memory' in text
 

@@ -1,0 +1,200 @@
+"""Faults users meet, through the real launcher: a bad --workdir or config file, a damaged newest checkpoint, a full disk.
+
+Each ends in one line (`launch.py: error: ...`), the right exit code, no
+traceback, and nothing lost. The --workdir and config-file checks run before jax
+is imported, so those launches take about a second each.
+"""
+
+import errno
+import logging as std_logging
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from configs import tiny
+from conftest import REPO, make_text_dir, read_metrics, run_launcher
+from parallel import sharding
+from trainer import checkpoint, data
+from trainer import job as job_lib
+from trainer.errors import UserError
+from trainer.safety import disk
+
+TINY = '--config=configs/tiny.py'
+
+
+def _error_line(result: subprocess.CompletedProcess) -> str:
+  lines = [l for l in result.stderr.splitlines() if l.startswith('launch.py: error:')]
+  assert len(lines) == 1 and 'Traceback' not in result.stderr, result.stderr[-3000:]
+  return lines[0]
+
+
+def test_a_url_workdir_is_refused_and_nothing_named_gs_is_created(tmp_path):
+  result = subprocess.run([sys.executable, str(REPO / 'launch.py'), f'--config={REPO}/configs/tiny.py',
+                           '--workdir=gs://bucket/run'],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+  assert result.returncode == 2
+  assert _error_line(result) == ('launch.py: error: --workdir=gs://bucket/run: gs:// paths are not supported yet; use '
+                                 'a local folder, or mount the bucket (e.g. gcsfuse) and give the mounted path.')
+  assert not list(tmp_path.iterdir()) and not (REPO / 'gs:').exists()
+
+
+def test_a_workdir_that_is_a_file_is_refused(tmp_path):
+  (tmp_path / 'notes.txt').write_text('x')
+  result = run_launcher(TINY, f'--workdir={tmp_path}/notes.txt/run', timeout=60)
+  assert result.returncode == 2
+  assert f'--workdir={tmp_path}/notes.txt/run is inside {tmp_path}/notes.txt, which is a file' in _error_line(result)
+
+
+def _read_only_dir(tmp_path: pathlib.Path):
+  """A read-only folder: a read-only tmpfs as root (root ignores mode bits), else mode 0555."""
+  target = tmp_path / 'ro'
+  target.mkdir()
+  if os.geteuid() != 0:
+    target.chmod(0o555)
+    return target, lambda: target.chmod(0o755)
+  if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'ro,size=1m', 'tmpfs', str(target)]).returncode != 0:
+    pytest.skip('running as root without permission to mount a read-only tmpfs')
+  return target, lambda: subprocess.run(['umount', str(target)], check=True)
+
+
+def test_a_read_only_workdir_is_refused(tmp_path):
+  target, undo = _read_only_dir(tmp_path)
+  try:
+    result = run_launcher(TINY, f'--workdir={target}/run', timeout=60)
+  finally:
+    undo()
+  assert result.returncode == 2
+  line = _error_line(result)
+  assert f'--workdir={target}/run is not writable by this user (' in line and 'fix its permissions' in line
+
+
+@pytest.mark.parametrize('source, expected', [
+    ('def get_config(:\n  pass\n', 'cfg.py, line 1: invalid syntax; fix the file.'),
+    ('import no_such_module\n\ndef get_config():\n  return None\n',
+     "cfg.py, line 1: ModuleNotFoundError: No module named 'no_such_module'; fix the file."),
+    ('x = 1\n', 'cfg.py has no get_config() function; a config file defines get_config()'),
+])
+def test_a_broken_config_file_is_named_with_its_line(tmp_path, source, expected):
+  (tmp_path / 'cfg.py').write_text(source)
+  result = run_launcher(f'--config={tmp_path}/cfg.py', f'--workdir={tmp_path}/run', timeout=60)
+  assert result.returncode == 2
+  assert _error_line(result).startswith(f'launch.py: error: --config file {tmp_path}/{expected}'), result.stderr
+
+
+@pytest.fixture(scope='module')
+def text_dir(tmp_path_factory):
+  return make_text_dir(tmp_path_factory.mktemp('text'))
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory, text_dir):
+  """The tiny config to step 8 (checkpoints 4 and 8)."""
+  workdir = tmp_path_factory.mktemp('trained')
+  result = run_launcher(TINY, f'--workdir={workdir}', f'--config.data.text_dir={text_dir}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  return workdir
+
+
+def test_a_damaged_newest_checkpoint_is_moved_aside_and_its_step_trained_again(trained, text_dir, tmp_path):
+  """The issue's repro: rm -rf checkpoints/8/manifest and relaunch (was StepAlreadyExistsError at every relaunch).
+
+  The relaunch keeps train.steps=8, so its step compiles from the shared cache.
+  """
+  workdir = tmp_path / 'run'
+  shutil.copytree(trained, workdir)
+  shutil.rmtree(workdir / 'checkpoints' / '8' / 'manifest')
+  damaged_files = sorted(str(p.relative_to(workdir / 'checkpoints' / '8')) for p in
+                         (workdir / 'checkpoints' / '8').rglob('*'))
+  result = run_launcher(TINY, f'--workdir={workdir}', f'--config.data.text_dir={text_dir}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  [moved] = (workdir / 'damaged_checkpoints').iterdir()
+  assert moved.name.startswith('8-')
+  assert sorted(str(p.relative_to(moved)) for p in moved.rglob('*')) == damaged_files  # Kept whole.
+  assert f'{workdir}/checkpoints/8 is damaged (manifest unreadable): moved to {moved}' in result.stderr
+  assert 'Resuming from checkpoint at step 4' in result.stderr
+  assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir()) == [4, 8]
+  assert [r['step'] for r in read_metrics(workdir)][-3:] == [5, 6, 8]  # Steps 5..8 trained again.
+  assert checkpoint.Checkpointer(str(workdir), tiny.get_config().ckpt).read_manifest(8)['config']['train']['steps'] == 8
+
+
+def _checkpointer(workdir, config):
+  job = job_lib.build_job(config)
+  return job, checkpoint.Checkpointer(str(workdir), config.ckpt)
+
+
+@pytest.mark.parametrize('damage', ['empty folder', 'truncated state'])
+def test_an_unrestorable_newest_step_is_moved_aside_so_it_can_be_saved_again(trained, text_dir, tmp_path, damage):
+  shutil.copytree(trained / 'checkpoints', tmp_path / 'checkpoints')
+  step_dir = tmp_path / 'checkpoints' / '8'
+  if damage == 'empty folder':
+    shutil.rmtree(step_dir)
+    step_dir.mkdir()
+  else:
+    for leaf in (step_dir / 'state').rglob('*'):
+      if leaf.is_file() and leaf.stat().st_size > 1000:
+        leaf.write_bytes(leaf.read_bytes()[:100])
+  config = tiny.get_config()
+  config.data.text_dir = str(text_dir)
+  job, ckpt = _checkpointer(tmp_path, config)
+  manifest = checkpoint.run_manifest(config, job.abstract, job.mesh)
+  iterator = data.train_iterator_for(config)
+  steps = ckpt.resumable_steps(manifest)
+  step, state = ckpt.restore_newest_intact(steps, sharding.with_shardings(job.abstract, job.shardings), iterator)
+  assert step == 4 and int(state.step) == 4
+  [moved] = (tmp_path / 'damaged_checkpoints').iterdir()
+  assert moved.name.startswith('8-') and not step_dir.exists()
+  ckpt.save(8, state, iterator, manifest, force=True)  # Was StepAlreadyExistsError.
+  ckpt.close()
+  assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()) == [4, 8]
+
+
+def test_a_changed_data_order_is_named_not_called_damage(trained, text_dir, tmp_path):
+  shutil.copytree(trained / 'checkpoints', tmp_path / 'checkpoints')
+  config = tiny.get_config()
+  config.data.text_dir, config.data.seq_len = str(text_dir), 64
+  job, ckpt = _checkpointer(tmp_path, config)
+  with pytest.raises(UserError, match=r"data position belongs to a different data order .*seq_len: checkpoint 32 vs "
+                                      r"now 64"):
+    ckpt.restore_newest_intact([8, 4], sharding.with_shardings(job.abstract, job.shardings),
+                               data.train_iterator_for(config))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['checkpoints']  # Nothing moved aside.
+
+
+def test_write_failures_are_recognised_through_wrappers_and_never_as_out_of_memory():
+  from trainer import profiling
+  wrapped = RuntimeError('commit failed')
+  wrapped.__cause__ = OSError(errno.ENOSPC, 'No space left on device')
+  assert disk.write_failure(wrapped) == errno.ENOSPC
+  assert disk.write_failure(ValueError('RESOURCE_EXHAUSTED: No space left on device')) == errno.ENOSPC
+  assert disk.write_failure(ValueError('RESOURCE_EXHAUSTED: out of memory allocating 3 GiB')) is None
+  assert not profiling.is_out_of_memory(ValueError('RESOURCE_EXHAUSTED: No space left on device'))
+  assert profiling.is_out_of_memory(ValueError('RESOURCE_EXHAUSTED: out of memory allocating 3 GiB'))
+
+
+def test_a_full_disk_stops_in_one_line_and_keeps_the_last_good_checkpoint(trained, text_dir, tmp_path):
+  """A real full disk: a 1 MiB tmpfs holds the step-4 checkpoint (0.4 MiB) and part of the step-8 one (the last)."""
+  target = tmp_path / 'tinyfs'
+  target.mkdir()
+  if os.geteuid() != 0 or subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=1m', 'tmpfs', str(target)]).returncode:
+    pytest.skip('needs root and mount -t tmpfs for a real full disk')
+  try:
+    result = run_launcher(TINY, f'--workdir={target}/run', f'--config.data.text_dir={text_dir}')
+    saved = sorted(p.name for p in (target / 'run' / 'checkpoints').iterdir())
+    intact = checkpoint.Checkpointer(str(target / 'run'), tiny.get_config().ckpt, move_damaged=False)
+    manifest_step = intact.read_manifest(4)['config']['train']['steps']
+    intact.close()
+  finally:
+    subprocess.run(['umount', str(target)], check=True)
+  assert result.returncode == 2, result.stderr[-3000:]
+  line = _error_line(result)
+  assert line.startswith(f'launch.py: error: could not save step 8 to {target}/run/checkpoints: no space left on the '
+                         f'device; a checkpoint needs about 0.')
+  assert 'The last good checkpoint, step 4, is intact' in line
+  assert 'Out of memory' not in result.stderr and 'meta_path' not in result.stderr
+  assert saved[0] == '4' and all(s == '4' or 'tmp' in s for s in saved)
+  assert manifest_step == 8  # Step 4 reads back.

@@ -1,0 +1,100 @@
+"""A save that fails for lack of space or permission: one line naming the workdir and the space needed.
+
+Orbax writes a save into `<step>.orbax-checkpoint-tmp*` and renames it only
+once complete (trainer/checkpoint.py), so a save that fails midway leaves every
+earlier checkpoint as it was; `SaveFailedError` names the newest of them. Each
+of Orbax's background threads also logs the failure with its own traceback
+(a full disk printed 5 to 79 of them); `quiet_orbax_tracebacks` keeps those
+records to one line each, since the run ends with the one that matters.
+"""
+
+import errno
+import logging as std_logging
+import os
+import pathlib
+import shutil
+
+from trainer.errors import UserError
+
+# errno values meaning "this folder cannot take the write", whoever asks.
+WRITE_FAILURES = {errno.ENOSPC: 'no space left on the device', errno.EDQUOT: 'the disk quota is exceeded',
+                  errno.EACCES: 'permission denied', errno.EPERM: 'operation not permitted',
+                  errno.EROFS: 'the file system is read-only'}
+_TEXTS = {'No space left on device': errno.ENOSPC, 'Disk quota exceeded': errno.EDQUOT,
+          'Permission denied': errno.EACCES, 'Read-only file system': errno.EROFS}
+SAVE_FAILED_EXIT_CODE = 2
+
+
+class SaveFailedError(UserError):
+  """A checkpoint could not be written; the newest complete one is named in the message."""
+  exit_code = SAVE_FAILED_EXIT_CODE
+
+
+def write_failure(error: BaseException | None) -> int | None:
+  """The errno of a disk/permission failure in `error` or anything it was raised from (Orbax wraps them)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in WRITE_FAILURES:
+      return error.errno
+    # tensorstore reports the same failures as text inside its own error types.
+    for text, code in _TEXTS.items():
+      if text in str(error):
+        return code
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _size(path: pathlib.Path) -> int:
+  return sum(p.stat().st_size for p in path.rglob('*') if p.is_file()) if path.exists() else 0
+
+
+def save_failed(checkpoints: pathlib.Path, step: int, code: int, good_steps: list[int]) -> SaveFailedError:
+  """The one-line error for a failed save of `step` into `checkpoints`, given the complete steps left on disk."""
+  newest = max(good_steps, default=None)
+  need = _size(checkpoints / str(newest)) if newest is not None else 0
+  try:
+    free = shutil.disk_usage(checkpoints).free
+  except OSError:
+    free = None
+  space = (f'; a checkpoint needs about {_mb(need)} and {_mb(free)} is free there' if need and free is not None
+           else '')
+  kept = (f'The last good checkpoint, step {newest}, is intact; the run resumes from it' if newest is not None
+          else 'No checkpoint was completed; the run starts over')
+  fix = 'free some space' if code in (errno.ENOSPC, errno.EDQUOT) else 'restore write access'
+  return SaveFailedError(f'could not save step {step} to {checkpoints}: {WRITE_FAILURES[code]}{space}. {kept} '
+                         f'once you {fix} (or copy the workdir elsewhere) and relaunch the same command.')
+
+
+def _mb(size: int) -> str:
+  return f'{size / 2**20:.1f} MiB'
+
+
+class _OneLine(std_logging.Filter):
+  """Orbax's records of a failed write, kept as one line each: the traceback is dropped, the error kept."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    if ('orbax' in record.pathname and record.exc_info and record.exc_info[1] is not None
+        and write_failure(record.exc_info[1]) is not None):
+      record.msg = f'{record.getMessage()} ({" ".join(str(record.exc_info[1]).split())[:200]})'
+      record.args, record.exc_info, record.exc_text = None, None, None
+    return True
+
+
+_FILTER = _OneLine()
+
+
+def quiet_orbax_tracebacks() -> None:
+  """Installs the one-line filter on the handlers absl logs through (idempotent)."""
+  for handler in std_logging.getLogger().handlers + std_logging.getLogger('absl').handlers:
+    if _FILTER not in handler.filters:
+      handler.addFilter(_FILTER)
+
+
+def describe(error: BaseException, workdir: str | os.PathLike) -> str | None:
+  """A one-line message for a disk/permission failure anywhere in `error`'s chain, else None."""
+  code = write_failure(error)
+  if code is None:
+    return None
+  return (f'cannot write to --workdir={workdir}: {WRITE_FAILURES[code]} ({" ".join(str(error).split())[:200]}); '
+          f'free some space or restore write access, then relaunch the same command.')
