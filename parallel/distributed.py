@@ -17,6 +17,10 @@ who arrived, and every waiting process ends at `--distributed_timeout_s` with
 one UserError naming the missing process ids. In a detected launch the
 coordinator address is only known inside jax, so a watchdog prints the same kind
 of line and exits with code 2 just before jax's own deadline would abort.
+
+Once joined, an explicit launch keeps watching its peers (parallel/watchdog.py):
+a process that dies or stops answering later is named by every survivor in one
+line, instead of a hang and a C++ abort.
 """
 
 import os
@@ -30,6 +34,7 @@ import time
 import jax
 from absl import logging
 
+from parallel import watchdog
 from trainer.errors import UserError
 
 # jax's own deadline in a detected launch; the watchdog fires this much earlier.
@@ -72,10 +77,30 @@ def initialize(coordinator_address: str | None, num_processes: int | None, proce
     _use_cpu_collectives()
     start = time.monotonic()
     address = coordinator_address.strip()
-    _check_in(host, port, address, num_processes, process_id, timeout_s)
-    jax.distributed.initialize(address, num_processes, process_id, initialization_timeout=timeout_s)
+    heartbeat = _check_in(host, port, address, num_processes, process_id, timeout_s)
+    _initialize_watched(address, num_processes, process_id, timeout_s)
+    if process_id == 0:
+      threading.Thread(target=watchdog.serve, args=(heartbeat, num_processes, timeout_s), daemon=True,
+                       name='peer-watchdog').start()
+    else:
+      watchdog.join(host, heartbeat, process_id, num_processes, timeout_s)
     logging.info('Joined %d processes as process %d via the coordinator at %s in %.1fs', num_processes,
                  process_id, address, time.monotonic() - start)
+
+
+def _initialize_watched(address: str, num_processes: int, process_id: int, timeout_s: int) -> None:
+  """jax.distributed.initialize, with its client's missed-heartbeat abort turned into one line (watchdog.py)."""
+  from jax._src import distributed as jax_distributed
+  make_client = jax_distributed._jax.get_distributed_runtime_client  # pylint: disable=protected-access
+
+  def with_callback(*args, **kwargs):
+    return make_client(*args, **kwargs, missed_heartbeat_callback=watchdog.client_callback(process_id, num_processes))
+
+  jax_distributed._jax.get_distributed_runtime_client = with_callback  # pylint: disable=protected-access
+  try:
+    jax.distributed.initialize(address, num_processes, process_id, initialization_timeout=timeout_s)
+  finally:
+    jax_distributed._jax.get_distributed_runtime_client = make_client  # pylint: disable=protected-access
 
 
 def _check_flags(address: str, num_processes: int, process_id: int) -> tuple[str, int]:
@@ -159,13 +184,20 @@ def _initialize_detected(cluster: str, timeout_s: int) -> None:
                cluster)
 
 
-def _check_in(host: str, port: int, address: str, num_processes: int, process_id: int, timeout_s: int) -> None:
-  """Waits until all processes have checked in with process 0, or raises UserError naming who is missing."""
+def _check_in(host: str, port: int, address: str, num_processes: int, process_id: int, timeout_s: int):
+  """Waits until all processes have checked in with process 0, or raises UserError naming who is missing.
+
+  Returns process 0's peer-watchdog server socket on process 0, its port on the others.
+  """
   deadline = time.monotonic() + timeout_s
   if process_id == 0:
-    _host_check_in(port, num_processes, deadline, address, timeout_s)
-  else:
-    _join_check_in(host, port, num_processes, process_id, deadline, address, timeout_s)
+    return _host_check_in(port, num_processes, deadline, address, timeout_s)
+  return _join_check_in(host, port, num_processes, process_id, deadline, address, timeout_s)
+
+
+def _listen(port: int) -> socket.socket:
+  return socket.create_server(('', port), family=socket.AF_INET6, dualstack_ipv6=True) \
+      if socket.has_dualstack_ipv6() else socket.create_server(('', port))
 
 
 def _missing(joined: set[int], num_processes: int) -> str:
@@ -187,11 +219,10 @@ def _send(conn: socket.socket, line: str) -> None:
     pass  # That process is gone; it reports its own failure.
 
 
-def _host_check_in(port: int, num_processes: int, deadline: float, address: str, timeout_s: int) -> None:
-  """Process 0: accepts every other process's `hello ID N` and answers `go`, or `fail MESSAGE` to all."""
+def _host_check_in(port: int, num_processes: int, deadline: float, address: str, timeout_s: int) -> socket.socket:
+  """Process 0: accepts every other process's `hello ID N` and answers `go PORT` (the watchdog's), or `fail MESSAGE`."""
   try:
-    server = socket.create_server(('', port), family=socket.AF_INET6, dualstack_ipv6=True) \
-        if socket.has_dualstack_ipv6() else socket.create_server(('', port))
+    server = _listen(port)
   except OSError as e:
     raise UserError(f'process 0 cannot listen on port {port} of --coordinator_address={address} ({e.strerror}); '
                     f'another program (or another process 0) holds it: choose another port.') from e
@@ -233,8 +264,9 @@ def _host_check_in(port: int, num_processes: int, deadline: float, address: str,
         raise UserError(problem)
       conns[other_id] = conn
       logging.info('Process %d of %d checked in from %s', other_id, num_processes, peer_host)
+    heartbeat = _listen(0)  # A free port for the peer watchdog; the coordinator port goes to jax next.
     for conn in conns.values():
-      _send(conn, 'go')
+      _send(conn, f'go {heartbeat.getsockname()[1]}')
     for conn in conns.values():  # Let them close first, so no connection lingers on the port jax takes next.
       try:
         conn.recv(1)
@@ -244,10 +276,11 @@ def _host_check_in(port: int, num_processes: int, deadline: float, address: str,
     for conn in conns.values():
       conn.close()
     server.close()
+  return heartbeat
 
 
 def _join_check_in(host: str, port: int, num_processes: int, process_id: int, deadline: float, address: str,
-                   timeout_s: int) -> None:
+                   timeout_s: int) -> int:
   """Process 1..N-1: connects to process 0 (retrying until the deadline) and waits for its verdict."""
   last_error = 'no answer'
   while True:
@@ -273,8 +306,8 @@ def _join_check_in(host: str, port: int, num_processes: int, process_id: int, de
       answer = ''
     except OSError as e:
       answer = f'lost {e.strerror}'
-    if answer == 'go':
-      return
+    if answer.startswith('go ') and answer[3:].isdigit():
+      return int(answer[3:])  # Process 0's peer-watchdog port.
     if answer.startswith('fail '):
       raise UserError(answer[len('fail '):])
     raise UserError(f'process {process_id} of {num_processes} reached the coordinator at {address}, but process 0 '

@@ -1,0 +1,151 @@
+"""A lost peer in an explicit multi-process launch: every survivor exits in one line naming it, not a C++ abort.
+
+Without this, when one process of a hand-started run dies, the others block in
+their next collective until jax's coordination service misses its heartbeats
+(about 100 s), then abort with exit 134 and a C++ stack trace; when process 0
+(which hosts that service) dies, the others abort at once without a word.
+
+Each process keeps one TCP connection to process 0 for the whole run (process 0
+listens on a free port it announced during the check-in, parallel/distributed.py)
+and both ends send a heartbeat line every HEARTBEAT_S seconds:
+- a connection that closes (the process died: the kernel closes its sockets,
+  kill -9 included) is a loss at once; silence for SILENT_AFTER_S seconds (a
+  stopped or wedged process) is a loss too;
+- process 0 tells every other process which process it lost, then exits;
+  the others, on that message or on losing process 0 itself, exit;
+- a process that finishes normally says `bye` first, so it is never reported.
+Every survivor prints `<launcher>: error: process K of N ... was lost ...` and
+exits with PEER_LOST_EXIT_CODE. jax's own missed-heartbeat path, which would
+abort the interpreter, is routed to the same line (`client_callback`).
+"""
+
+import atexit
+import os
+import pathlib
+import socket
+import sys
+import threading
+import time
+
+HEARTBEAT_S = 2
+SILENT_AFTER_S = 20
+# 75 is EX_TEMPFAIL in sysexits.h ("try again later"): a scheduler may relaunch; 2 stays "fix the config".
+PEER_LOST_EXIT_CODE = 75
+_exiting = threading.Lock()
+
+
+def _die(message: str) -> None:
+  """Prints the one line and ends this process now: its collectives can never complete."""
+  if not _exiting.acquire(blocking=False):
+    return  # Another thread is already reporting.
+  print(f'{pathlib.Path(sys.argv[0]).name}: error: {message}', file=sys.stderr, flush=True)
+  os._exit(PEER_LOST_EXIT_CODE)
+
+
+def _lost(process: int, num_processes: int, how: str) -> str:
+  who = 'process 0 (the coordinator)' if process == 0 else f'process {process}'
+  return (f'{who} of {num_processes} was lost ({how}); this run cannot continue without it. Stopped; relaunch every '
+          f'process with the same command to resume from the last checkpoint.')
+
+
+class _Line:
+  """One heartbeat connection: a writer thread sending `beat`, a reader thread watching the other end."""
+
+  def __init__(self, conn: socket.socket, peer: int, num_processes: int, on_message):
+    self.conn, self.peer, self.num_processes, self._on_message = conn, peer, num_processes, on_message
+    self.finished = False
+    self._send_lock = threading.Lock()
+    threading.Thread(target=self._beat, daemon=True, name=f'peer-{peer}-heartbeat').start()
+    threading.Thread(target=self._watch, daemon=True, name=f'peer-{peer}-watch').start()
+
+  def send(self, line: str) -> None:
+    with self._send_lock:
+      try:
+        self.conn.sendall(line.encode() + b'\n')
+      except OSError:
+        pass  # The reader reports the loss.
+
+  def _beat(self) -> None:
+    while not self.finished:
+      self.send('beat')
+      time.sleep(HEARTBEAT_S)
+
+  def _watch(self) -> None:
+    self.conn.settimeout(SILENT_AFTER_S)
+    reader = self.conn.makefile('r')
+    while True:
+      try:
+        line = reader.readline()
+      except TimeoutError:
+        self._on_message(self, f'lost silent for {SILENT_AFTER_S}s')
+        return
+      except OSError as e:
+        line = ''
+        del e
+      if not line:
+        if not self.finished:
+          self._on_message(self, 'lost its connection closed: the process exited or was killed')
+        return
+      words = line.strip()
+      if words == 'bye':
+        self.finished = True
+        return
+      if words != 'beat':
+        self._on_message(self, words)
+
+
+def serve(server: socket.socket, num_processes: int, timeout_s: float) -> None:
+  """Process 0: accepts one heartbeat connection per other process on `server`, then watches them all."""
+  lines: dict[int, _Line] = {}
+
+  def on_message(line: _Line, message: str) -> None:
+    if message.startswith('lost '):
+      for other in lines.values():
+        if other is not line:
+          other.send(f'peer {line.peer} {message[len("lost "):]}')
+      _die(_lost(line.peer, num_processes, message[len('lost '):]))
+
+  server.settimeout(timeout_s)
+  with server:
+    while len(lines) < num_processes - 1:
+      conn, _ = server.accept()
+      words = conn.makefile('r').readline().split()
+      if len(words) == 2 and words[0] == 'peer' and words[1].isdigit():
+        lines[int(words[1])] = _Line(conn, int(words[1]), num_processes, on_message)
+  _say_bye_at_exit(lines.values())
+
+
+def join(host: str, port: int, process_id: int, num_processes: int, timeout_s: float) -> None:
+  """Process 1..N-1: connects to process 0's heartbeat port and watches it."""
+  conn = socket.create_connection((host, port), timeout=timeout_s)
+  conn.sendall(f'peer {process_id}\n'.encode())
+
+  def on_message(line: _Line, message: str) -> None:
+    if message.startswith('peer '):  # Process 0 lost another process: `peer K HOW`.
+      _, other, how = message.split(' ', 2)
+      _die(_lost(int(other), num_processes, how))
+    elif message.startswith('lost '):
+      _die(_lost(0, num_processes, message[len('lost '):]))
+
+  _say_bye_at_exit([_Line(conn, 0, num_processes, on_message)])
+
+
+def _say_bye_at_exit(lines) -> None:
+  lines = list(lines)
+
+  def bye():
+    for line in lines:
+      line.finished = True
+      line.send('bye')
+
+  atexit.register(bye)  # Registered after jax's own atexit shutdown, so it runs before it (atexit is LIFO).
+
+
+def client_callback(process_id: int, num_processes: int):
+  """For jax's distributed client: its missed-heartbeat path, which would abort, becomes the same one line."""
+  def on_missed_heartbeat(status, *args) -> None:
+    del args
+    _die(f'process {process_id} of {num_processes} lost contact with the coordination service on process 0 '
+         f'({" ".join(str(status).split())[:200]}); process 0 or the network is gone. Stopped; relaunch every process '
+         f'with the same command to resume from the last checkpoint.')
+  return on_missed_heartbeat
