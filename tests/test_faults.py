@@ -198,3 +198,54 @@ def test_a_full_disk_stops_in_one_line_and_keeps_the_last_good_checkpoint(traine
   assert 'Out of memory' not in result.stderr and 'meta_path' not in result.stderr
   assert saved[0] == '4' and all(s == '4' or 'tmp' in s for s in saved)
   assert manifest_step == 8  # Step 4 reads back.
+
+
+def test_a_folder_of_binary_files_is_refused_as_text_and_a_few_are_named(tmp_path):
+  from trainer.data import text
+  config = tiny.get_config()
+  config.data.text_dir, config.data.file_glob = str(tmp_path), '**/*'
+  rng = __import__('numpy').random.default_rng(0)
+  for i in range(4):
+    (tmp_path / f'blob_{i}.bin').write_bytes(rng.integers(0, 256, 3000, dtype='uint8').tobytes())
+  (tmp_path / 'notes.txt').write_text('plain text ' * 300)
+  with pytest.raises(UserError, match=r"4 of the 5 files matching data.file_glob='\*\*/\*' are not text \(NUL or "
+                                      r"control bytes: 'blob_0.bin', 'blob_1.bin', 'blob_2.bin' \.\.\.\)"):
+    text.load_text_corpus(config.data)
+  for i in range(1, 4):
+    (tmp_path / f'blob_{i}.bin').unlink()
+    (tmp_path / f'more_{i}.txt').write_text('more text ' * 300)
+  with absl_warnings() as caught:
+    corpus = text.load_text_corpus(config.data)
+  assert corpus.num_train_files + corpus.num_eval_files == 5
+  assert "1 of the 5 files are not text (NUL or control bytes: 'blob_0.bin')" in caught.text
+
+
+class absl_warnings:
+  """Collects absl's warnings (absl logs through the standard `absl` logger)."""
+
+  def __enter__(self):
+    import io
+    self.stream = io.StringIO()
+    self.handler = std_logging.StreamHandler(self.stream)
+    std_logging.getLogger('absl').addHandler(self.handler)
+    return self
+
+  def __exit__(self, *exc):
+    std_logging.getLogger('absl').removeHandler(self.handler)
+
+  @property
+  def text(self) -> str:
+    return self.stream.getvalue()
+
+
+def test_warmup_longer_than_the_run_is_named_with_both_keys():
+  from trainer import validation
+  config = tiny.get_config()
+  config.train.warmup_steps = 30
+  with absl_warnings() as caught:
+    validation.validate_config(config)
+  assert 'train.warmup_steps=30 is more than train.steps=8: warmup is cut to 8 steps' in caught.text
+  config.train.warmup_steps = 8
+  with absl_warnings() as caught:
+    validation.validate_config(config)
+  assert 'warmup' not in caught.text

@@ -117,3 +117,22 @@ def test_rollback_reloads_the_last_checkpoint_and_skips_the_bad_batch(tmp_path, 
   assert logged[-1] == 8 and logged.count(5) == 2
   # The state at 8 descends from step 4's, never saw the bad batch, so no update was ever dropped.
   assert _notfinite_count(tmp_path, text_dir, 8) == 0
+
+
+def _metrics(finite: bool) -> dict:
+  return {'loss': np.float32(2.0 if finite else np.nan), 'grads_finite': np.array([finite, True])}
+
+
+def test_skip_stops_once_most_steps_were_skipped_and_counts_them():
+  from trainer import guardrails
+  guard = guardrails.Guard('skip', ['a', 'b'])
+  for step in range(1, 10):  # 6 of the first 9 skipped: below SKIP_MIN_CHECKED steps, it trains on.
+    guard.check(step, _metrics(finite=step % 3 == 0))
+  with pytest.raises(guardrails.NonFiniteError, match=r'step 10: 7 of the 10 steps checked in this launch were '
+                                                      r'non-finite and skipped \(train.on_nonfinite=skip\); stopped'):
+    guard.check(10, _metrics(finite=False))
+  assert guardrails.NonFiniteError.exit_code == 3
+
+  sparse = guardrails.Guard('skip', ['a', 'b'])
+  for step in range(1, 41):  # One step in four: the run still trains, so it goes on.
+    sparse.check(step, _metrics(finite=step % 4 != 0))

@@ -9,7 +9,11 @@ On the host (`Guard.check`, on each step's metrics as the loop fetches them):
 - 'stop': raise NonFiniteError; launch.py exits with code 3. Every checkpoint
   on disk was taken from a step already checked (the loop checks a step before
   saving it), so the last good checkpoint is intact;
-- 'skip': log the leaves and go on (the update was already dropped in the step);
+- 'skip': log the leaves and how many steps were skipped so far, and go on (the
+  update was already dropped in the step). Once more than SKIP_LIMIT_FRACTION
+  of this launch's checked steps (at least SKIP_MIN_CHECKED of them) were
+  skipped, stop as in 'stop': a run that skips most steps no longer trains, and
+  saving it on would only overwrite good checkpoints with a stalled model;
 - 'rollback': reload the newest checkpoint before the bad step, and when the
   replay reaches that step, draw the next batch instead of the offending one.
   If the same step is non-finite again after a rollback, stop as in 'stop'.
@@ -25,6 +29,8 @@ from trainer.errors import UserError
 
 MODES = ('stop', 'skip', 'rollback')
 NONFINITE_EXIT_CODE = 3  # Distinct from 2 (bad config), so schedulers can tell "do not just restart".
+SKIP_LIMIT_FRACTION = 0.5
+SKIP_MIN_CHECKED = 10
 
 
 class NonFiniteError(UserError):
@@ -64,11 +70,13 @@ class Guard:
     self._last_checked = None
     self._skip_at = None  # After a rollback: the step whose batch is drawn and dropped.
     self._rolled_back_at = set()
+    self._checked, self._skipped = 0, 0  # This launch's steps, for train.on_nonfinite=skip's limit.
 
   def check(self, step: int, metrics) -> None:
     if step == self._last_checked:
       return
     self._last_checked = step
+    self._checked += 1
     loss, finite = jax.device_get((metrics['loss'], metrics['grads_finite']))
     if np.isfinite(loss) and bool(np.all(finite)):
       return
@@ -77,7 +85,15 @@ class Guard:
         f' and non-finite gradients in {len(bad)} parameter leaves: {", ".join(bad[:8])}'
         f'{" ..." if len(bad) > 8 else ""}' if bad else ' but every gradient leaf finite')
     if self.mode == 'skip':
-      logging.warning('Step %d: %s; update skipped (train.on_nonfinite=skip).', step, what)
+      self._skipped += 1
+      logging.warning('Step %d: %s; update skipped (train.on_nonfinite=skip; %d of %d steps skipped so far).', step,
+                      what, self._skipped, self._checked)
+      if self._checked >= SKIP_MIN_CHECKED and self._skipped > SKIP_LIMIT_FRACTION * self._checked:
+        raise NonFiniteError(
+            f'step {step}: {self._skipped} of the {self._checked} steps checked in this launch were non-finite and '
+            f'skipped (train.on_nonfinite=skip); stopped, since the model no longer trains and saving it on would '
+            f'replace the good checkpoints. A relaunch resumes from the last good one: lower train.learning_rate or '
+            f'check the data.')
     elif self.mode == 'rollback' and step not in self._rolled_back_at:
       raise Rollback(step, what)
     else:

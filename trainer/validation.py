@@ -1,5 +1,6 @@
 """Config checks that run before any device work, each failing with the key and the fix."""
 
+from absl import logging
 from jax.sharding import Mesh
 
 from parallel import strategy
@@ -42,7 +43,16 @@ def validate_config(config) -> None:
   _require(config.train.param_dtype in DTYPES,
            f'train.param_dtype={config.train.param_dtype!r}: choose float32 or bfloat16.')
   data.check_config(config.data)
+  _warn_if_warmup_exceeds_steps(config.train)
   _require(0 <= config.data.eval_percent < 100, f'data.eval_percent={config.data.eval_percent} must be in [0, 100).')
+
+
+def _warn_if_warmup_exceeds_steps(train) -> None:
+  # A warning, not an error: shortening a run from the command line (--config.train.steps=10) is common and fine.
+  if train.warmup_steps > train.steps:
+    logging.warning('train.warmup_steps=%d is more than train.steps=%d: warmup is cut to %d steps, so the learning '
+                    'rate reaches train.learning_rate only at the last step and never decays. Lower '
+                    'train.warmup_steps or raise train.steps.', train.warmup_steps, train.steps, train.steps)
 
 
 def validate_strategy(config, mesh: Mesh) -> None:

@@ -56,14 +56,17 @@ def load_text_corpus(data_config) -> TextCorpus:
   if not paths:
     raise UserError(f'{setting} has no files matching data.file_glob={data_config.file_glob!r}; '
                     f'expected text files there (or change data.file_glob, e.g. "**/*.txt").')
-  train_parts, eval_parts = [], []
+  train_parts, eval_parts, binary = [], [], []
   for path in paths:
     try:
       content = path.read_bytes()
     except OSError as e:
       raise UserError(f'cannot read {str(path)!r} under {setting}: {e.strerror}; fix its permissions or remove it.')
+    if _is_binary(content):
+      binary.append(path.relative_to(root))
     is_eval = _is_eval_file(str(path.relative_to(root)), data_config.eval_percent)
     (eval_parts if is_eval else train_parts).append(content)
+  _check_text(binary, len(paths), setting, data_config.file_glob)
   num_train, num_eval = len(train_parts), len(eval_parts)
   train = np.frombuffer(b''.join(train_parts), np.uint8)
   eval_ = np.frombuffer(b''.join(eval_parts), np.uint8)
@@ -80,6 +83,34 @@ def load_text_corpus(data_config) -> TextCorpus:
   if not train.size:
     raise UserError(f'{setting}: the files matching {data_config.file_glob!r} are empty; expected text in them.')
   return TextCorpus(train, eval_, num_train, num_eval, root, train_starts, eval_starts)
+
+
+_CONTROL = np.zeros(256, bool)
+_CONTROL[[*range(0, 8), *range(14, 27), *range(28, 32), 127]] = True  # Not \b \t \n \v \f \r or ESC.
+_BINARY_CONTROL_SHARE = 0.05
+
+
+def _is_binary(content: bytes) -> bool:
+  """A NUL byte, or over 5% control bytes in the first 8 KiB, much as `file` and Perl's -B judge it.
+
+  Text in a legacy encoding (latin-1, koi8-r) has high bytes but almost no
+  control bytes, so it stays text; random or compressed bytes have about 12%.
+  """
+  head = np.frombuffer(content[:1 << 13], np.uint8)
+  return bool(head.size) and (not head.all() or _CONTROL[head].mean() > _BINARY_CONTROL_SHARE)
+
+
+def _check_text(binary: list[pathlib.Path], num_files: int, setting: str, file_glob: str) -> None:
+  """Refuses a corpus that is mostly binary files; warns, naming them, when a few are."""
+  if not binary:
+    return
+  examples = ', '.join(repr(str(p)) for p in binary[:3]) + (' ...' if len(binary) > 3 else '')
+  if 2 * len(binary) > num_files:
+    raise UserError(f'{setting}: {len(binary)} of the {num_files} files matching data.file_glob={file_glob!r} are not '
+                    f'text (NUL or control bytes: {examples}); the byte-level model would learn their bytes. Point '
+                    f'data.text_dir at text, narrow data.file_glob, or use data.source=\'array_record\' for tokens.')
+  logging.warning('%s: %d of the %d files are not text (NUL or control bytes: %s); they are trained on as bytes. '
+                  'Narrow data.file_glob to leave them out.', setting, len(binary), num_files, examples)
 
 
 def _starts(parts: list[bytes]) -> np.ndarray:
