@@ -62,6 +62,7 @@ def test_a_killed_peer_is_named_by_the_survivor_within_30s(tmp_path, victim):
     killed_at = time.monotonic()
     survivor.wait(timeout=60)
     elapsed = time.monotonic() - killed_at
+    print(f'process {1 - victim} exited {elapsed:.1f}s after process {victim} was killed')  # For BENCHMARKS.md (-s).
     readers[1 - victim].join(timeout=10)
   finally:
     for p in procs:

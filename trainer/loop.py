@@ -33,6 +33,8 @@ class Window:
   losses: list[float] = dataclasses.field(default_factory=list)
   step_times: list[float] = dataclasses.field(default_factory=list)
   data_waits: list[float] = dataclasses.field(default_factory=list)
+  # The first window after a start, resume or rollback includes the input threads starting: never a stall.
+  first: bool = False
 
   def summary(self, last_metrics: dict[str, float], units_per_step: int, unit: str = 'tokens',
               throughput: flops.Throughput | None = None) -> dict[str, float]:
@@ -177,7 +179,7 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
   def is_log_step(s):
     return s == start_step + 1 or s % config.log.every_steps == 0 or s == total or s in evals
 
-  window, evals, pending = Window(), {}, None
+  window, evals, pending = Window(first=True), {}, None
   last_fetch, side_time = time.perf_counter(), 0.0
   for step in range(start_step + 1, total + 1):
     side_time += profiler.step(step, state)  # Writing a trace out is not step time.
@@ -225,7 +227,8 @@ def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_
   writer.step_done(step, window.losses[-1], window.step_times[-1], data_wait, objective.units_per_step)
   if is_log_step(step):
     summary = window.summary(metrics, objective.units_per_step, objective.unit, run.throughput)
-    data.warn_if_stalled(step, summary)
+    if not window.first:
+      data.warn_if_stalled(step, summary)
     writer.write(step, {**summary, **evals.pop(step, {})})
     window.__init__()
   return now, 0.0
