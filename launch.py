@@ -110,7 +110,7 @@ def main(argv):
       workdir_lib.check(_WORKDIR.value)  # Before jax is imported: a bad --workdir fails in a second.
   except UserError as e:
     _fail(str(e))
-  from parallel import distributed  # After flag parsing, so --help does not wait for jax.
+  from parallel import distributed, watchdog  # After flag parsing, so --help does not wait for jax.
   from trainer import console, loop, preemption
   from trainer.safety import disk, lock
   console.quiet_library_info()
@@ -130,6 +130,7 @@ def main(argv):
     cause = next((c for c in _chain(e) if isinstance(c, UserError)), None)
     message = str(cause) if cause else disk.describe(e, _WORKDIR.value)
     if message is None:
+      watchdog.grace()  # A collective that failed because a peer died: let the watchdog name it first.
       raise  # A bug: keep the traceback.
     _fail(message, getattr(cause, 'exit_code', 2))
   except KeyboardInterrupt:  # Ctrl-C before the step loop installed its handler (trainer/preemption.py).

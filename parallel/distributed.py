@@ -78,7 +78,7 @@ def initialize(coordinator_address: str | None, num_processes: int | None, proce
     start = time.monotonic()
     address = coordinator_address.strip()
     heartbeat = _check_in(host, port, address, num_processes, process_id, timeout_s)
-    _initialize_watched(address, num_processes, process_id, timeout_s)
+    jax.distributed.initialize(address, num_processes, process_id, initialization_timeout=timeout_s)
     if process_id == 0:
       threading.Thread(target=watchdog.serve, args=(heartbeat, num_processes, timeout_s), daemon=True,
                        name='peer-watchdog').start()
@@ -86,21 +86,6 @@ def initialize(coordinator_address: str | None, num_processes: int | None, proce
       watchdog.join(host, heartbeat, process_id, num_processes, timeout_s)
     logging.info('Joined %d processes as process %d via the coordinator at %s in %.1fs', num_processes,
                  process_id, address, time.monotonic() - start)
-
-
-def _initialize_watched(address: str, num_processes: int, process_id: int, timeout_s: int) -> None:
-  """jax.distributed.initialize, with its client's missed-heartbeat abort turned into one line (watchdog.py)."""
-  from jax._src import distributed as jax_distributed
-  make_client = jax_distributed._jax.get_distributed_runtime_client  # pylint: disable=protected-access
-
-  def with_callback(*args, **kwargs):
-    return make_client(*args, **kwargs, missed_heartbeat_callback=watchdog.client_callback(process_id, num_processes))
-
-  jax_distributed._jax.get_distributed_runtime_client = with_callback  # pylint: disable=protected-access
-  try:
-    jax.distributed.initialize(address, num_processes, process_id, initialization_timeout=timeout_s)
-  finally:
-    jax_distributed._jax.get_distributed_runtime_client = make_client  # pylint: disable=protected-access
 
 
 def _check_flags(address: str, num_processes: int, process_id: int) -> tuple[str, int]:
@@ -165,13 +150,13 @@ def _initialize_detected(cluster: str, timeout_s: int) -> None:
              f'({who} waited for the others); check {check}.')
   done = threading.Event()
 
-  def watchdog():
+  def deadline():
     if not done.wait(timeout_s):
       # jax is blocked in C++ and will abort the interpreter; exit first, with the message.
       print(f'{pathlib.Path(sys.argv[0]).name}: error: {message}', file=sys.stderr, flush=True)
       os._exit(2)
 
-  threading.Thread(target=watchdog, daemon=True, name='distributed-join-watchdog').start()
+  threading.Thread(target=deadline, daemon=True, name='distributed-join-watchdog').start()
   try:
     jax.distributed.initialize(initialization_timeout=timeout_s + _WATCHDOG_LEAD_S)
   except (RuntimeError, ValueError, OSError, ImportError) as e:  # Detection came up empty, or lacks `requests`.

@@ -15,8 +15,17 @@ and both ends send a heartbeat line every HEARTBEAT_S seconds:
   the others, on that message or on losing process 0 itself, exit;
 - a process that finishes normally says `bye` first, so it is never reported.
 Every survivor prints `<launcher>: error: process K of N ... was lost ...` and
-exits with PEER_LOST_EXIT_CODE. jax's own missed-heartbeat path, which would
-abort the interpreter, is routed to the same line (`client_callback`).
+exits with PEER_LOST_EXIT_CODE. A collective that fails because its peer is
+gone raises in the main thread at the same moment; `grace()` lets launch.py
+give the watchdog a few seconds to name the lost process before that error
+would be shown as a bug.
+
+A race left open: when process 0 dies, jax's coordination client on each
+survivor polls an error from the lost service and may abort the interpreter
+(C++, exit 134) before the watchdog's line; in 4 of 4 runs here the line came
+first (BENCHMARKS.md). Its `missed_heartbeat_callback` cannot be used to close
+the race in jax 0.10.2: passing a Python callable made the survivor die of
+`std::bad_cast` when it was called.
 """
 
 import atexit
@@ -32,6 +41,14 @@ SILENT_AFTER_S = 20
 # 75 is EX_TEMPFAIL in sysexits.h ("try again later"): a scheduler may relaunch; 2 stays "fix the config".
 PEER_LOST_EXIT_CODE = 75
 _exiting = threading.Lock()
+_watching = threading.Event()
+GRACE_S = 5
+
+
+def grace() -> None:
+  """If peers are watched, waits GRACE_S seconds: a lost peer is then reported (and the process ended) by the watchdog."""
+  if _watching.is_set():
+    time.sleep(GRACE_S)
 
 
 def _die(message: str) -> None:
@@ -105,6 +122,7 @@ def serve(server: socket.socket, num_processes: int, timeout_s: float) -> None:
           other.send(f'peer {line.peer} {message[len("lost "):]}')
       _die(_lost(line.peer, num_processes, message[len('lost '):]))
 
+  _watching.set()
   server.settimeout(timeout_s)
   with server:
     while len(lines) < num_processes - 1:
@@ -119,6 +137,7 @@ def join(host: str, port: int, process_id: int, num_processes: int, timeout_s: f
   """Process 1..N-1: connects to process 0's heartbeat port and watches it."""
   conn = socket.create_connection((host, port), timeout=timeout_s)
   conn.sendall(f'peer {process_id}\n'.encode())
+  _watching.set()
 
   def on_message(line: _Line, message: str) -> None:
     if message.startswith('peer '):  # Process 0 lost another process: `peer K HOW`.
@@ -139,13 +158,3 @@ def _say_bye_at_exit(lines) -> None:
       line.send('bye')
 
   atexit.register(bye)  # Registered after jax's own atexit shutdown, so it runs before it (atexit is LIFO).
-
-
-def client_callback(process_id: int, num_processes: int):
-  """For jax's distributed client: its missed-heartbeat path, which would abort, becomes the same one line."""
-  def on_missed_heartbeat(status, *args) -> None:
-    del args
-    _die(f'process {process_id} of {num_processes} lost contact with the coordination service on process 0 '
-         f'({" ".join(str(status).split())[:200]}); process 0 or the network is gone. Stopped; relaunch every process '
-         f'with the same command to resume from the last checkpoint.')
-  return on_missed_heartbeat
