@@ -22,7 +22,7 @@ would be shown as a bug.
 
 A race left open: when process 0 dies, jax's coordination client on each
 survivor polls an error from the lost service and may abort the interpreter
-(C++, exit 134) before the watchdog's line; in 4 of 4 runs here the line came
+(C++, exit 134) before the watchdog's line; in 3 of 3 runs here the line came
 first (BENCHMARKS.md). Its `missed_heartbeat_callback` cannot be used to close
 the race in jax 0.10.2: passing a Python callable made the survivor die of
 `std::bad_cast` when it was called.
