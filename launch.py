@@ -134,7 +134,8 @@ def main(argv):
       raise  # A bug: keep the traceback.
     _fail(message, getattr(cause, 'exit_code', 2))
   except KeyboardInterrupt:  # Ctrl-C before the step loop installed its handler (trainer/preemption.py).
-    _fail('Ctrl-C before training started; nothing was saved.', preemption.INTERRUPTED_EXIT_CODE, 'interrupted')
+    _fail('Ctrl-C: stopped outside the step loop (before training, or while closing); every checkpoint already '
+          'complete on disk is intact.', preemption.INTERRUPTED_EXIT_CODE, 'interrupted')
   finally:
     if held is not None:
       held.release()
