@@ -5,6 +5,7 @@ cuDNN cannot be traced without a GPU ("cuDNN is not detected"): here its choice 
 ids to its packed layout are tested; its numerics only on a GPU.
 """
 
+import inspect
 import logging
 
 import jax
@@ -121,6 +122,31 @@ def test_segment_ids_to_cudnn_packed_layout():
   np.testing.assert_array_equal(offsets, want_offsets)
   assert offsets.dtype == seqlens.dtype == jnp.int32
   np.testing.assert_array_equal(offsets[0], [0, 3, 5, -1, -1, -1, -1, -1, -1])
+
+
+def test_cudnn_packed_call_gets_the_layout_and_repeated_kv_heads_on_the_pinned_jax(monkeypatch):
+  """cuDNN cannot run here: a stand-in for jax's packed kernel attends by the layout it is given, checked against
+  the float32 reference, and records that GQA keys/values reach it with H heads while the pinned jax scales kv
+  offsets by the query's stride."""
+  buggy = 'kv_offsets = kv_offsets * N * H' in inspect.getsource(cudnn.cudnn_lib._fix_seqlen_offsets)
+  assert cudnn._GQA_OFFSETS_FIXED is not buggy  # pylint: disable=protected-access
+  seen = {}
+
+  def packed_kernel(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale, mask_type, qkv_layout):
+    seen.update(kv_heads=k.shape[2], layout=qkv_layout, same=(q_seqlen is kv_seqlen and q_offsets is kv_offsets))
+    position = jnp.arange(q.shape[1])
+    inside = ((position >= q_offsets[:, :-1, None]) & (position < q_offsets[:, :-1, None] + q_seqlen[..., None])
+              & (q_seqlen[..., None] > 0))  # (B, M, L): which tokens each segment holds.
+    segment = jnp.argmax(inside, axis=1)  # Each token's segment index.
+    assert scale == q.shape[-1] ** -0.5
+    return reference(q, k, v, mask_type == cudnn.cudnn_lib.MaskType.PADDING_CAUSAL, segment)
+
+  monkeypatch.setattr(cudnn.cudnn_lib, 'dot_product_attention', packed_kernel)
+  q, k, v = inputs()
+  for causal in (True, False):
+    out = cudnn.attention(q, k, v, causal=causal, segment_ids_BL=jnp.asarray(SEGMENTS))
+    np.testing.assert_allclose(out, reference(q, k, v, causal, jnp.asarray(SEGMENTS)), **F32_TOL)
+  assert seen == {'kv_heads': H if buggy else G, 'layout': 'BTNH', 'same': True}
 
 
 def reference(q, k, v, causal, segment_ids):

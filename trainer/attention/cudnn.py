@@ -12,6 +12,8 @@ than XLA's masked attention (shared/GPU.md). Not run in this repository's tests:
 GPU ("cuDNN is not detected").
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_lib
@@ -20,7 +22,7 @@ from jax._src.cudnn import fused_attention_stablehlo as cudnn_lib
 # query's stride per token: under GQA the keys/values have G < H heads, so every segment after a row's first reads
 # the wrong keys. Fixed upstream in 2026-07; jax 0.11.2 measured right (shared/GPU.md). Before that, GQA + packing
 # gets keys/values with each head repeated H/G times, so both strides are equal.
-_GQA_OFFSETS_FIXED = tuple(int(p) for p in jax.__version__.split('.')[:3]) >= (0, 11, 2)
+_GQA_OFFSETS_FIXED = tuple(map(int, re.match(r'(\d+)\.(\d+)\.(\d+)', jax.__version__).groups())) >= (0, 11, 2)
 
 
 def segments_to_packed(segment_ids_BL, max_segments: int):
