@@ -49,6 +49,7 @@ def call(platform='gpu', dtype='bfloat16', seq_len=1024, head_dim=64, packed=Fal
     (call('tpu', packed=True), 'splash', 'the fastest kernel on tpu'),
     (call('tpu', seq_len=1000), 'xla', 'fell back: splash attention takes a sequence length that is a multiple of '
                                        '128, not 1000'),
+    (call('tpu', head_dim=32), 'xla', 'fell back: splash attention on TPU takes a head dim that is a multiple of 64'),
 ])
 def test_auto_picks_the_fastest_kernel_that_fits_and_says_why(the_call, kernel, reason):
   chosen = attention.choose(the_call, 'auto')

@@ -24,6 +24,9 @@ KERNELS = ('auto', 'xla', 'cudnn', 'splash')
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 # Splash attention tiles the sequence in blocks that are multiples of the TPU's 128 lanes.
 SPLASH_LANES = 128
+# Head dims splash was compiled for here (libtpu 0.0.51, v5p, plan mode): 64 and 128. Others are left to XLA on TPU
+# until compiled; Pallas interpret mode (CPU) takes any.
+SPLASH_TPU_HEAD_DIM_MULTIPLE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,9 @@ def splash_limit(call: Call) -> str | None:
     return f'splash attention takes a sequence length that is a multiple of {SPLASH_LANES}, not {call.seq_len}'
   if call.q_shape[1] != call.kv_shape[1]:
     return 'splash attention here is self-attention: queries and keys of the same length'
+  if call.platform == 'tpu' and call.head_dim % SPLASH_TPU_HEAD_DIM_MULTIPLE:
+    return (f'splash attention on TPU takes a head dim that is a multiple of {SPLASH_TPU_HEAD_DIM_MULTIPLE} here, '
+            f'not {call.head_dim}')
   return None
 
 
