@@ -106,5 +106,6 @@ def get_config() -> config_dict.ConfigDict:
   c.model.num_classes = 10  # Classifier output classes; labels are integers in [0, num_classes).
   c.model.patch_size = 4  # ViT: square patch side in pixels; data.image_shape's height and width must divide by it.
   c.model.scan_layers = True  # Scan one block over stacked layer parameters (compile time flat in depth); False unrolls.
+  c.model.attention = 'auto'  # Attention kernel: 'auto' (cuDNN on NVIDIA GPUs, splash on TPUs, XLA elsewhere; the log says which and why), 'xla', 'cudnn' or 'splash'.
 
   return c

@@ -172,7 +172,7 @@ def test_manifest_records_the_run_and_logs_safe_changes(saved_2x4, text_dir, cap
   assert saved['config']['train']['steps'] == 8 and saved['device_count'] == 8
   assert saved['git_commit'] is None or len(saved['git_commit']) == 40
 
-  other = _config(text_dir, train__steps=50, parallel__strategy='pmap')
+  other = _config(text_dir, train__steps=50, parallel__strategy='pmap', model__attention='xla')  # A kernel, not weights.
   job = job_lib.build_job(other, jax.devices()[:4])
   with caplog.at_level(std_logging.INFO):
     assert checkpoint.Checkpointer(str(tmp_path), other.ckpt).resumable_steps(

@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib.util
+import logging
 
 import pytest
 
@@ -9,6 +10,7 @@ from configs import tiny
 from parallel import sharding
 from trainer import flops, plan
 from trainer import job as job_lib
+from trainer.attention import choice
 from trainer.errors import UserError
 
 TINY = '--config=configs/tiny.py'
@@ -109,3 +111,25 @@ def test_topology_without_libtpu_names_the_optional_requirements_file(launcher):
   assert result.returncode == 2
   assert "--topology='v5p:2x2x2' needs the TPU compiler" in result.stderr
   assert 'pip install -r requirements-tpu-plan.txt' in result.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
+                    reason='needs the optional TPU compiler: pip install -r requirements-tpu-plan.txt')
+def test_topology_plan_runs_splash_attention_in_far_less_memory_than_xla(caplog):
+  """The real train step for v5p, long rows: 'auto' picks splash (the mesh's devices are TPUs, not this CPU)."""
+  choice._LOGGED.clear()  # pylint: disable=protected-access  (the kernel is logged once per process)
+  config = tiny.get_config()
+  config.data.seq_len, config.train.batch_size = 2048, 8
+  config.model.update(num_layers=1, d_model=256, num_heads=2, mlp_dim=512)  # Heads of 128, as on TPU pods.
+  temp_bytes = {}
+  for setting in ('auto', 'xla'):
+    config.model.attention = setting
+    with caplog.at_level(logging.INFO):
+      temp_bytes[setting] = plan.run(config, topology='v5p:2x2x1', print_fn=lambda line: None).temp_bytes
+  logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith('Attention kernel')]
+  assert logged == ["Attention kernel splash (model.attention='auto': the fastest kernel on tpu)",
+                    "Attention kernel xla (model.attention='xla': named in the config)"]
+  # XLA keeps the (2 rows, 2 heads, 2048, 2048) float32 scores per chip for the backward pass (64 MiB); splash
+  # streams blocks through VMEM and keeps only (rows, heads, length) softmax statistics.
+  assert temp_bytes['xla'] > 64 * 2**20
+  assert temp_bytes['auto'] < temp_bytes['xla'] / 4

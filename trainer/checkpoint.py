@@ -30,12 +30,15 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from parallel import sharding
+from trainer import attention
 from trainer.errors import UserError
 from trainer.safety import damaged as damaged_lib
 from trainer.safety import disk
 
 # Settings that change what a checkpoint means; any other difference is safe and only logged.
 _UNSAFE_SECTIONS = ('model',)
+# Model keys that change how the step computes, never the parameters: a run may resume under another value.
+_KERNEL_ONLY_KEYS = ('attention',)
 _TMP_MARK = '.orbax-checkpoint-tmp'
 # Orbax splits a replicated array so each replica writes a slice ("replica-parallel"); each slice shape costs
 # one small compile on the first save (7 s for the tiny model's 500 slices on 8 CPU devices). In one process
@@ -67,6 +70,7 @@ def run_manifest(config, abstract, mesh) -> dict[str, Any]:
       'mesh': dict(mesh.shape),
       'device_count': mesh.size,
       'strategy': config.parallel.strategy,
+      'attention': _attention_entry(config, mesh),
       'process_count': jax.process_count(),
       'versions': {m.__name__: m.__version__ for m in (jax, jaxlib, flax, optax, ocp, grain_lib)},
       'xla_flags': os.environ.get('XLA_FLAGS', ''),
@@ -74,6 +78,14 @@ def run_manifest(config, abstract, mesh) -> dict[str, Any]:
       'git_commit': _git_commit(),
       'config': json.loads(config.to_json_best_effort()),
   }
+
+
+def _attention_entry(config, mesh) -> dict[str, str]:
+  """model.attention and, for the built-in models, the kernel it runs on this mesh and why."""
+  choice = attention.check_config(config, mesh)
+  if choice is None:
+    return {'setting': config.model.attention, 'kernel': 'chosen per call by the model'}
+  return {'setting': choice.setting, 'kernel': choice.kernel, 'reason': choice.reason}
 
 
 def _flat(tree: Any, prefix: str = '') -> dict[str, Any]:
@@ -178,7 +190,7 @@ class Checkpointer:
       raise UserError(f'checkpoint {self.directory / str(step)} has no readable manifest ({type(e).__name__}); '
                       f'it was not written by this launcher or is damaged. Use a fresh --workdir.') from e
     diffs = [f'model.{k}: checkpoint {saved["model"].get(k)!r} vs config {v!r}'
-             for k, v in manifest['model'].items() if saved['model'].get(k) != v]
+             for k, v in manifest['model'].items() if saved['model'].get(k) != v and k not in _KERNEL_ONLY_KEYS]
     if not diffs and saved['param_shapes'] != manifest['param_shapes']:
       diffs = ['parameter shapes differ']
     if diffs:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
+from trainer import attention as attention_lib
 from trainer.errors import UserError
 from trainer.precision import compute_dtype
 
@@ -62,6 +63,7 @@ class LlamaConfig:
   param_dtype: jnp.dtype = jnp.float32
   remat_policy: str = 'none'
   scan_layers: bool = True  # One scanned block over stacked parameters; False unrolls num_layers blocks.
+  attention: str = 'auto'  # The attention kernel (model.attention): 'auto', 'xla', 'cudnn' or 'splash'.
   mesh: Mesh | None = None  # Set to pin activation shardings under jit; None leaves them to the caller.
   rules: tuple = ()  # Logical axis rules for the activation constraints.
 
@@ -125,11 +127,9 @@ class Attention(nn.Module):
                        cfg)
     k_BLGK = constrain(rope(k_BLGK, positions_BL, cfg.rope_max_wavelength), kv_axes, cfg)
     v_BLGK = constrain(v_BLGK, kv_axes, cfg)
-    # jax.nn.dot_product_attention takes the fused cuDNN path on GPU when it can, and with G < H key/value
-    # heads it shares each among H/G query heads itself (no repeated copies of k and v).
-    # Packed rows: a token attends only to earlier tokens of its own document (segment).
-    mask_B1LL = None if segment_ids_BL is None else segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :]
-    out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask_B1LL, is_causal=True)
+    # Packed rows: a token attends only to earlier tokens of its own document (segment), on every kernel.
+    out_BLHK = attention_lib.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, causal=True, segment_ids_BL=segment_ids_BL,
+                                                   kernel=cfg.attention, mesh=cfg.mesh, rules=cfg.rules)
     out_BLHK = checkpoint_name(out_BLHK, 'attention_out')
     return nn.DenseGeneral(
         cfg.d_model, axis=(-2, -1), use_bias=False, kernel_init=_init(('heads', 'head_dim', 'embed')),
@@ -267,10 +267,12 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
     UserError: a model setting this model cannot build, naming the key and the fix.
   """
   check_config(config)  # Mesh fit (e.g. fewer kv heads than the tensor axis) is parallel/sharding.check_divisible's.
+  attention_lib.check_config(config, mesh)  # A named kernel that cannot run this model fails here, not in compile.
   m = config.model
   return Llama(LlamaConfig(
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
       vocab_size=m.vocab_size, num_kv_heads=m.num_kv_heads, tie_embeddings=m.tie_embeddings,
       rope_max_wavelength=m.rope_max_wavelength, norm_eps=m.norm_eps,
       dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
-      remat_policy=config.train.remat_policy, scan_layers=m.scan_layers, mesh=mesh, rules=tuple(rules)))
+      remat_policy=config.train.remat_policy, scan_layers=m.scan_layers, attention=m.attention, mesh=mesh,
+      rules=tuple(rules)))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from trainer import attention as attention_lib
 from trainer.data import arrays
 from trainer.errors import UserError
 from trainer.precision import compute_dtype
@@ -48,6 +49,7 @@ class VitConfig:
   remat_policy: str = 'none'
   scan_layers: bool = False
   norm_eps: float = 1e-6
+  attention: str = 'auto'  # The attention kernel (model.attention): 'auto', 'xla', 'cudnn' or 'splash'.
   mesh: Mesh | None = None  # Set to pin activation shardings under jit; None leaves them to the caller.
   rules: tuple = ()  # Logical axis rules for the activation constraints.
 
@@ -89,11 +91,12 @@ def vit_config(config, mesh: Mesh | None = None, rules=()) -> VitConfig:
                     f"does not have; choose one of {('none', *REMAT_POLICIES)}.")
   if policy != 'none' and policy not in REMAT_POLICIES:
     raise UserError(f"train.remat_policy={policy!r} is unknown; choose one of {('none', *REMAT_POLICIES)}.")
+  attention_lib.check_config(config, mesh)  # A named kernel that cannot run this model fails here, not in compile.
   return VitConfig(
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
       num_classes=m.num_classes, patch_size=m.patch_size, image_shape=tuple(shape),
       dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
-      remat_policy=policy, scan_layers=bool(m.scan_layers), mesh=mesh, rules=tuple(rules))
+      remat_policy=policy, scan_layers=bool(m.scan_layers), attention=m.attention, mesh=mesh, rules=tuple(rules))
 
 
 def _divisor(n: int, near: int) -> int:
@@ -150,8 +153,8 @@ class Attention(nnx.Module):
     q_BPNK = constrain(self.query(x_BPD), axes, self.cfg)
     k_BPNK = constrain(self.key(x_BPD), axes, self.cfg)
     v_BPNK = constrain(self.value(x_BPD), axes, self.cfg)
-    # jax.nn.dot_product_attention takes the fused cuDNN path on GPU when it can; its softmax runs in float32.
-    out_BPNK = jax.nn.dot_product_attention(q_BPNK, k_BPNK, v_BPNK, is_causal=False)
+    out_BPNK = attention_lib.dot_product_attention(q_BPNK, k_BPNK, v_BPNK, causal=False, kernel=self.cfg.attention,
+                                                   mesh=self.cfg.mesh, rules=self.cfg.rules)
     return self.out(out_BPNK)
 
 

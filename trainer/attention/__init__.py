@@ -1,0 +1,102 @@
+"""Attention for every model: one call, `dot_product_attention`, and the kernel that runs it per platform.
+
+Shape letters: B batch, L sequence length, H query heads, G key/value heads (G divides H; G = H is plain multi-head
+attention), K head dim.
+
+The built-in Llama and ViT call it, and so can a user's model (README, "Bring your own model"). The kernel comes
+from `model.attention` ('auto' or a name in choice.KERNELS): trainer/attention/choice.py decides, one module per
+kernel family runs it (xla.py, cudnn.py, splash.py). `check_config` makes the same decision from a launcher
+config's shapes before anything compiles, so a named kernel that cannot run the model fails in one line.
+"""
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from trainer.attention import cudnn, splash, xla
+from trainer.attention.choice import KERNELS, Call, Choice, choose, log_once
+from trainer.precision import compute_dtype
+
+__all__ = ['KERNELS', 'Call', 'Choice', 'choose', 'dot_product_attention', 'check_config', 'platform_of']
+
+
+def platform_of(mesh: Mesh | None = None) -> tuple[str, float | None]:
+  """(platform, CUDA compute capability or None) of the devices the call runs on.
+
+  The mesh's devices when given (they may be TPU compile-only devices described on a CPU host: `--topology`);
+  inside a per-device strategy's shard_map, the abstract mesh's device; else jax's default backend.
+  """
+  if mesh is not None:
+    device = mesh.devices.flat[0]
+    capability = getattr(device, 'compute_capability', None)
+    return device.platform, float(capability) if capability else None
+  abstract = jax.sharding.get_abstract_mesh()
+  if abstract is not None and getattr(abstract, 'abstract_device', None) is not None:
+    return abstract.abstract_device.platform, None
+  device = jax.devices()[0]
+  capability = getattr(device, 'compute_capability', None)
+  return device.platform, float(capability) if capability else None
+
+
+def dot_product_attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_BL=None, kernel: str = 'auto',
+                          mesh: Mesh | None = None, rules=()):
+  """Softmax(q k^T / sqrt(K)) v, on the kernel `kernel` names ('auto': the fastest that fits the call).
+
+  Args:
+    q_BLHK: queries (B, L, H, K); k_BLGK, v_BLGK: keys and values (B, L, G, K), G dividing H (grouped-query).
+    causal: each token attends only to itself and earlier tokens.
+    segment_ids_BL: (B, L) integer ids of packed rows: a token attends only to tokens of its own segment
+      (with `causal`, only earlier ones). Segments are runs of equal ids along the row, as trainer/data numbers
+      documents. None: the row is one sequence.
+    kernel: `model.attention`: 'auto', 'xla', 'cudnn' or 'splash'.
+    mesh, rules: the mesh and logical axis rules when the caller runs under jit with a mesh (the launcher's
+      'jit' strategy gives them to models that take them); None under shard_map/pmap, where the model already
+      sees its local shards. Splash needs them to shard itself; the other kernels are partitioned by XLA.
+
+  Returns:
+    (B, L, H, K) in the dtype of q.
+
+  Raises:
+    UserError: a named kernel cannot run this call; names the constraint that failed.
+  """
+  platform, capability = platform_of(mesh)
+  call = Call(platform, np.dtype(q_BLHK.dtype).name, tuple(q_BLHK.shape), tuple(k_BLGK.shape), causal,
+              segment_ids_BL is not None, capability)
+  choice = choose(call, kernel)
+  log_once(choice)
+  if choice.kernel == 'cudnn':
+    return cudnn.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL)
+  if choice.kernel == 'splash':
+    return splash.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL, mesh=mesh,
+                            rules=rules, interpret=platform != 'tpu')
+  return xla.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL)
+
+
+def config_call(config, mesh: Mesh | None = None) -> Call | None:
+  """The attention call of a built-in model ('llama', 'vit') under `config`; None for other models."""
+  m = config.model
+  platform, capability = platform_of(mesh)
+  dtype = _config_dtype(config, platform)
+  if m.name == 'llama':
+    head_dim, kv_heads, seq_len = m.d_model // m.num_heads, m.num_kv_heads or m.num_heads, config.data.seq_len
+    return Call(platform, dtype, (1, seq_len, m.num_heads, head_dim), (1, seq_len, kv_heads, head_dim),
+                causal=True, packed=bool(config.data.packing), gpu_capability=capability)
+  if m.name == 'vit':
+    height, width, _ = config.data.image_shape
+    shape = (1, (height // m.patch_size) * (width // m.patch_size), m.num_heads, m.d_model // m.num_heads)
+    return Call(platform, dtype, shape, shape, causal=False, packed=False, gpu_capability=capability)
+  return None
+
+
+def _config_dtype(config, platform: str) -> str:
+  """The compute dtype's name; 'auto' read for the mesh's platform (bfloat16 off CPU), not this host's."""
+  name = config.train.compute_dtype
+  if name == 'auto':
+    return 'float32' if platform == 'cpu' else 'bfloat16'
+  return np.dtype(compute_dtype(name)).name
+
+
+def check_config(config, mesh: Mesh | None = None) -> Choice | None:
+  """The kernel a built-in model will run under `config`; UserError now if a named one cannot run it."""
+  call = config_call(config, mesh)
+  return None if call is None else choose(call, config.model.attention)

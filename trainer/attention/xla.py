@@ -1,0 +1,16 @@
+"""XLA's dot-product attention: runs on every platform, materializing the (B, H, L, L) scores.
+
+Shape letters: B batch, L sequence length, H query heads, G key/value heads (G divides H), K head dim.
+"""
+
+import jax
+
+
+def attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_BL=None):
+  """Softmax(q k^T / sqrt(K)) v, within segments when `segment_ids_BL` is given, causal or not."""
+  mask_B1LL = None
+  if segment_ids_BL is not None:  # A token attends only to tokens of its own segment (document).
+    mask_B1LL = segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :]
+  # With G < H jax shares each key/value head among H/G query heads itself (no repeated copies of k and v).
+  return jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask_B1LL, is_causal=causal,
+                                      implementation='xla')
