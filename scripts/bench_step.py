@@ -38,7 +38,7 @@ import optax  # noqa: E402
 
 from parallel import sharding  # noqa: E402
 from trainer import job as job_lib  # noqa: E402
-from trainer import goodput, guardrails, loop, preemption, profiling  # noqa: E402
+from trainer import data, goodput, guardrails, loop, preemption, profiling  # noqa: E402
 from trainer.metrics import MetricsWriter  # noqa: E402
 from trainer.models import llama  # noqa: E402
 
@@ -54,7 +54,7 @@ def _run_context(config, job, step_fn, train_iter, workdir: str) -> loop.RunCont
   names = [sharding.path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(job.abstract.params)[0]]
   return loop.RunContext(
       config=config, objective=job.task.objective, compiled_step=step_fn, eval_step=None, eval_set=[],
-      train_iter=train_iter, batch_shardings=job.batch_shardings, process_count=1, ckpt=_NoCheckpoints(),
+      train_iter=data.DeviceFeed(train_iter, job.batch_shardings, 1), ckpt=_NoCheckpoints(),
       manifest={}, writer=MetricsWriter(workdir, enabled=False, total_steps=config.train.steps,
                                         goodput=goodput.Goodput(workdir, resumed_step=None)),
       guard=guardrails.Guard('stop', names), preempt=preemption.PreemptionWatch(), throughput=None,

@@ -20,6 +20,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from trainer.data import arrays, pipeline, token_shards
+from trainer.data.device_feed import DeviceFeed  # noqa: F401
 from trainer.data.documents import PackedRows, StreamWindows
 # The names the loop, job and tools use: `from trainer import data; data.build(...)`.
 from trainer.data.pipeline import TrainIterator, eval_batches, to_global, train_iterator, warn_if_stalled  # noqa: F401
