@@ -23,6 +23,7 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import argparse  # noqa: E402
 import ast  # noqa: E402
+import copy  # noqa: E402
 import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
 import statistics  # noqa: E402
@@ -72,7 +73,7 @@ def _load_config(path: str):
 
 def _quiet(config, num_devices: int):
   """The config as the loop will run it here: one data-parallel mesh, no evals, checkpoints or log lines."""
-  config = config.copy_and_resolve_references()
+  config = copy.deepcopy(config)  # Not copy_and_resolve_references: it would fix model.scan_layers to str.
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
   config.train.steps = 10**9
   config.train.eval_every_steps = 0
@@ -110,7 +111,7 @@ def step_vs_minimal(base_config, num_devices: int, rounds: int, steps_per_round:
   compiled = job.compile_train_step()
   # The minimal loop is what one would write by hand: blocks in a plain Python loop (unrolled), whatever the
   # launcher's model.scan_layers, so the ratio shows what the launcher's choice costs.
-  unrolled = config.copy_and_resolve_references()
+  unrolled = copy.deepcopy(config)
   unrolled.model.scan_layers = False
   hand_job = job_lib.build_job(unrolled, jax.devices()[:num_devices])
   minimal = _minimal_step(hand_job, hand_job.tx)  # The launcher's optimizer, guard included, so its state fits.
