@@ -4,8 +4,8 @@ The loop's data wait used to be the host read plus the host-to-device copy of
 each batch, paid between two steps (1.7-2.7 ms a step on an H100, 32% of the
 default job's step). `DeviceFeed` moves both off the loop's path: a background
 thread pulls host batches, stitches each into global jax Arrays on the Job's
-per-key batch shardings (`to_global`, whose transfer is asynchronous) and keeps
-up to `depth` of them queued, so the loop's `next()` is a queue pop.
+per-key batch shardings (`to_global`) and keeps up to `depth` of them queued,
+so the loop's `next()` is a queue pop.
 
 Exact resume: the checkpoint must name the batches the steps consumed, not the
 ones read ahead. The thread records the host iterator's state right after each
@@ -53,11 +53,12 @@ class DeviceFeed:
       self._start()
     item = self._queue.get()
     self._slots.release()
-    if item is _END:
-      self._queue.put(_END)  # Every later call ends too.
-      raise StopIteration
-    if isinstance(item, BaseException):  # A read error in the thread surfaces in the loop, with its traceback.
-      raise item
+    if item is _END or isinstance(item, BaseException):
+      self._queue.put(item)  # The thread has stopped: every later call ends the same way instead of blocking.
+      self._slots.acquire()
+      if item is _END:
+        raise StopIteration
+      raise item  # A read error in the thread surfaces in the loop, with its traceback.
     batch, self._state = item
     return batch
 
