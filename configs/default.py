@@ -25,6 +25,8 @@ def get_config():
   c.model.d_model = 128
   c.model.num_heads = 4
   c.model.mlp_dim = 512
+  # model.scan_layers stays 'auto', which unrolls these 2 layers: on CPU a scan of 2 layers cost 40% per step
+  # (200.6 vs 143.5 ms) and saved no compile time; see trainer/models/layer_scan.py.
   c.ckpt.every_steps = 100
   c.log.every_steps = 25
   return c

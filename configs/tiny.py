@@ -19,6 +19,8 @@ def get_config():
   c.model.d_model = 32
   c.model.num_heads = 2
   c.model.mlp_dim = 64
+  # The default job unrolls its 2 layers ('auto'); tests run the scanned path every deep preset takes.
+  c.model.scan_layers = True
   c.ckpt.every_steps = 4
   c.log.every_steps = 2
   return c

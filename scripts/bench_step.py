@@ -1,12 +1,13 @@
 """Train-step figures for BENCHMARKS.md, on this machine's CPU (8 fake devices).
 
   python scripts/bench_step.py [--config=configs/default.py] [--rounds=10] [--steps_per_round=5]
+      [--parts=speed,host,remat,depth,cache] [--devices=1,8] [--override=model.scan_layers=True]
 
 1. The launcher's compiled step driven by its own loop (trainer/loop.py's _train,
    with checkpoints, evals and logging switched off and batches already on the
-   host) against a minimal hand-written `jax.jit` train step on the same model,
-   mesh, batch and donation, in one process, alternating rounds; per-step
-   medians and their ratio, on 1 device and on 8 fake devices.
+   host) against a minimal hand-written `jax.jit` train step on the same model
+   with its blocks unrolled, same mesh, batch and donation, in one process,
+   alternating rounds; per-step medians and their ratio, on 1 device and on 8 fake devices.
 2. Host time per step outside the compiled call: the same loop driving a step
    that returns at once, so all that is left is the loop's own work.
 3. Temporary memory per remat policy for an 8-layer model (memory_analysis), and
@@ -21,6 +22,8 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import argparse  # noqa: E402
+import ast  # noqa: E402
+import copy  # noqa: E402
 import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
 import statistics  # noqa: E402
@@ -38,7 +41,7 @@ import optax  # noqa: E402
 
 from parallel import sharding  # noqa: E402
 from trainer import job as job_lib  # noqa: E402
-from trainer import goodput, guardrails, loop, preemption, profiling  # noqa: E402
+from trainer import data, goodput, guardrails, loop, preemption, profiling  # noqa: E402
 from trainer.metrics import MetricsWriter  # noqa: E402
 from trainer.models import llama  # noqa: E402
 
@@ -54,7 +57,7 @@ def _run_context(config, job, step_fn, train_iter, workdir: str) -> loop.RunCont
   names = [sharding.path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(job.abstract.params)[0]]
   return loop.RunContext(
       config=config, objective=job.task.objective, compiled_step=step_fn, eval_step=None, eval_set=[],
-      train_iter=train_iter, batch_shardings=job.batch_shardings, process_count=1, ckpt=_NoCheckpoints(),
+      train_iter=data.DeviceFeed(train_iter, job.batch_shardings, 1), ckpt=_NoCheckpoints(),
       manifest={}, writer=MetricsWriter(workdir, enabled=False, total_steps=config.train.steps,
                                         goodput=goodput.Goodput(workdir, resumed_step=None)),
       guard=guardrails.Guard('stop', names), preempt=preemption.PreemptionWatch(), throughput=None,
@@ -70,7 +73,7 @@ def _load_config(path: str):
 
 def _quiet(config, num_devices: int):
   """The config as the loop will run it here: one data-parallel mesh, no evals, checkpoints or log lines."""
-  config = config.copy_and_resolve_references()
+  config = copy.deepcopy(config)  # Not copy_and_resolve_references: it would fix model.scan_layers to str.
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
   config.train.steps = 10**9
   config.train.eval_every_steps = 0
@@ -106,11 +109,16 @@ def step_vs_minimal(base_config, num_devices: int, rounds: int, steps_per_round:
   config = _quiet(base_config, num_devices)
   job = job_lib.build_job(config, jax.devices()[:num_devices])
   compiled = job.compile_train_step()
-  minimal = _minimal_step(job, job.tx)  # The launcher's optimizer, guard included, so its state fits.
+  # The minimal loop is what one would write by hand: blocks in a plain Python loop (unrolled), whatever the
+  # launcher's model.scan_layers, so the ratio shows what the launcher's choice costs.
+  unrolled = copy.deepcopy(config)
+  unrolled.model.scan_layers = False
+  hand_job = job_lib.build_job(unrolled, jax.devices()[:num_devices])
+  minimal = _minimal_step(hand_job, hand_job.tx)  # The launcher's optimizer, guard included, so its state fits.
   host = _host_batches(config)
   cycle = iter(lambda: host[0], None)  # An endless iterator of host batches, as Grain's would be.
   state = job.init_state(0)
-  other = job.init_state(0)
+  other = hand_job.init_state(0)
   params, opt_state = other.params, other.opt_state
   holder = {}
   workdir = tempfile.mkdtemp()
@@ -232,9 +240,16 @@ def main():
   parser.add_argument('--rounds', type=int, default=10)
   parser.add_argument('--steps_per_round', type=int, default=5)
   parser.add_argument('--parts', default='speed,host,remat,depth,cache', help='Comma-separated parts to run.')
+  parser.add_argument('--devices', default='1,8', help="Device counts of the 'speed' part.")
+  parser.add_argument('--override', action='append', default=[], help='KEY=VALUE config override (Python literal).')
   args = parser.parse_args()
   parts = set(args.parts.split(','))
   config = _load_config(args.config)
+  for override in args.override:
+    path, _, value = override.partition('=')
+    section, key = path.split('.')
+    config[section][key] = _literal(value)
+  print(f'overrides: {args.override or "none"}; model.scan_layers={config.model.scan_layers!r}')
   print(f'jax {jax.__version__}; {len(jax.devices())} x {jax.devices()[0].device_kind}; config {args.config}')
   if 'speed' in parts:
     _speed(config, args)
@@ -256,10 +271,18 @@ def main():
           f'({cold / warm:.1f}x)')
 
 
+def _literal(text: str):
+  """A Python literal ('True', '4', '(1, 2)'), or the text itself as a string ('auto')."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
 def _speed(config, args):
   print('| devices | launcher step+loop (ms, median) | minimal jax.jit step (ms, median) | ratio | timed steps each |')
   print('|---|---|---|---|---|')
-  for n in (1, 8):
+  for n in map(int, args.devices.split(',')):
     r = step_vs_minimal(config, n, args.rounds, args.steps_per_round)
     print(f"| {r['devices']} | {r['launcher_ms']:.2f} | {r['minimal_ms']:.2f} | {r['ratio']:.3f} | {r['steps']} |")
 

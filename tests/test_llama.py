@@ -12,9 +12,9 @@ from jax.sharding import Mesh
 import configs.gpt2_124m
 import configs.llama_1b
 import configs.tiny
-from trainer import job
+from trainer import job, validation
 from trainer.errors import UserError
-from trainer.models import llama
+from trainer.models import layer_scan, llama
 
 
 def _config(**model):
@@ -73,8 +73,8 @@ def test_tied_embeddings_have_no_head_and_logits_are_hidden_times_table_transpos
   np.testing.assert_allclose(logits, hidden_BLD @ table_VD.T, atol=1e-5, rtol=1e-5)
   untied = _init(llama.build(_config()))[0]
   assert untied['head']['kernel'].shape == (32, 256)
-  # A tied table starts at 1/sqrt(d_model) (the untied head's scale), so the first logits are O(1), not O(sqrt(D)).
-  for tie, stddev in ((True, 32 ** -0.5), (False, 1.0)):
+  # A tied table starts at the untied head's scale, 0.4/sqrt(d_model): the first logits have stddev 0.4 at any width.
+  for tie, stddev in ((True, 0.4 * 32 ** -0.5), (False, 1.0)):
     embed = llama.Embed(dataclasses.replace(tied.cfg, tie_embeddings=tie))
     table = nn.unbox(embed.init(jax.random.key(0), tokens))['params']['embedding']
     assert float(jnp.std(table)) == pytest.approx(stddev, rel=0.1)
@@ -128,3 +128,20 @@ def test_kv_heads_are_checked_against_the_mesh_and_vocab_only_for_byte_text():
   config = _config(vocab_size=100)
   config.data.source = 'synthetic'  # Token ids of any vocabulary: 100 is fine.
   assert llama.build(config).cfg.vocab_size == 100
+
+
+@pytest.mark.parametrize('layers, value, scanned', [(2, 'auto', False), (4, 'auto', False), (5, 'auto', True),
+                                                     (2, True, True), (16, False, False)])
+def test_scan_layers_auto_scans_only_deep_models_and_the_model_follows(layers, value, scanned):
+  config = _config(num_layers=layers, scan_layers=value)
+  assert layer_scan.scans(config.model) is scanned
+  params = jax.eval_shape(llama.build(config).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params']
+  assert ('layers' in params) is scanned and ('block_0' in params) is not scanned
+
+
+@pytest.mark.parametrize('value', ['yes', 1, None])
+def test_a_bad_scan_layers_value_is_one_line_naming_the_choices(value):
+  config = _config(scan_layers=value)
+  with pytest.raises(UserError, match=r"model.scan_layers=.*: choose True \(scan the blocks\), False \(unroll them\) "
+                                      r"or 'auto'"):
+    validation.validate_config(config)

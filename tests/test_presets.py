@@ -10,10 +10,12 @@ import importlib
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from parallel import sharding
 from trainer import job as job_lib
+from trainer.models import layer_scan
 
 # Preset -> its parameter count from abstract shapes (never allocated here).
 LARGE = {'gpt2_124m': 124e6, 'llama_1b': 1.24e9, 'vit_base': 86e6}
@@ -29,6 +31,7 @@ def _preset(name: str):
 def _shrink(config):
   """Tiny sizes with the preset's structure: the same kv-head ratio, tying, patch size, scan and remat."""
   m = config.model
+  m.scan_layers = layer_scan.scans(m)  # Fixed before shrinking the depth: 'auto' would unroll 2 layers.
   ratio = m.num_heads // (m.num_kv_heads or m.num_heads)
   m.num_layers, m.d_model, m.num_heads, m.mlp_dim = 2, 64, 8, 64
   m.num_kv_heads = 8 // ratio if m.num_kv_heads else 0  # llama_1b's 4 query heads per kv head: 2 kv heads.
@@ -74,3 +77,21 @@ def test_preset_builds_shards_on_2x2x2_and_runs_one_step(name):
   assert int(state.step) == 1
   assert np.isfinite(float(metrics['loss']))
   assert float(metrics['loss']) > 0
+
+
+@pytest.mark.parametrize('name', ('tiny', 'default', 'gpt2_124m', 'llama_1b'))
+def test_a_language_model_starts_near_uniform_predictions(name):
+  """Step-1 loss (the freshly initialized model's) within 0.15 of ln(vocab), every LM preset at its own vocabulary
+  and tying, shrunk in depth and width (the head's init scale keeps the logits' stddev independent of width)."""
+  config = importlib.import_module(f'configs.{name}').get_config()
+  vocab, tied = config.model.vocab_size, config.model.tie_embeddings
+  config = _shrink(config)
+  config.model.vocab_size, config.data.source = vocab, 'synthetic'
+  job = job_lib.build_job(config, jax.devices()[:1])
+  params = job.init_state(0).params
+  tokens = np.random.default_rng(1).integers(0, vocab, (config.train.batch_size, config.data.seq_len + 1))
+  logits = jax.jit(lambda p, x: job.task.model.bind(p)(x))(params, tokens[:, :-1].astype(np.int32))
+  loss = float(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean())
+  print(f'{name}: vocab {vocab}, tied {tied}, step-1 loss {loss:.3f} vs ln(vocab) {np.log(vocab):.3f}')
+  assert config.model.tie_embeddings == tied
+  assert abs(loss - np.log(vocab)) < 0.15

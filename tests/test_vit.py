@@ -16,7 +16,7 @@ from configs import base, vit_base, vit_tiny
 from parallel import mesh as mesh_lib
 from trainer.data import arrays
 from trainer.errors import UserError
-from trainer.models import vit
+from trainer.models import layer_scan, vit
 
 RULE_NAMES = {name for name, _ in base.get_config().parallel.logical_axis_rules}
 
@@ -54,7 +54,7 @@ def _with_random_head(pure: dict) -> dict:
 
 def _model(config, pure: dict):
   """The model `config` describes holding the unrolled parameters `pure` (stacked per layer when scanned)."""
-  if config.model.scan_layers:
+  if layer_scan.scans(config.model):
     blocks = [pure['blocks'][i] for i in range(config.model.num_layers)]
     pure = dict(pure, blocks=jax.tree.map(lambda *rows: jnp.stack(rows), *blocks))
   graphdef, state = nnx.split(_abstract(config))

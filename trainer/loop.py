@@ -60,9 +60,7 @@ class RunContext:
   compiled_step: Any  # `(state, global batch) -> (state, metrics)`, compiled once.
   eval_step: Any
   eval_set: list  # Fixed held-out global batches; empty = no eval.
-  train_iter: data.TrainIterator
-  batch_shardings: dict  # Per batch key (the Job's).
-  process_count: int
+  train_iter: data.DeviceFeed  # Global batches already on the batch shardings (the Job's).
   ckpt: checkpoint.Checkpointer
   manifest: dict
   writer: MetricsWriter
@@ -87,7 +85,8 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   process_index, process_count = jax.process_index(), jax.process_count()
 
   inputs = data.build(config, job.batch_shardings, process_index, process_count)
-  train_iter, eval_set = inputs.train, inputs.eval_batches
+  # Global batches reach the devices while the step before them runs; checkpointed by what steps consumed.
+  train_iter, eval_set = data.DeviceFeed(inputs.train, job.batch_shardings, process_count), inputs.eval_batches
   logging.info('Data: %s', inputs.description)
   if start_over:  # Only once the config and data were checked: a launch that fails early moves nothing.
     checkpoint.start_over(workdir)
@@ -125,7 +124,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
                                 goodput=tracker)
   run_context = RunContext(
       config=config, objective=objective, compiled_step=compiled_step, eval_step=job.eval_step, eval_set=eval_set,
-      train_iter=train_iter, batch_shardings=job.batch_shardings, process_count=process_count, ckpt=ckpt,
+      train_iter=train_iter, ckpt=ckpt,
       manifest=manifest, writer=writer, guard=guard, preempt=preempt,
       throughput=flops.Throughput.for_run(config, mesh.devices.flat), profiler=profiler)
   try:
@@ -139,6 +138,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
     profiler.on_error(e)  # Out of memory: saves the device memory profile while the arrays are still alive.
     raise
   finally:
+    train_iter.close()
     profiler.close()
     preempt.close()
     t_close = time.perf_counter()
@@ -185,7 +185,7 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     side_time += profiler.step(step, state)  # Writing a trace out is not step time.
     t0 = time.perf_counter()
     guard.skip_offending_batch(step, train_iter)
-    batch = data.to_global(next(train_iter), run.batch_shardings, run.process_count)
+    batch = next(train_iter)
     data_wait = time.perf_counter() - t0
     with jax.profiler.StepTraceAnnotation('train', step_num=step):  # Step markers for the profile's step view.
       state, metrics = run.compiled_step(state, batch)

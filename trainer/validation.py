@@ -6,6 +6,7 @@ from jax.sharding import Mesh
 from parallel import strategy
 from trainer import data
 from trainer.errors import UserError
+from trainer.models import layer_scan
 
 DTYPES = ('float32', 'bfloat16')
 
@@ -44,6 +45,7 @@ def validate_config(config) -> None:
            f'train.param_dtype={config.train.param_dtype!r}: choose float32 or bfloat16.')
   data.check_config(config.data)
   _warn_if_warmup_exceeds_steps(config.train)
+  layer_scan.check(config.model)
   _require(0 <= config.data.eval_percent < 100, f'data.eval_percent={config.data.eval_percent} must be in [0, 100).')
 
 

@@ -5,7 +5,8 @@ Sources (`data.source`):
   'array_record'  token shards written by scripts/prepare_data.py (trainer/data/token_shards.py);
   'arrays'        images and labels from .npz / .npy, for classification (trainer/data/arrays.py);
   'synthetic'     for an LM random tokens of the configured shape (benchmarks); for a classifier learnable
-                  images of data.image_shape (class templates plus noise; runs and tests without a dataset).
+                  images of data.image_shape (class templates plus noise; runs and tests without a dataset);
+                  train batches come from a pool drawn once (trainer/data/synthetic_pool.py), so they cost nothing.
 Which sources fit depends on model.task: an 'lm' reads tokens (every source but 'arrays'), a 'classifier'
 reads images and labels ('arrays' or 'synthetic'); `build` refuses the other pairs.
 Token sources are cut into examples by trainer/data/documents.py (stream windows,
@@ -19,7 +20,8 @@ import pathlib
 import jax
 from jax.sharding import NamedSharding
 
-from trainer.data import arrays, pipeline, token_shards
+from trainer.data import arrays, pipeline, synthetic_pool, token_shards
+from trainer.data.device_feed import DeviceFeed  # noqa: F401
 from trainer.data.documents import PackedRows, StreamWindows
 # The names the loop, job and tools use: `from trainer import data; data.build(...)`.
 from trainer.data.pipeline import TrainIterator, eval_batches, to_global, train_iterator, warn_if_stalled  # noqa: F401
@@ -140,6 +142,10 @@ def train_iterator_for(config, process_index: int = 0, process_count: int = 1) -
 
 def _train_iterator(config, sources: Sources, process_index: int, process_count: int) -> TrainIterator:
   d = config.data
+  if d.source == 'synthetic':  # Never the bottleneck of a benchmark: a pool of batches drawn once.
+    return synthetic_pool.pooled_train_iterator(sources.train, config.train.batch_size, config.train.seed,
+                                                process_index, process_count,
+                                                {'source': d.source, 'packing': d.packing, 'seq_len': d.seq_len})
   return train_iterator(sources.train, d, config.train.batch_size, config.train.seed, process_index, process_count,
                         {'source': d.source, 'packing': d.packing})
 

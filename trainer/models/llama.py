@@ -10,8 +10,8 @@ so do the key activations ('batch', 'length', ...), as sharding constraints,
 when the config gives the model a mesh (the 'jit' strategy: per-device
 strategies run the model on local shards, where constraints do not apply).
 
-Blocks are scanned by default (`scan_layers`): one block is traced and compiled
-once and run `num_layers` times over parameters stacked on a leading 'layers'
+Blocks are scanned when `scan_layers` (model.scan_layers, 'auto': above 4 layers; trainer/models/layer_scan.py):
+one block is traced and compiled once and run `num_layers` times over parameters stacked on a leading 'layers'
 axis, so compile time does not grow with depth. Rematerialization wraps each
 block, scanned or not; the names given to activations with `checkpoint_name`
 below are what the save-by-name policies keep.
@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 
 from trainer import attention as attention_lib
 from trainer.errors import UserError
+from trainer.models import layer_scan
 from trainer.precision import compute_dtype
 
 # What each block keeps for the backward pass; everything else is recomputed there.
@@ -182,16 +183,29 @@ def block_stack(cfg: LlamaConfig):
   return block
 
 
+# The stddev of the logits at initialization, whatever the width. Logits are final_norm(x) (unit RMS) times the
+# head, so a head of stddev s gives logits of stddev s*sqrt(D), and the expected loss at step 0 is about
+# ln(V) + (s*sqrt(D))**2 / 2. GPT-2's and Llama's 0.02 gives 0.55 at GPT-2's width (768) but 0.9 at Llama 1B's
+# (2048); the former 1/sqrt(D) gave 1.0 everywhere (gpt2_124m started at 11.31 against ln(50304) = 10.83, llama_1b
+# at 12.27 against 11.76). At 0.4 every width starts within 0.08 of ln(V), i.e. near-uniform predictions.
+LOGIT_INIT_STDDEV = 0.4
+
+
+def head_stddev(cfg: LlamaConfig) -> float:
+  """Init stddev of the output head (or of the tied table): logits start with stddev LOGIT_INIT_STDDEV."""
+  return LOGIT_INIT_STDDEV / cfg.d_model ** 0.5
+
+
 class Embed(nn.Module):
   """The token embedding table: `__call__` looks tokens up, `attend` turns hidden states into logits (tied head)."""
   cfg: LlamaConfig
 
   def setup(self):
     cfg = self.cfg
-    # A tied table is also the output head: at stddev 1 its logits would start with stddev sqrt(D) (a loss far
-    # above log V), so it starts at 1/sqrt(D) like the untied head's lecun_normal kernel. The pre-norm blocks
-    # do not mind the smaller input scale.
-    stddev = cfg.d_model ** -0.5 if cfg.tie_embeddings else 1.0
+    # A tied table is also the output head, so it starts at the head's scale (see head_stddev); the pre-norm
+    # blocks do not mind the small input scale (GPT-2's tied table starts at 0.02 too). An untied table starts at
+    # 1, as MaxText's embeddings do: the inputs then have unit scale, like the block outputs added to them.
+    stddev = head_stddev(cfg) if cfg.tie_embeddings else 1.0
     self.embedding = self.param('embedding', _init(('vocab', 'embed'), stddev=stddev), (cfg.vocab_size, cfg.d_model),
                                 cfg.param_dtype)
 
@@ -232,7 +246,7 @@ class Llama(nn.Module):
       logits_BLV = embed.attend(x_BLD)
     else:
       logits_BLV = nn.Dense(
-          cfg.vocab_size, use_bias=False, kernel_init=_init(('embed', 'vocab')),
+          cfg.vocab_size, use_bias=False, kernel_init=_init(('embed', 'vocab'), stddev=head_stddev(cfg)),
           dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='head')(x_BLD)
     return constrain(logits_BLV, ('batch', 'length', 'vocab'), cfg).astype(jnp.float32)
 
@@ -274,5 +288,5 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
       vocab_size=m.vocab_size, num_kv_heads=m.num_kv_heads, tie_embeddings=m.tie_embeddings,
       rope_max_wavelength=m.rope_max_wavelength, norm_eps=m.norm_eps,
       dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
-      remat_policy=config.train.remat_policy, scan_layers=m.scan_layers, attention=m.attention, mesh=mesh,
+      remat_policy=config.train.remat_policy, scan_layers=layer_scan.scans(m), attention=m.attention, mesh=mesh,
       rules=tuple(rules)))

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from trainer import attention as attention_lib
 from trainer.data import arrays
 from trainer.errors import UserError
+from trainer.models import layer_scan
 from trainer.precision import compute_dtype
 
 # What each block keeps for the backward pass; everything else is recomputed there.
@@ -96,7 +97,7 @@ def vit_config(config, mesh: Mesh | None = None, rules=()) -> VitConfig:
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
       num_classes=m.num_classes, patch_size=m.patch_size, image_shape=tuple(shape),
       dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
-      remat_policy=policy, scan_layers=bool(m.scan_layers), attention=m.attention, mesh=mesh, rules=tuple(rules))
+      remat_policy=policy, scan_layers=layer_scan.scans(m), attention=m.attention, mesh=mesh, rules=tuple(rules))
 
 
 def _divisor(n: int, near: int) -> int:

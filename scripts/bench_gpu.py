@@ -1,0 +1,181 @@
+"""The GPU rows of BENCHMARKS.md in one invocation, measured through the launcher's own Job, data and loop.
+
+  python scripts/bench_gpu.py [--rows=ROW,ROW] [--steps=20] [--warmup=3] [--attention=cudnn]
+  python scripts/bench_gpu.py --smoke --rows=gpt2_b32,vit_b256   # CPU: tiny shrunk rows, seconds
+
+Rows: gpt2_b32, gpt2_b64 (configs/gpt2_124m.py at batch 32 / 64 x 1024, synthetic tokens);
+gpt2_b32_text and gpt2_b32_packed (the same on the stdlib's text, windows vs documents packed with
+data.packing=True); llama_b16_<policy> (configs/llama_1b.py at batch 16 x 2048, synthetic, one row per
+train.remat_policy); vit_b256 (configs/vit_base.py at batch 256, synthetic images).
+
+Each row builds the real Job (trainer/job.py) and inputs (trainer/data: the device feed, the pooled synthetic
+source) and drives trainer/loop.py's `_train` with checkpoints and evals off, so it measures what the launcher
+runs. Per row: tokens/s or images/s, MFU under both conventions of trainer/flops.py (matmul and 6N; only
+where the device's peak is known, so none on CPU), peak device memory (`memory_stats`) and the share of step
+time spent waiting for data, all from the loop's own metrics over the timed steps. On a GPU each row runs in
+its own process, so peak memory is that row's and an out-of-memory row is reported without ending the others;
+--smoke runs in-process on shrunk models (CPU has no memory stats).
+"""
+
+import argparse
+import importlib
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+  sys.path.insert(0, str(REPO))
+
+from trainer.models import llama  # noqa: E402  (no device work at import)
+
+# Row -> (preset, config overrides).
+ROWS = {
+    'gpt2_b32': ('gpt2_124m', {'train.batch_size': 32, 'data.source': 'synthetic'}),
+    'gpt2_b64': ('gpt2_124m', {'train.batch_size': 64, 'data.source': 'synthetic'}),
+    'gpt2_b32_text': ('gpt2_124m', {'train.batch_size': 32, 'data.source': 'text', 'data.packing': False}),
+    'gpt2_b32_packed': ('gpt2_124m', {'train.batch_size': 32, 'data.source': 'text', 'data.packing': True}),
+    **{f'llama_b16_{policy}': ('llama_1b', {'train.batch_size': 16, 'data.source': 'synthetic',
+                                            'train.remat_policy': policy}) for policy in llama.REMAT_POLICIES},
+    'vit_b256': ('vit_base', {'train.batch_size': 256, 'data.source': 'synthetic'}),
+}
+# --smoke: every row's structure (tying, kv-head ratio, patch size, remat, packing) at toy sizes.
+SMOKE = {'model.num_layers': 1, 'model.d_model': 64, 'model.mlp_dim': 128, 'train.batch_size': 8,
+         'data.seq_len': 32}
+
+
+def row_config(name: str, attention: str | None, smoke: bool):
+  preset, overrides = ROWS[name]
+  config = importlib.import_module(f'configs.{preset}').get_config()
+  overrides = {**overrides, 'train.eval_every_steps': 0, 'train.eval_batches': 0, 'ckpt.every_steps': 10**9, 'log.progress_bar': 'off'}
+  if smoke:
+    overrides.update(SMOKE)
+    m = config.model
+    heads = 8
+    overrides['model.num_heads'] = heads
+    if m.num_kv_heads:  # Keep the preset's query heads per kv head.
+      overrides['model.num_kv_heads'] = heads // (m.num_heads // m.num_kv_heads)
+    if m.task == 'lm':
+      overrides['model.vocab_size'] = 512  # At least the 256 byte values of text rows.
+    else:
+      overrides['data.image_shape'] = (2 * m.patch_size, 2 * m.patch_size, 3)
+  if attention is not None:
+    if 'attention' not in config.model:
+      raise SystemExit(f'bench_gpu.py: --attention={attention} sets model.attention, which configs/base.py of this '
+                       f'tree does not declare; drop --attention (this tree has one attention path).')
+    overrides['model.attention'] = attention
+  for path, value in overrides.items():
+    section, key = path.split('.')
+    config[section][key] = value
+  return config
+
+
+def measure(name: str, steps: int, warmup: int, attention: str | None, smoke: bool) -> dict:
+  """One row through the launcher's Job, data and loop; the loop's own metrics over the timed steps."""
+  import jax
+  from trainer import data, flops, goodput, guardrails, loop, preemption, profiling
+  from trainer import job as job_lib
+  from trainer.metrics import MetricsWriter
+
+  config = row_config(name, attention, smoke)
+  job = job_lib.build_job(config, jax.devices()[:1] if smoke else None)  # Smoke: compiles in seconds.
+  inputs = data.build(config, job.batch_shardings, jax.process_index(), jax.process_count())
+  feed = data.DeviceFeed(inputs.train, job.batch_shardings, jax.process_count())
+  workdir = tempfile.mkdtemp(prefix=f'bench_gpu_{name}_')
+  compiled, newest = job.compile_train_step(), {}
+
+  def keep(state, batch):  # The loop donates the state; the timed call starts from the warm-up's last one.
+    newest['state'], metrics = compiled(state, batch)
+    return newest['state'], metrics
+
+  config.log.every_steps = 10**9  # Logged: each _train call's first step, then one window over the rest.
+  writer = MetricsWriter(workdir, enabled=True, total_steps=warmup + steps,
+                         goodput=goodput.Goodput(workdir, resumed_step=None))
+  context = loop.RunContext(
+      config=config, objective=job.task.objective, compiled_step=keep, eval_step=None,
+      eval_set=[], train_iter=feed, ckpt=_NoCheckpoints(), manifest={}, writer=writer,
+      guard=guardrails.Guard('stop', []), preempt=preemption.PreemptionWatch(),
+      throughput=flops.Throughput.for_run(config, job.mesh.devices.flat),
+      profiler=profiling.Profiler(config.profile, workdir, first_step=1, total_steps=warmup + steps))
+  state = job.init_state(config.train.seed)
+  try:
+    config.train.steps = warmup
+    loop._train(context, state, start_step=0)  # Compile-free warm-up: the feed's thread and the pool start here.
+    config.train.steps = warmup + steps
+    loop._train(context, newest['state'], start_step=warmup)
+  finally:
+    feed.close()
+    writer.close()
+  record = [json.loads(line) for line in (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines()][-1]
+  unit = job.task.objective.unit
+  stats = jax.devices()[0].memory_stats() or {}
+  return {'row': name, 'devices': job.mesh.size, 'device': jax.devices()[0].device_kind,
+          'per_s': record[f'{unit}_per_s'], 'unit': unit, 'step_ms': 1e3 * record['step_time_s'],
+          'mfu': record.get('mfu'), 'mfu_6n': record.get('mfu_6n'),
+          'peak_gib': stats['peak_bytes_in_use'] / 2**30 if 'peak_bytes_in_use' in stats else None,
+          'data_wait_pct': 100 * record['data_wait_s'] / record['step_time_s']}
+
+
+class _NoCheckpoints:
+  def save(self, *args, **kwargs):
+    pass
+
+
+def _in_subprocess(name: str, args) -> dict:
+  """One row in a fresh process: its own peak memory, and an out-of-memory error ends only that row."""
+  command = [sys.executable, __file__, '--one_row', name, f'--steps={args.steps}', f'--warmup={args.warmup}']
+  command += [f'--attention={args.attention}'] if args.attention else []
+  done = subprocess.run(command, capture_output=True, text=True)
+  lines = done.stdout.strip().splitlines()
+  if done.returncode or not lines:
+    last = (done.stderr.strip().splitlines() or ['no output'])[-1]
+    return {'row': name, 'error': last[:200]}
+  return json.loads(lines[-1])
+
+
+def _fmt(value, pattern: str) -> str:
+  return '-' if value is None else pattern.format(value)
+
+
+def table(results: list[dict]) -> str:
+  lines = ['| row | device | per s | step (ms) | MFU matmul | MFU 6N | peak GiB | data wait |',
+           '|---|---|---|---|---|---|---|---|']
+  for r in results:
+    if 'error' in r:
+      lines.append(f"| {r['row']} | failed: {r['error']} | | | | | | |")
+      continue
+    lines.append(f"| {r['row']} | {r['devices']} x {r['device']} | {r['per_s']:,.0f} {r['unit']}/s | "
+                 f"{r['step_ms']:.1f} | {_fmt(r['mfu'], '{:.1%}')} | {_fmt(r['mfu_6n'], '{:.1%}')} | "
+                 f"{_fmt(r['peak_gib'], '{:.2f}')} | {r['data_wait_pct']:.2f}% |")
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--rows', default=','.join(ROWS), help=f'Comma-separated, from: {", ".join(ROWS)}.')
+  parser.add_argument('--steps', type=int, default=20, help='Timed steps per row, after the warm-up.')
+  parser.add_argument('--warmup', type=int, default=3)
+  parser.add_argument('--attention', default=None, help="Sets model.attention ('auto', 'xla', 'cudnn', ...).")
+  parser.add_argument('--smoke', action='store_true', help='Shrunk rows, in this process (CPU tests).')
+  parser.add_argument('--one_row', default=None, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.one_row:
+    print(json.dumps(measure(args.one_row, args.steps, args.warmup, args.attention, smoke=False)))
+    return []
+  names = args.rows.split(',')
+  unknown = [n for n in names if n not in ROWS]
+  if unknown:
+    raise SystemExit(f'bench_gpu.py: unknown --rows {unknown}; choose from {list(ROWS)}.')
+  results = []
+  for name in names:
+    results.append(measure(name, args.steps, args.warmup, args.attention, smoke=True) if args.smoke
+                   else _in_subprocess(name, args))
+    print(table(results[-1:]).splitlines()[-1], flush=True)
+  print(table(results))
+  return results
+
+
+if __name__ == '__main__':
+  main()

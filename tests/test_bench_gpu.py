@@ -1,0 +1,43 @@
+"""scripts/bench_gpu.py runs its rows through the launcher's Job, data and loop: --smoke on CPU, in-process."""
+
+import importlib.util
+
+import pytest
+
+from conftest import REPO
+
+
+@pytest.fixture(scope='module')
+def bench():
+  spec = importlib.util.spec_from_file_location('bench_gpu', REPO / 'scripts' / 'bench_gpu.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_a_smoke_row_reports_throughput_and_data_wait_but_no_made_up_mfu_on_cpu(bench, capsys):
+  (row,) = bench.main(['--smoke', '--rows=gpt2_b32', '--steps=3', '--warmup=1'])
+  assert row['row'] == 'gpt2_b32' and row['unit'] == 'tokens' and row['devices'] == 1
+  assert row['per_s'] == pytest.approx(8 * 32 / (row['step_ms'] / 1e3), rel=1e-6)  # batch 8 x 32 tokens.
+  # CPU: no peak FLOP/s in trainer/flops.py's table, no memory stats; nothing is made up.
+  assert row['mfu'] is None and row['mfu_6n'] is None and row['peak_gib'] is None
+  assert 0 <= row['data_wait_pct'] < 100
+  out = capsys.readouterr().out
+  assert '| row | device | per s | step (ms) | MFU matmul | MFU 6N | peak GiB | data wait |' in out
+  assert '| gpt2_b32 | 1 x cpu |' in out and '| - | - | - |' in out
+
+
+def test_every_row_builds_its_config_and_attention_is_passed_or_refused(bench):
+  for name in bench.ROWS:
+    config = bench.row_config(name, None, smoke=False)
+    assert config.ckpt.every_steps == 10**9 and config.train.eval_every_steps == 0
+  assert bench.row_config('gpt2_b32_packed', None, smoke=False).data.packing
+  assert bench.row_config('llama_b16_save_qkv_proj', None, smoke=False).train.remat_policy == 'save_qkv_proj'
+  assert bench.row_config('vit_b256', None, smoke=False).train.batch_size == 256
+  if 'attention' in bench.row_config('gpt2_b32', None, smoke=False).model:
+    assert bench.row_config('gpt2_b32', 'xla', smoke=False).model.attention == 'xla'
+  else:
+    with pytest.raises(SystemExit, match='--attention=xla sets model.attention, which configs/base.py'):
+      bench.row_config('gpt2_b32', 'xla', smoke=False)
+  with pytest.raises(SystemExit, match=r"unknown --rows \['gpt3'\]"):
+    bench.main(['--rows=gpt3'])

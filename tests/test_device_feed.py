@@ -1,0 +1,94 @@
+"""The device feed (trainer/data/device_feed.py): batches reach the devices ahead of the step that reads them, and
+the checkpointed data position counts only the batches handed to steps."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from configs import tiny
+from trainer import data
+
+
+@pytest.fixture(scope='module')
+def shardings():
+  rows = NamedSharding(Mesh(np.array(jax.devices()), ('data',)), PartitionSpec('data'))
+  return {'inputs': rows, 'targets': rows}
+
+
+class _CountingHost:
+  """Numbered host batches; records how many were pulled, and can fail at one of them."""
+
+  def __init__(self, fail_at: int | None = None):
+    self.pulled, self.fail_at, self.lock = 0, fail_at, threading.Lock()
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    with self.lock:
+      self.pulled += 1
+      if self.pulled == self.fail_at:
+        raise OSError('disk went away')
+      return {'inputs': np.full((8, 4), self.pulled, np.int32), 'targets': np.zeros((8, 4), np.int32)}
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> bool:
+  end = time.monotonic() + timeout_s
+  while time.monotonic() < end:
+    if condition():
+      return True
+    time.sleep(0.01)
+  return False
+
+
+def test_the_next_batches_are_on_the_devices_before_the_loop_asks(shardings):
+  host = _CountingHost()
+  feed = data.DeviceFeed(host, shardings, process_count=1, depth=2)
+  first = next(feed)
+  # Without another next(): batch 1 handed out, batches 2 and 3 already read and placed; no further ones.
+  assert _wait_for(lambda: host.pulled == 3)
+  time.sleep(0.2)
+  assert host.pulled == 3
+  assert isinstance(first['inputs'], jax.Array) and first['inputs'].sharding == shardings['inputs']
+  assert [int(next(feed)['inputs'][0, 0]) for _ in range(4)] == [2, 3, 4, 5]  # In order, none lost.
+  assert int(first['inputs'][0, 0]) == 1
+  feed.close()
+
+
+def test_a_read_error_in_the_thread_is_raised_by_the_loops_next(shardings):
+  feed = data.DeviceFeed(_CountingHost(fail_at=3), shardings, process_count=1)
+  next(feed), next(feed)
+  for _ in range(2):  # Raised again on a second call, not a hang.
+    with pytest.raises(OSError, match='disk went away'):
+      next(feed)
+  feed.close()
+
+
+def _train_iterator():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 256, size=20_000, dtype=np.uint8)
+  docs = data.documents.InMemoryDocuments(tokens, np.array([0, 7_000, 13_000]), 'test')
+  return data.train_iterator(data.StreamWindows(docs, seq_len=32), tiny.get_config().data, 8, 0, 0, 1)
+
+
+def test_the_position_counts_batches_handed_out_not_read_ahead_and_restoring_rewinds(shardings):
+  host = _train_iterator()
+  feed = data.DeviceFeed(host, shardings, process_count=1)
+  for _ in range(3):
+    next(feed)
+  assert _wait_for(lambda: host.get_state()['examples_consumed'] == 5 * 8)  # Two batches read ahead...
+  state = feed.get_state()
+  assert state['examples_consumed'] == 3 * 8  # ...but the checkpoint names the three the steps took.
+  later = [np.asarray(next(feed)['inputs']) for _ in range(3)]
+  feed.set_state(state)  # As a restore or a rollback does: the read-ahead batches are dropped.
+  assert feed.get_state() == state
+  again = [np.asarray(next(feed)['inputs']) for _ in range(3)]
+  assert all(np.array_equal(a, b) for a, b in zip(later, again))
+  uninterrupted = _train_iterator()
+  expected = [next(uninterrupted)['inputs'] for _ in range(6)][3:]  # Batches 4..6 of a run that never read ahead.
+  assert all(np.array_equal(a, b) for a, b in zip(later, expected))
+  feed.close()

@@ -1,0 +1,106 @@
+"""Global train batches already on the devices: a thread reads and transfers the next ones while a step runs.
+
+The loop's data wait used to be the host read plus the host-to-device copy of
+each batch, paid between two steps (1.7-2.7 ms a step on an H100, 32% of the
+default job's step). `DeviceFeed` moves both off the loop's path: a background
+thread pulls host batches, stitches each into global jax Arrays on the Job's
+per-key batch shardings (`to_global`) and keeps up to `depth` of them queued,
+so the loop's `next()` is a queue pop.
+
+Exact resume: the checkpoint must name the batches the steps consumed, not the
+ones read ahead. The thread records the host iterator's state right after each
+pull and queues it with the batch; `get_state()` answers the state queued with
+the last batch handed out. `set_state()` (restore, rollback) stops the thread,
+drops what it read ahead and rewinds the host iterator, so the next batch is
+exactly the one after the restored step.
+"""
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from trainer.data.pipeline import to_global
+
+# Two batches ahead: one being copied while the other waits for the step; more only pins device memory.
+DEPTH = 2
+_POLL_S = 0.05  # How often a thread waiting for a free slot checks whether it was asked to stop.
+_END = object()
+
+
+class DeviceFeed:
+  """Endless global batches on the devices, `depth` ahead of the consumer; checkpointable like its host iterator.
+
+  `host_batches` yields this process's rows (numpy dicts); when it has
+  `get_state`/`set_state` (the Grain `TrainIterator`), so does the feed.
+  """
+
+  def __init__(self, host_batches: Iterator[dict[str, np.ndarray]], batch_shardings: dict[str, NamedSharding],
+               process_count: int, depth: int = DEPTH):
+    self._host, self._shardings, self._process_count, self._depth = host_batches, batch_shardings, process_count, depth
+    self._thread, self._queue, self._slots, self._stop = None, None, None, threading.Event()
+    self._state = None  # The host iterator's state after the last batch handed out; None = not started yet.
+
+  def __iter__(self) -> 'DeviceFeed':
+    return self
+
+  def __next__(self) -> dict[str, jax.Array]:
+    if self._thread is None:
+      self._start()
+    item = self._queue.get()
+    self._slots.release()
+    if item is _END or isinstance(item, BaseException):
+      self._queue.put(item)  # The thread has stopped: every later call ends the same way instead of blocking.
+      self._slots.acquire()
+      if item is _END:
+        raise StopIteration
+      raise item  # A read error in the thread surfaces in the loop, with its traceback.
+    batch, self._state = item
+    return batch
+
+  def get_state(self) -> dict[str, Any]:
+    return self._host.get_state() if self._state is None else self._state
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._halt()
+    self._host.set_state(state)
+
+  def close(self) -> None:
+    """Stops the thread and drops the batches it read ahead; closes the host iterator."""
+    self._halt()
+    if hasattr(self._host, 'close'):
+      self._host.close()
+
+  def _start(self) -> None:
+    self._state = self._host.get_state() if hasattr(self._host, 'get_state') else {}
+    self._queue, self._slots, self._stop = queue.Queue(), threading.Semaphore(self._depth), threading.Event()
+    self._thread = threading.Thread(target=self._fill, args=(self._queue, self._slots, self._stop), daemon=True,
+                                    name='device-feed')
+    self._thread.start()
+
+  def _fill(self, out: queue.Queue, slots: threading.Semaphore, stop: threading.Event) -> None:
+    with_state = hasattr(self._host, 'get_state')
+    while not stop.is_set():
+      if not slots.acquire(timeout=_POLL_S):  # `depth` batches already read ahead: wait for the loop to take one.
+        continue
+      try:
+        local = next(self._host)
+        item = (to_global(local, self._shardings, self._process_count),
+                self._host.get_state() if with_state else {})
+      except StopIteration:
+        item = _END
+      except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it.
+        item = e
+      out.put(item)
+      if item is _END or isinstance(item, BaseException):
+        return
+
+  def _halt(self) -> None:
+    if self._thread is not None:
+      self._stop.set()
+      self._thread.join()
+    self._thread, self._queue, self._slots, self._state = None, None, None, None
