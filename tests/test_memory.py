@@ -132,3 +132,25 @@ def test_over_budget_launch_exits_2_with_fixes_and_leaves_the_workdir_untouched(
          f'available (train.device_memory_gb=' in error[0]
   assert 'Changes that fit: ' in error[0] and '--config.train.grad_accum_steps=2' in error[0]
   assert _tree_digest(workdir) == before  # --start_over moved nothing, no config.json/metrics/sharding.txt written.
+
+
+def test_limit_comes_from_the_setting_else_the_devices_reported_bytes_limit():
+  class Gpu:
+    process_index, device_kind, platform = 0, 'NVIDIA H100 80GB HBM3', 'gpu'
+
+    def __init__(self, limit):
+      self.limit = limit
+
+    def memory_stats(self):
+      return {'bytes_limit': self.limit}
+
+  config = tiny.get_config()
+  limit = footprint.device_limit(config, [Gpu(80 * GIB), Gpu(79 * GIB)])
+  assert limit.bytes == 79 * GIB and 'reported bytes_limit' in limit.source  # The smallest local device.
+  config.train.device_memory_gb = 40
+  assert footprint.device_limit(config, [Gpu(80 * GIB)]).bytes == 40 * GIB  # The setting holds memory back.
+  config.train.device_memory_gb = None
+  assert footprint.device_limit(config, jax.devices()[:1]).bytes is None  # The CPU reports none.
+  assert footprint.verdict(97 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Fits with little margin')
+  assert footprint.verdict(90 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Fits: 90.00 GiB of 100.00 GiB')
+  assert footprint.verdict(101 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Does not fit: 101.00 GiB')

@@ -143,6 +143,7 @@ def test_compiler_refusal_is_the_same_verdict_with_fixes(monkeypatch):
                           'device, over the budget of 95.00 GiB '
                           '(--plan_memory_gb=95). Changes that fit: --config.train.batch_size=8 (63.10 GiB).')
   assert any(l.startswith('The compiler refused the step: RESOURCE_EXHAUSTED') for l in lines)
+  assert 'Does not fit: more than 124.35 GiB per device, over the 95.00 GiB available (--plan_memory_gb=95).' in lines
 
 
 def test_one_chip_is_singular_and_the_tied_table_is_not_counted():

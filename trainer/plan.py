@@ -241,7 +241,9 @@ def run(config, memory_gb: float | None = None, topology: str | None = None, pri
     needed, mesh_shape = plan.total_bytes, plan.mesh_shape
   if limit.bytes is None:
     return plan
-  print_fn(footprint.verdict(needed, limit))
+  print_fn(footprint.verdict(needed, limit) if plan else
+           f'Does not fit: more than {_gib(needed)} per device, over the {_gib(limit.bytes)} available '
+           f'({limit.source}).')
   if plan is not None and needed <= limit.bytes:
     return plan
   print_fn('Trying changes that use less memory:')
