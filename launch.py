@@ -5,6 +5,7 @@ one run out; everything a user can get wrong ends in one line on stderr and
 exit code 2.
 """
 
+import os
 import re
 import sys
 
@@ -60,6 +61,8 @@ def main(argv):
     _fail('--plan_memory_gb and --topology only apply with --plan.')
   if not _PLAN.value and not _WORKDIR.value:
     _fail('flag --workdir must have a value (a folder for checkpoints and logs); only --plan runs without one.')
+  if _PLAN.value:  # XLA's error-level 'Constant folding / Very slow compile' alarms read as failures; plan mode
+    os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')  # hides them (set before jax loads; see trainer/plan.py).
   from parallel import distributed  # After flag parsing, so --help does not wait for jax.
   from trainer import console, loop
   from trainer.errors import UserError

@@ -16,6 +16,14 @@ fit fails with the config changes that would make it fit, each of them compiled
 and measured the same way; the TPU compiler refusing a step outright
 (CompileTimeHbmOom) is the same verdict. `train.remat_policy='auto'` is resolved
 first, as the run would resolve it (trainer/memory/remat.py).
+
+launch.py sets TF_CPP_MIN_LOG_LEVEL=3 for --plan before jax loads: XLA's
+slow-operation alarms ('Constant folding an instruction is taking > 1s',
+'Very slow compile?') are error-level C++ log lines that look like failures.
+Measured on this CPU: with the variable (or absl's min log level 3) a 3-minute
+compile printed no alarm; without it, two. The TPU compiler of --topology
+lives in libtpu, whose own logging this does not reach (its start-up lines
+stay).
 """
 
 import copy
