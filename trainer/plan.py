@@ -144,7 +144,8 @@ def report(plan: Plan, config) -> str:
       f'FLOPs per step: {plan.flops.matmul:.4g} (matmul count, causal attention halved; MaxText), '
       f'{plan.flops.six_n:.4g} (6N + 12*layers*heads*head_dim*seq_len per token; nanoGPT), '
       f'N = {plan.flops.non_embedding_params:,} non-embedding parameters',
-      f'Step time implied by the matmul FLOPs on {devices} chip{"s" if devices != 1 else ""} of each kind (a compute-bound lower bound, '
+      f'Step time implied by the matmul FLOPs on {devices} chip{"s" if devices != 1 else ""} of each kind '
+      f'(a compute-bound lower bound, '
       f'and at {ASSUMED_MFU:.0%} MFU):',
   ]
   for name, peak in flops.PEAK_FLOPS.items():
