@@ -103,6 +103,8 @@ def main(argv):
     _fail('--plan_memory_gb and --topology only apply with --plan.')
   if not _PLAN.value and not _WORKDIR.value:
     _fail('flag --workdir must have a value (a folder for checkpoints and logs); only --plan runs without one.')
+  if _PLAN.value:  # XLA's error-level 'Constant folding / Very slow compile' alarms read as failures; plan mode
+    os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')  # hides them (set before jax loads; see trainer/plan.py).
   from trainer.errors import UserError
   from trainer.safety import workdir as workdir_lib
   try:

@@ -23,8 +23,9 @@ def get_config() -> config_dict.ConfigDict:
   c.train.grad_clip_norm = 1.0  # Clip gradients to this global norm; 0 disables clipping.
   c.train.compute_dtype = 'auto'  # 'auto' (bfloat16 on GPU/TPU, float32 on CPU), 'float32' or 'bfloat16'.
   c.train.param_dtype = 'float32'  # Storage dtype of parameters and optimizer state.
-  c.train.remat_policy = 'none'  # Per-block rematerialization: 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'save_qkv_proj', 'save_attention_and_mlp_hidden'.
+  c.train.remat_policy = 'none'  # Per-block rematerialization: 'auto' (least recomputation that fits, trainer/memory/remat.py), 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'save_qkv_proj', 'save_attention_and_mlp_hidden'.
   c.train.adam_mu_dtype = 'float32'  # Storage dtype of Adam's first moment; 'bfloat16' halves it (the second moment stays float32).
+  c.train.device_memory_gb = config_dict.placeholder(float)  # GiB one device may use (pre-flight check, remat 'auto'); None = the device's reported limit (CPU reports none).
   c.train.grad_accum_steps = 1  # Microbatches per step, run by lax.scan with gradients summed: the same update in less memory.
   c.train.z_loss_weight = 0.0  # Weight of the z-loss mean(logsumexp(logits)^2), which keeps logits from drifting; 0 disables it (PaLM used 1e-4).
   c.train.compilation_cache_dir = config_dict.placeholder(str)  # Persistent XLA compilation cache folder shared by runs; None disables it.

@@ -18,8 +18,9 @@ count stays at GPT-2's. The vocabulary is GPT-2's 50257 padded to 50304, a
 multiple of 64, for even shards and faster matmuls. Parameters: 38.6M in the
 (tied) embedding table + 12 x 7.08M per block + 768 = 123,587,328.
 Batch: 512 sequences x 1024 tokens = 0.5M tokens a step, GPT-3-small's
-schedule at 6e-4; 10k steps is ~5B tokens (for an H100, plan with
-`launch.py --plan` first and raise train.grad_accum_steps if the step does not fit).
+schedule at 6e-4; 10k steps is ~5B tokens. remat 'auto' picks the policy with the
+least recomputation that fits the device, and microbatches (train.grad_accum_steps)
+when none fits; `launch.py --plan` shows the choice without training.
 """
 
 from configs import default
@@ -31,6 +32,7 @@ def get_config():
   c.train.batch_size = 512
   c.train.learning_rate = 6e-4
   c.train.warmup_steps = 700
+  c.train.remat_policy = 'auto'
   c.train.eval_every_steps = 500
   c.train.eval_batches = 20
   c.data.source = 'array_record'  # Token shards from scripts/prepare_data.py in data.path; or 'synthetic'.

@@ -45,6 +45,14 @@ def test_non_embedding_parameter_count_matches_the_model():
   assert flops.step_flops(config.model, 1, 8).non_embedding_params == total - embedding
 
 
+def test_tied_head_is_not_a_non_embedding_parameter_but_its_matmul_is_counted():
+  untied, tied = _model(), _model()
+  tied.tie_embeddings = True
+  a, b = flops.step_flops(untied, 8, 1024), flops.step_flops(tied, 8, 1024)
+  assert a.non_embedding_params - b.non_embedding_params == 768 * 50304
+  assert (a.matmul, a.six_n) == (b.matmul, b.six_n)  # The logits are computed either way.
+
+
 @pytest.mark.parametrize('kind,name', [
     ('NVIDIA H100 80GB HBM3', 'h100'), ('NVIDIA H200', 'h200'), ('TPU v4', 'v4'), ('TPU v5 lite', 'v5e'),
     ('TPU v5', 'v5p'), ('TPU v5p', 'v5p'), ('TPU v6 lite', 'v6e'),

@@ -4,6 +4,7 @@ import dataclasses
 import importlib.util
 import logging
 
+import jax
 import pytest
 
 from configs import tiny
@@ -12,6 +13,7 @@ from trainer import flops, plan
 from trainer import job as job_lib
 from trainer.attention import choice
 from trainer.errors import UserError
+from trainer.memory import footprint
 
 TINY = '--config=configs/tiny.py'
 FAKE = plan.Plan(mesh_shape={'data': 8, 'fsdp': 1, 'tensor': 1}, device_kind='cpu', params_bytes=0, opt_state_bytes=0,
@@ -133,3 +135,48 @@ def test_topology_plan_runs_splash_attention_in_far_less_memory_than_xla(caplog)
   # streams blocks through VMEM and keeps only (rows, heads, length) softmax statistics.
   assert temp_bytes['xla'] > 64 * 2**20
   assert temp_bytes['auto'] < temp_bytes['xla'] / 4
+
+
+def test_compiler_refusal_is_the_same_verdict_with_fixes(monkeypatch):
+  """XLA TPU's CompileTimeHbmOom (a JaxRuntimeError at compile) becomes a Refused plan and a one-line verdict."""
+  text = ('RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. CompileTimeHbmOom: the total memory required for '
+          'HLO temporaries (124.35G) exceeds available HBM (95.73G).')
+
+  class RefusingJob:
+    def compile_train_step(self):
+      raise jax.errors.JaxRuntimeError(text)
+
+  with pytest.raises(footprint.CompilerRefused) as e:
+    footprint.compile_step(RefusingJob())
+  assert (e.value.needed_bytes, e.value.available_bytes) == (int(124.35 * 2**30), int(95.73 * 2**30))
+
+  def fake_make_plan(config, devices=None):
+    job_lib.build_job(config)
+    if config.train.batch_size == 16:
+      raise plan.Refused(footprint.CompilerRefused(int(124.35 * 2**30), int(95.73 * 2**30), text),
+                         {'data': 8, 'fsdp': 1, 'tensor': 1})
+    return dataclasses.replace(FAKE, argument_bytes=int(63.1 * plan.GIB) if config.train.batch_size == 8 else 2**40)
+
+  monkeypatch.setattr(plan, 'make_plan', fake_make_plan)
+  config = tiny.get_config()
+  config.train.batch_size, config.train.remat_policy = 16, 'full'
+  lines = []
+  with pytest.raises(UserError) as e:
+    plan.run(config, memory_gb=95, print_fn=lines.append)
+  assert str(e.value) == ("the plan needs more than 124.35 GiB (the compiler's figure for temporaries alone) per "
+                          'device, over the budget of 95.00 GiB '
+                          '(--plan_memory_gb=95). Changes that fit: --config.train.batch_size=8 (63.10 GiB).')
+  assert any(l.startswith('The compiler refused the step: RESOURCE_EXHAUSTED') for l in lines)
+  assert 'Does not fit: more than 124.35 GiB per device, over the 95.00 GiB available (--plan_memory_gb=95).' in lines
+
+
+def test_one_chip_is_singular_and_the_tied_table_is_not_counted():
+  config = tiny.get_config()
+  config.model.tie_embeddings = True
+  one = dataclasses.replace(FAKE, mesh_shape={'data': 1, 'fsdp': 1, 'tensor': 1},
+                            flops=flops.step_flops(config.model, 8, 32))
+  text = plan.report(one, config)
+  assert 'on 1 chip of each kind' in text
+  m = config.model
+  untied = flops.step_flops(plan.with_overrides(config, {'model.tie_embeddings': False}).model, 8, 32)
+  assert f'N = {untied.non_embedding_params - m.d_model * m.vocab_size:,} non-embedding parameters' in text

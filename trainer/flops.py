@@ -9,8 +9,9 @@ recomputation is not useful work and is not counted):
 - 'matmul' (MaxText's): every matmul of the model, 2*m*n*k, with causal
   attention's two (L, L) products halved because half the scores are masked.
 - '6n' (nanoGPT's and torchtitan's): 6*N + 12*layers*heads*head_dim*seq_len per
-  token, N the parameters other than the embedding table (the head counts;
-  the lookup is not a matmul). Attention is counted unmasked.
+  token, N the parameters other than the embedding table (an untied head counts;
+  the lookup is not a matmul; a head tied to the table is not a parameter of its
+  own, but its matmul is added to N for the FLOPs). Attention is counted unmasked.
 
 MFU is only reported for accelerators in the peak table below (dense bfloat16
 from the vendors' data sheets); any other device, the CPU included, gets none
@@ -70,8 +71,12 @@ def step_flops(model_config, batch_size: int, seq_len: int) -> StepFlops:
   # Scores (Q K^T) and the weighted sum (P V), 2*L*H*K each per token, halved for the causal mask.
   causal_attention_flops = 4 * seq_len * heads * head_dim / 2
   matmul = 3 * tokens * (layers * (block_matmul_flops + causal_attention_flops) + head_flops)
-  non_embedding = layers * ((2 * heads + 2 * kv_heads) * d * head_dim + 3 * d * f + 2 * d) + d + d * v
-  six_n = tokens * (6 * non_embedding + 12 * layers * heads * head_dim * seq_len)
+  # A tied head is the embedding table itself: not a non-embedding parameter, though its matmul is still done.
+  head_params = d * v
+  tied = getattr(m, 'tie_embeddings', False)
+  non_embedding = (layers * ((2 * heads + 2 * kv_heads) * d * head_dim + 3 * d * f + 2 * d) + d
+                   + (0 if tied else head_params))
+  six_n = tokens * (6 * (non_embedding + (head_params if tied else 0)) + 12 * layers * heads * head_dim * seq_len)
   return StepFlops(matmul=float(matmul), six_n=float(six_n), non_embedding_params=non_embedding)
 
 

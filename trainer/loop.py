@@ -20,6 +20,7 @@ from trainer import checkpoint, compilation_cache, data, flops, guardrails, obje
 from trainer import goodput as goodput_lib
 from trainer import profiling, progress
 from trainer import job as job_lib
+from trainer.memory import preflight, remat
 from trainer.metrics import MetricsWriter
 
 
@@ -77,6 +78,8 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   over; tests pass a subset to run the same job on fewer devices.
   """
   compilation_cache.enable(config.train.compilation_cache_dir)
+  # 'auto' becomes a concrete policy before the Job exists; a resumed run reads its earlier choice back.
+  config, memory_choice = remat.resolve(config, devices, workdir=None if start_over else workdir)
   job = job_lib.build_job(config, devices)
   profiling.check_config(config.profile)
   progress.check_mode(config.log.progress_bar)
@@ -88,21 +91,20 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   # Global batches reach the devices while the step before them runs; checkpointed by what steps consumed.
   train_iter, eval_set = data.DeviceFeed(inputs.train, job.batch_shardings, process_count), inputs.eval_batches
   logging.info('Data: %s', inputs.description)
+  # Compiled and checked against device memory before anything touches the workdir: a refused launch changes nothing.
+  start = time.perf_counter()
+  compiled_step = preflight.compile_checked(job)
+  compile_s = time.perf_counter() - start
+  logging.info('Compiled the train step in %.1fs', compile_s)
   if start_over:  # Only once the config and data were checked: a launch that fails early moves nothing.
     checkpoint.start_over(workdir)
 
-  manifest = checkpoint.run_manifest(config, abstract, mesh)
+  manifest = {**checkpoint.run_manifest(config, abstract, mesh), 'memory': memory_choice.record()}
   _describe(job, workdir, write=process_index == 0)
 
   ckpt = checkpoint.Checkpointer(workdir, config.ckpt)
-  # Before compiling: a foreign or unreadable workdir should fail in seconds, not minutes.
   resumable = ckpt.resumable_steps(manifest)
   tracker = goodput_lib.Goodput(workdir, resumed_step=resumable[0] if resumable else None)
-
-  start = time.perf_counter()
-  compiled_step = job.compile_train_step()
-  compile_s = time.perf_counter() - start
-  logging.info('Compiled the train step in %.1fs', compile_s)
   tracker.compiled(compile_s)
 
   latest = None

@@ -9,9 +9,21 @@ per-device bytes (parameters, optimizer state, temporaries, from
 `compiled.memory_analysis()`), FLOPs per step (trainer/flops.py) and the
 step time the FLOPs imply on each accelerator in the peak table.
 
-With a memory budget (`--plan_memory_gb`, or the chip's HBM with `--topology`)
-a plan that does not fit fails with the config changes that would make it fit,
-each of them compiled and measured the same way.
+The memory budget is `--plan_memory_gb`, else the chip's HBM with `--topology`,
+else what a run's pre-flight check would use (trainer/memory/footprint.py):
+`train.device_memory_gb` or the local devices' own limit. A plan that does not
+fit fails with the config changes that would make it fit, each of them compiled
+and measured the same way; the TPU compiler refusing a step outright
+(CompileTimeHbmOom) is the same verdict. `train.remat_policy='auto'` is resolved
+first, as the run would resolve it (trainer/memory/remat.py).
+
+launch.py sets TF_CPP_MIN_LOG_LEVEL=3 for --plan before jax loads: XLA's
+slow-operation alarms ('Constant folding an instruction is taking > 1s',
+'Very slow compile?') are error-level C++ log lines that look like failures.
+Measured on this CPU: with the variable (or absl's min log level 3) a 3-minute
+compile printed no alarm; without it, two. The TPU compiler of --topology
+lives in libtpu, whose own logging this does not reach (its start-up lines
+stay).
 """
 
 import copy
@@ -26,8 +38,9 @@ from parallel import sharding
 from trainer import flops
 from trainer import job as job_lib
 from trainer.errors import UserError
+from trainer.memory import footprint
 
-GIB = 2**30
+GIB = footprint.GIB
 # HBM per chip in GiB, for --topology runs without --plan_memory_gb.
 HBM_GIB = {'h100': 80, 'h200': 141, 'v4': 32, 'v5e': 16, 'v5p': 95, 'v6e': 32}
 ASSUMED_MFU = 0.5  # The step time printed next to the compute-bound one: the MFU a well-tuned run reaches.
@@ -50,7 +63,16 @@ class Plan:
   @property
   def total_bytes(self) -> int:
     """Peak bytes per device while the step runs: inputs, outputs not aliased to them, temporaries, code."""
-    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+    return footprint.step_bytes(self.argument_bytes, self.output_bytes, self.alias_bytes, self.temp_bytes,
+                                self.code_bytes)
+
+
+class Refused(UserError):
+  """The compiler refused the step for memory (footprint.CompilerRefused), with the mesh it was built for."""
+
+  def __init__(self, refused: footprint.CompilerRefused, mesh_shape: dict[str, int]):
+    super().__init__(str(refused))
+    self.needed_bytes, self.available_bytes, self.mesh_shape = refused.needed_bytes, refused.available_bytes, mesh_shape
 
 
 def topology_devices(topology: str) -> list[jax.Device]:
@@ -68,9 +90,15 @@ def topology_devices(topology: str) -> list[jax.Device]:
 
 
 def make_plan(config, devices: Sequence[jax.Device] | None = None) -> Plan:
-  """Builds the job on `devices` (default: this machine's), compiles its train step and measures it."""
+  """Builds the job on `devices` (default: this machine's), compiles its train step and measures it.
+
+  Raises Refused when the compiler itself finds that the step cannot fit.
+  """
   job = job_lib.build_job(config, devices)
-  memory = job.compile_train_step().memory_analysis()
+  try:
+    memory = footprint.compile_step(job).memory_analysis()
+  except footprint.CompilerRefused as e:
+    raise Refused(e, dict(job.mesh.shape)) from e
   _, totals = sharding.sharding_table(job.abstract, job.shardings)
   return Plan(
       mesh_shape=dict(job.mesh.shape), device_kind=job.mesh.devices.flat[0].device_kind,
@@ -82,12 +110,7 @@ def make_plan(config, devices: Sequence[jax.Device] | None = None) -> Plan:
              if config.model.name == 'llama' else None))
 
 
-def _gib(n: float) -> str:
-  """Bytes in the largest binary unit that keeps three significant digits in view."""
-  for unit, size in (('GiB', GIB), ('MiB', 2**20), ('KiB', 2**10)):
-    if abs(n) >= size:
-      return f'{n / size:,.2f} {unit}'
-  return f'{n:,.0f} B'
+_gib = footprint.gib
 
 
 def _duration(seconds: float) -> str:
@@ -121,7 +144,8 @@ def report(plan: Plan, config) -> str:
       f'FLOPs per step: {plan.flops.matmul:.4g} (matmul count, causal attention halved; MaxText), '
       f'{plan.flops.six_n:.4g} (6N + 12*layers*heads*head_dim*seq_len per token; nanoGPT), '
       f'N = {plan.flops.non_embedding_params:,} non-embedding parameters',
-      f'Step time implied by the matmul FLOPs on {devices} chips of each kind (a compute-bound lower bound, '
+      f'Step time implied by the matmul FLOPs on {devices} chip{"s" if devices != 1 else ""} of each kind '
+      f'(a compute-bound lower bound, '
       f'and at {ASSUMED_MFU:.0%} MFU):',
   ]
   for name, peak in flops.PEAK_FLOPS.items():
@@ -132,12 +156,12 @@ def report(plan: Plan, config) -> str:
   return '\n'.join(lines)
 
 
-def _candidates(config, plan: Plan) -> list[tuple[str, dict[str, object]]]:
+def _candidates(config, mesh_shape: dict[str, int]) -> list[tuple[str, dict[str, object]]]:
   """Config changes that lower per-device memory, each as (flags, overrides)."""
   out = []
   if config.train.remat_policy != 'full':
     out.append({'train.remat_policy': 'full'})
-  data, fsdp = plan.mesh_shape['data'], plan.mesh_shape['fsdp']
+  data, fsdp = mesh_shape['data'], mesh_shape['fsdp']
   if data % 2 == 0:
     out.append({'mesh.fsdp': config.mesh.fsdp * 2, 'mesh.data': -1})
   per_device_batch = config.train.batch_size // (data * fsdp)
@@ -151,7 +175,8 @@ def _candidates(config, plan: Plan) -> list[tuple[str, dict[str, object]]]:
   return [(' '.join(f'--config.{k}={v}' for k, v in o.items()), o) for o in out]
 
 
-def _with_overrides(config, overrides: dict[str, object]):
+def with_overrides(config, overrides: dict[str, object]):
+  """A copy of `config` with {'section.key': value} changed; the original is untouched."""
   config = copy.deepcopy(config)
   with config.unlocked():
     for key, value in overrides.items():
@@ -160,39 +185,78 @@ def _with_overrides(config, overrides: dict[str, object]):
   return config
 
 
-def run(config, memory_gb: float | None = None, topology: str | None = None, print_fn=print) -> Plan:
-  """Plans `config`; raises UserError naming the changes that fit when the plan exceeds the memory budget."""
-  devices = None
-  if topology:
-    devices = topology_devices(topology)
-    if config.train.compute_dtype == 'auto':  # 'auto' looks at this machine's backend; the target is a TPU.
-      config = _with_overrides(config, {'train.compute_dtype': 'bfloat16'})
-  plan = make_plan(config, devices)
-  print_fn(report(plan, config))
-  chip = flops.accelerator_name(devices[0]) if devices else None
-  source = f'--plan_memory_gb={memory_gb:g}' if memory_gb is not None else ''
-  if memory_gb is None and chip in HBM_GIB:
-    memory_gb, source = HBM_GIB[chip], f'the HBM of one {chip} chip'
-  if memory_gb is None:
-    return plan
-  budget = memory_gb * GIB
-  if plan.total_bytes <= budget:
-    print_fn(f'Fits: {_gib(plan.total_bytes)} of {_gib(budget)} per device.')
-    return plan
-  print_fn(f'Does not fit: {_gib(plan.total_bytes)} per device, over the budget of {_gib(budget)}. '
-           f'Trying changes that use less memory:')
+def total_or_refused(config, devices) -> tuple[int, Refused | None]:
+  """Per-device bytes of `config`'s compiled step, or (the compiler's lower bound, the refusal)."""
+  try:
+    return make_plan(config, devices).total_bytes, None
+  except Refused as e:
+    return e.needed_bytes, e
+
+
+def fixes(config, mesh_shape: dict[str, int], budget: int, devices=None, print_fn=print) -> str:
+  """Compiles each memory-lowering change of `config`; the sentence naming those that fit in `budget` bytes."""
   fitting = []
-  for flags_text, overrides in _candidates(config, plan):
+  for flags_text, overrides in _candidates(config, mesh_shape):
     try:
-      total = make_plan(_with_overrides(config, overrides), devices).total_bytes
+      total, refused = total_or_refused(with_overrides(config, overrides), devices)
     except UserError as e:
       print_fn(f'  {flags_text}: not possible here ({e})')
+      continue
+    if refused:
+      print_fn(f'  {flags_text}: over {_gib(total)} per device (the compiler refused it)')
       continue
     print_fn(f'  {flags_text}: {_gib(total)} per device{" (fits)" if total <= budget else ""}')
     if total <= budget:
       fitting.append(f'{flags_text} ({_gib(total)})')
-  advice = (f'Changes that fit: {"; ".join(fitting)}.' if fitting else
-            'None of remat, more fsdp, accumulation or a smaller batch fits, alone or together; a smaller '
-            'model or more devices is needed.')
-  raise UserError(f'the plan needs {_gib(plan.total_bytes)} per device, over the budget of {_gib(budget)} '
-                  f'({source}). {advice}')
+  return (f'Changes that fit: {"; ".join(fitting)}.' if fitting else
+          'None of remat, more fsdp, accumulation or a smaller batch fits, alone or together; a smaller '
+          'model or more devices is needed.')
+
+
+def _limit(config, memory_gb: float | None, devices) -> footprint.Limit:
+  """--plan_memory_gb, else the --topology chip's HBM, else what the run's pre-flight check would use."""
+  if memory_gb is not None:
+    return footprint.Limit(int(memory_gb * GIB), f'--plan_memory_gb={memory_gb:g}')
+  chip = flops.accelerator_name(devices[0]) if devices else None
+  if chip in HBM_GIB and config.train.device_memory_gb is None:
+    return footprint.Limit(HBM_GIB[chip] * GIB, f'the HBM of one {chip} chip')
+  return footprint.device_limit(config, devices or jax.devices())
+
+
+def run(config, memory_gb: float | None = None, topology: str | None = None, print_fn=print) -> Plan | None:
+  """Plans `config`; raises UserError naming the changes that fit when the plan exceeds the memory budget.
+
+  Returns None when the compiler refused the step and no budget was given to judge it by (cannot happen
+  with --topology, whose chips have a known HBM).
+  """
+  from trainer.memory import remat  # Here: remat 'auto' compiles its candidates through make_plan above.
+  devices = None
+  if topology:
+    devices = topology_devices(topology)
+    if config.train.compute_dtype == 'auto':  # 'auto' looks at this machine's backend; the target is a TPU.
+      config = with_overrides(config, {'train.compute_dtype': 'bfloat16'})
+  limit = _limit(config, memory_gb, devices)
+  config, choice = remat.resolve(config, devices, limit=limit)
+  if choice.summary:
+    print_fn(choice.summary)
+  try:
+    plan = make_plan(config, devices)
+  except Refused as e:
+    print_fn(f'The compiler refused the step: {e}')
+    needed, mesh_shape, plan = e.needed_bytes, e.mesh_shape, None
+    limit = footprint.Limit(min(limit.bytes or e.available_bytes, e.available_bytes), limit.source)
+  else:
+    print_fn(report(plan, config))
+    needed, mesh_shape = plan.total_bytes, plan.mesh_shape
+  if limit.bytes is None:
+    return plan
+  print_fn(footprint.verdict(needed, limit) if plan else
+           f'Does not fit: more than {_gib(needed)} per device, over the {_gib(limit.bytes)} available '
+           f'({limit.source}).')
+  if plan is not None and needed <= limit.bytes:
+    return plan
+  print_fn('Trying changes that use less memory:')
+  advice = fixes(config, mesh_shape, limit.bytes, devices, print_fn)
+  needs = _gib(needed) if plan else f'more than {_gib(needed)} (the compiler\'s figure for temporaries alone)'
+  raise UserError(f'the plan needs {needs} per device, over the budget of {_gib(limit.bytes)} ({limit.source}). '
+                  f'{advice}')

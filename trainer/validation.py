@@ -43,6 +43,14 @@ def validate_config(config) -> None:
            f'train.compute_dtype={config.train.compute_dtype!r}: choose auto, float32 or bfloat16.')
   _require(config.train.param_dtype in DTYPES,
            f'train.param_dtype={config.train.param_dtype!r}: choose float32 or bfloat16.')
+  # The policy names themselves are the model's to check; 'auto' must be resolved before any Job is built.
+  _require(config.train.remat_policy != 'auto',
+           "train.remat_policy='auto' is chosen by compiling candidates: launch.py and --plan resolve it before "
+           "building the job; a script building a Job itself calls trainer.memory.remat.resolve(config) first, "
+           "or names a policy.")
+  gb = config.train.device_memory_gb
+  _require(gb is None or (isinstance(gb, (int, float)) and not isinstance(gb, bool) and gb > 0),
+           f'train.device_memory_gb={gb!r} must be a number of GiB > 0, or None for the device\'s own limit.')
   data.check_config(config.data)
   _warn_if_warmup_exceeds_steps(config.train)
   layer_scan.check(config.model)

@@ -1,0 +1,156 @@
+"""Device memory before the first step: the pre-flight refusal, remat 'auto', and the choice kept across relaunches.
+
+One small model on ONE fake CPU device (each compile is cheap there), whose
+compiled footprints differ by policy: ~16 MB with remat 'none', ~7 MB with
+'full'. The CPU reports no memory limit, so train.device_memory_gb sets it.
+"""
+
+import hashlib
+import logging
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from configs import tiny
+from conftest import REPO, launcher_env, make_text_dir
+from trainer import loop, plan
+from trainer.errors import UserError
+from trainer.memory import footprint, remat
+
+GIB = footprint.GIB
+
+
+def _config(text_dir, **train):
+  c = tiny.get_config()
+  c.data.seq_len = 128  # Activations, which remat trades, dominate the ~100 KB of parameters and Adam state.
+  c.data.text_dir = str(text_dir)
+  c.train.steps, c.ckpt.every_steps, c.log.every_steps, c.log.progress_bar = 2, 2, 1, 'off'
+  c.train.remat_policy = 'auto'
+  c.train.update(train)
+  return c
+
+
+def _need(config, policy, accum=1):
+  return remat.step_bytes(plan.with_overrides(config, {'train.remat_policy': policy, 'train.grad_accum_steps': accum}),
+                          jax.devices()[:1])[0]
+
+
+def _tree_digest(root: pathlib.Path) -> dict[str, str]:
+  return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else 'dir'
+          for p in sorted(root.rglob('*'))}
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+  """A 2-step run whose limit lies halfway between the 'full' and 'none' footprints: (workdir, config, log)."""
+  root = tmp_path_factory.mktemp('memory')
+  (root / 'text').mkdir()
+  config = _config(make_text_dir(root / 'text'))
+  full, none = _need(config, 'full'), _need(config, 'none')
+  assert full < 0.7 * none  # The premise: remat matters for this model.
+  config.train.device_memory_gb = (full + none) / 2 / GIB
+  records = []
+  handler = logging.Handler()
+  handler.emit = records.append
+  absl_logger = logging.getLogger('absl')
+  level = absl_logger.level
+  absl_logger.addHandler(handler)
+  absl_logger.setLevel(logging.INFO)  # The choice and the pre-flight verdict are INFO lines.
+  try:
+    loop.run(config, str(root / 'work'), devices=jax.devices()[:1])
+  finally:
+    absl_logger.removeHandler(handler)
+    absl_logger.setLevel(level)
+  return root / 'work', config, [r.getMessage() for r in records], (full, none)
+
+
+def test_auto_picks_a_policy_between_full_and_none_trains_and_records_it(trained):
+  workdir, config, log, (full, none) = trained
+  choice = next(line for line in log if line.startswith("remat 'auto': "))
+  chosen = choice.split("'")[3]
+  assert chosen not in ('none', 'full') and chosen in remat.RECOMPUTE_ORDER, choice
+  assert 'none (' in choice.split('did not fit')[1]  # Named among the candidates that did not fit.
+  assert full < _need(config, chosen) <= (full + none) / 2 * (1 - footprint.MARGIN)
+  manifest = remat.previous_choice(str(workdir))
+  assert manifest['remat_policy'] == chosen and manifest['grad_accum_steps'] == 1
+  assert f'"remat_policy": "{chosen}"' in (workdir / 'config.json').read_text()  # What ran, not 'auto'.
+  assert any(line.startswith('Pre-flight: Fits:') for line in log)
+
+
+def test_relaunch_keeps_the_choice_without_compiling_candidates(trained, monkeypatch):
+  workdir, config, _, _ = trained
+  first = remat.previous_choice(str(workdir))
+  monkeypatch.setattr(plan, 'total_or_refused', lambda *a: pytest.fail('compiled a candidate'))
+  resolved, choice = remat.resolve(config, jax.devices()[:1], workdir=str(workdir))
+  assert (choice.remat_policy, choice.grad_accum_steps) == (first['remat_policy'], first['grad_accum_steps'])
+  assert 'as chosen when this run started' in choice.summary
+  assert resolved.train.remat_policy == first['remat_policy']
+  changed = plan.with_overrides(config, {'data.seq_len': 64})  # A memory-relevant change: chosen afresh.
+  assert remat.fingerprint(changed, jax.devices()[:1], footprint.device_limit(changed, jax.devices()[:1])) != \
+      first['fingerprint']
+
+
+def test_auto_raises_grad_accum_when_no_policy_fits_the_batch(trained):
+  _, config, _, (full, _) = trained
+  config = plan.with_overrides(config, {'train.device_memory_gb': full / GIB})  # Under 'full' with the margin.
+  resolved, choice = remat.resolve(config, jax.devices()[:1])
+  assert resolved.train.grad_accum_steps == choice.grad_accum_steps == 2
+  assert choice.needed_bytes <= full * (1 - footprint.MARGIN)
+  assert 'full (' in choice.summary  # 'full' at one microbatch is reported as not fitting.
+
+
+def test_auto_without_a_known_limit_is_none_and_says_why(tmp_path):
+  config = _config(tmp_path)
+  resolved, choice = remat.resolve(config, jax.devices()[:1])
+  assert resolved.train.remat_policy == 'none' and choice.needed_bytes is None
+  assert 'train.device_memory_gb is unset' in choice.summary
+  config.model.name = 'my_package.models:MyModel'  # Never imported: 'auto' needs no build.
+  assert "takes no remat policy" in remat.resolve(config, jax.devices()[:1])[1].summary
+  with pytest.raises(UserError, match="remat_policy='auto' is chosen by compiling candidates"):
+    from trainer import job as job_lib
+    job_lib.build_job(_config(tmp_path))
+
+
+def test_over_budget_launch_exits_2_with_fixes_and_leaves_the_workdir_untouched(trained):
+  workdir, config, _, (full, _) = trained
+  half = _need(plan.with_overrides(config, {'train.remat_policy': 'full'}), 'full', accum=2)
+  limit_gb = (full + half) / 2 / GIB  # 'full' does not fit; 'full' over 2 microbatches does.
+  before = _tree_digest(workdir)
+  env = launcher_env(XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  result = subprocess.run(
+      [sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py', f'--workdir={workdir}', '--start_over',
+       '--config.data.seq_len=128', f'--config.data.text_dir={config.data.text_dir}',
+       '--config.train.remat_policy=full', f'--config.train.device_memory_gb={limit_gb}'],
+      cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+  assert result.returncode == 2, result.stderr[-3000:]
+  error = [line for line in result.stderr.splitlines() if line.startswith('launch.py: error:')]
+  assert len(error) == 1, result.stderr[-3000:]
+  assert f'the compiled train step needs {footprint.gib(full)} per device, over the {footprint.gib(limit_gb * GIB)} ' \
+         f'available (train.device_memory_gb=' in error[0]
+  assert 'Changes that fit: ' in error[0] and '--config.train.grad_accum_steps=2' in error[0]
+  assert _tree_digest(workdir) == before  # --start_over moved nothing, no config.json/metrics/sharding.txt written.
+
+
+def test_limit_comes_from_the_setting_else_the_devices_reported_bytes_limit():
+  class Gpu:
+    process_index, device_kind, platform = 0, 'NVIDIA H100 80GB HBM3', 'gpu'
+
+    def __init__(self, limit):
+      self.limit = limit
+
+    def memory_stats(self):
+      return {'bytes_limit': self.limit}
+
+  config = tiny.get_config()
+  limit = footprint.device_limit(config, [Gpu(80 * GIB), Gpu(79 * GIB)])
+  assert limit.bytes == 79 * GIB and 'reported bytes_limit' in limit.source  # The smallest local device.
+  config.train.device_memory_gb = 40
+  assert footprint.device_limit(config, [Gpu(80 * GIB)]).bytes == 40 * GIB  # The setting holds memory back.
+  config.train.device_memory_gb = None
+  assert footprint.device_limit(config, jax.devices()[:1]).bytes is None  # The CPU reports none.
+  assert footprint.verdict(97 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Fits with little margin')
+  assert footprint.verdict(90 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Fits: 90.00 GiB of 100.00 GiB')
+  assert footprint.verdict(101 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Does not fit: 101.00 GiB')

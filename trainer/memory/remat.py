@@ -1,0 +1,174 @@
+"""`train.remat_policy='auto'`: the least recomputation whose compiled step fits, else the fewest microbatches.
+
+`resolve(config, devices)` turns 'auto' into a concrete policy (and maybe a
+larger `train.grad_accum_steps`) before the run's Job is built, so the model
+builders never see 'auto'. Candidates are compiled ahead of time through plan
+mode's `make_plan` (the persistent compilation cache, when on, keeps them).
+
+Order, least recomputed first. Basis: the matmul FLOPs per token and layer the
+backward pass redoes of a Llama block's forward (multi-head, L tokens, width d,
+MLP width f; the forward is 8d^2 + 4Ld + 6df):
+  none                              0
+  dots_saveable                     0 (elementwise ops only: every matmul output is kept)
+  dots_with_no_batch_dims_saveable  4Ld (the attention core; weight matmuls have no batch dims and are kept)
+  save_qkv_proj                     4Ld + 2d^2 + 4df (core, out projection for the residual, MLP up/gate)
+  save_attention_and_mlp_hidden     2Ld + 8d^2 + 4df (the above plus q/k/v, minus P V; past L = 3d it
+                                    would move below save_qkv_proj, a length no preset trains at)
+  full                              8d^2 + 4Ld + 6df (everything)
+The H100 measurements of issue 14 (llama_1b, batch 16) agree where they exist:
+full 45.5% MFU, save_qkv_proj 46.2%, dots_with_no_batch_dims_saveable 50.1%;
+dots_saveable and save_attention_and_mlp_hidden were not measured.
+A fit needs footprint.MARGIN free, the margin under which the pre-flight check warns.
+"""
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+from collections.abc import Callable, Sequence
+
+import jax
+from absl import logging
+
+from parallel import mesh as mesh_lib
+from trainer import plan
+from trainer.errors import UserError
+from trainer.memory import footprint
+
+RECOMPUTE_ORDER = ('none', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'save_qkv_proj',
+                   'save_attention_and_mlp_hidden', 'full')
+# Config values that change the compiled step's memory: a resumed run re-chooses when any of them changed.
+_MEMORY_KEYS = ('model', 'mesh', 'parallel', 'data.seq_len', 'data.image_shape', 'data.packing', 'train.batch_size',
+                'train.remat_policy', 'train.grad_accum_steps', 'train.compute_dtype', 'train.param_dtype',
+                'train.adam_mu_dtype', 'train.device_memory_gb')
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """What 'auto' resolved to, and why; `summary` is '' when the config named a policy itself."""
+  remat_policy: str
+  grad_accum_steps: int
+  needed_bytes: int | None  # The chosen step's per-device bytes; None when nothing was compiled.
+  summary: str
+  fingerprint: str = ''  # Of the requested config, devices and limit: a resumed run reuses a matching choice.
+
+  def record(self) -> dict:
+    """For the run manifest (checkpoint.run_manifest's 'memory' entry)."""
+    return dataclasses.asdict(self)
+
+
+def policies(model_name: str) -> tuple[str, ...] | None:
+  """The remat policies a model takes, least recomputation first; None for models brought by the user."""
+  if model_name == 'llama':
+    from trainer.models import llama
+    known = llama.REMAT_POLICIES
+  elif model_name == 'vit':
+    from trainer.models import vit
+    known = vit.REMAT_POLICIES
+  else:
+    return None
+  return tuple(p for p in RECOMPUTE_ORDER if p == 'none' or p in known)
+
+
+def fingerprint(config, devices: Sequence[jax.Device], limit: footprint.Limit) -> str:
+  values = {k: config[k.split('.')[0]][k.split('.')[1]] if '.' in k else config[k].to_dict() for k in _MEMORY_KEYS}
+  values.update(devices=len(devices), kind=devices[0].device_kind, limit=limit.bytes)
+  return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def previous_choice(workdir: str | None) -> dict | None:
+  """The 'memory' entry of the newest checkpoint's manifest in `workdir` (read-only), if any."""
+  directory = pathlib.Path(workdir) / 'checkpoints' if workdir else None
+  if directory is None or not directory.is_dir():
+    return None
+  for step in sorted((p for p in directory.iterdir() if p.name.isdigit()), key=lambda p: -int(p.name)):
+    try:
+      return json.loads((step / 'manifest' / 'metadata').read_text()).get('memory')
+    except (OSError, ValueError):
+      continue  # Damaged or foreign: the checkpointer reports it; here it only means nothing to reuse.
+  return None
+
+
+# Per-device bytes of compiled candidates, by (config, devices): a process resolving twice (plan mode's fixes,
+# tests) compiles each candidate once. A refusal by the compiler is stored as -(its lower bound + 1).
+_MEASURED: dict[tuple[str, tuple[int, ...]], int] = {}
+
+
+def step_bytes(config, devices: Sequence[jax.Device]) -> tuple[int, bool]:
+  """(per-device bytes of `config`'s compiled step, whether the compiler refused it); UserError if impossible."""
+  key = (config.to_json_best_effort(sort_keys=True), tuple(d.id for d in devices))
+  if key not in _MEASURED:
+    total, refused = plan.total_or_refused(config, devices)
+    _MEASURED[key] = -(total + 1) if refused else total
+  value = _MEASURED[key]
+  return (-value - 1, True) if value < 0 else (value, False)
+
+
+def _with(config, policy: str, accum: int):
+  return plan.with_overrides(config, {'train.remat_policy': policy, 'train.grad_accum_steps': accum})
+
+
+def resolve(config, devices: Sequence[jax.Device] | None = None, limit: footprint.Limit | None = None,
+            workdir: str | None = None, log_fn: Callable[[str], None] = logging.info):
+  """(config with 'auto' replaced by a concrete policy and accumulation, Choice); other configs pass unchanged."""
+  t = config.train
+  if t.remat_policy != 'auto':
+    return config, Choice(t.remat_policy, t.grad_accum_steps, None, '')
+  devices = list(devices or jax.devices())
+  limit = limit or footprint.device_limit(config, devices)
+  order = policies(config.model.name)
+  key = fingerprint(config, devices, limit)
+  if order is None or limit.bytes is None:
+    why = (f'model.name={config.model.name!r} takes no remat policy' if order is None else limit.source)
+    choice = Choice('none', t.grad_accum_steps, None, f"remat 'auto': 'none' ({why}).", key)
+  else:
+    saved = previous_choice(workdir)
+    if saved and saved.get('fingerprint') == key:
+      choice = Choice(**{**saved, 'summary': f"remat 'auto': {saved['remat_policy']!r} with grad_accum_steps="
+                                             f"{saved['grad_accum_steps']}, as chosen when this run started "
+                                             f"(its config, devices and memory are unchanged)."})
+    else:
+      choice = _search(config, devices, limit, order, key)
+  log_fn(choice.summary)
+  return _with(config, choice.remat_policy, choice.grad_accum_steps), choice
+
+
+def _search(config, devices, limit: footprint.Limit, order: tuple[str, ...], key: str) -> Choice:
+  """Compiles candidates: per accumulation (configured first), 'full' as the least-memory probe, then by order."""
+  mesh = mesh_lib.build_mesh(config.mesh, devices)
+  per_device = config.train.batch_size // (mesh.shape['data'] * mesh.shape['fsdp'])
+  first = config.train.grad_accum_steps
+  accums = [first] + [a for a in range(first + 1, per_device + 1) if per_device % a == 0]
+  budget = int(limit.bytes * (1 - footprint.MARGIN))
+  tried: dict[tuple[str, int], int | None] = {}
+
+  def need(policy, accum):
+    if (policy, accum) not in tried:
+      try:
+        total, refused = step_bytes(_with(config, policy, accum), devices)
+      except UserError:  # This accumulation or policy is not possible here (validation says why).
+        total, refused = None, False
+      tried[policy, accum] = max(total, limit.bytes + 1) if refused else total
+    return tried[policy, accum]
+
+  for accum in accums:
+    probe = need(order[-1], accum)
+    if probe is None or probe > budget:
+      continue
+    for policy in order:
+      total = need(policy, accum)
+      if total is not None and total <= budget:
+        return Choice(policy, accum, total, _summary(policy, accum, total, limit, tried, budget), key)
+  return Choice(order[-1], first, tried.get((order[-1], first)),
+                _summary(None, first, None, limit, tried, budget), key)
+
+
+def _summary(policy, accum, total, limit, tried, budget) -> str:
+  rejected = ', '.join(f'{p}{f" x{a} microbatches" if a > 1 else ""} ({footprint.gib(b)})'
+                       for (p, a), b in tried.items() if b is not None and b > budget)
+  not_fitting = f'; did not fit with {footprint.MARGIN:.0%} free: {rejected}' if rejected else ''
+  if policy is None:
+    return (f"remat 'auto': no policy fits in {footprint.gib(limit.bytes)} ({limit.source}) at any accumulation"
+            f"{not_fitting}; trying 'full'.")
+  return (f"remat 'auto': {policy!r} with grad_accum_steps={accum}, {footprint.gib(total)} of "
+          f"{footprint.gib(limit.bytes)} per device ({limit.source}){not_fitting}.")
