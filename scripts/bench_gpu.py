@@ -77,10 +77,13 @@ def measure(name: str, steps: int, warmup: int, attention: str | None, smoke: bo
   import jax
   from trainer import data, flops, goodput, guardrails, loop, preemption, profiling
   from trainer import job as job_lib
+  from trainer.memory import remat
   from trainer.metrics import MetricsWriter
 
   config = row_config(name, attention, smoke)
-  job = job_lib.build_job(config, jax.devices()[:1] if smoke else None)  # Smoke: compiles in seconds.
+  devices = jax.devices()[:1] if smoke else None  # Smoke: compiles in seconds.
+  config, _ = remat.resolve(config, devices, log_fn=print)  # The presets' remat 'auto', chosen as a launch does.
+  job = job_lib.build_job(config, devices)
   inputs = data.build(config, job.batch_shardings, jax.process_index(), jax.process_count())
   feed = data.DeviceFeed(inputs.train, job.batch_shardings, jax.process_count())
   workdir = tempfile.mkdtemp(prefix=f'bench_gpu_{name}_')

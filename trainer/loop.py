@@ -91,19 +91,22 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   # Global batches reach the devices while the step before them runs; checkpointed by what steps consumed.
   train_iter, eval_set = data.DeviceFeed(inputs.train, job.batch_shardings, process_count), inputs.eval_batches
   logging.info('Data: %s', inputs.description)
-  # Compiled and checked against device memory before anything touches the workdir: a refused launch changes nothing.
+  manifest = {**checkpoint.run_manifest(config, abstract, mesh), 'memory': memory_choice.record()}
+  # Before compiling: a foreign or unreadable workdir should fail in seconds, not minutes. (Only damaged steps are
+  # moved aside here, and kept; intact checkpoints are only read.)
+  ckpt = None if start_over else checkpoint.Checkpointer(workdir, config.ckpt)
+  resumable = [] if start_over else ckpt.resumable_steps(manifest)
+  # Compiled and checked against device memory before anything else touches the workdir: a refused launch, with
+  # --start_over too, changes nothing.
   start = time.perf_counter()
   compiled_step = preflight.compile_checked(job)
   compile_s = time.perf_counter() - start
   logging.info('Compiled the train step in %.1fs', compile_s)
-  if start_over:  # Only once the config and data were checked: a launch that fails early moves nothing.
+  if start_over:  # Only once the config, data and memory were checked: a launch that fails early moves nothing.
     checkpoint.start_over(workdir)
-
-  manifest = {**checkpoint.run_manifest(config, abstract, mesh), 'memory': memory_choice.record()}
+    ckpt = checkpoint.Checkpointer(workdir, config.ckpt)
   _describe(job, workdir, write=process_index == 0)
 
-  ckpt = checkpoint.Checkpointer(workdir, config.ckpt)
-  resumable = ckpt.resumable_steps(manifest)
   tracker = goodput_lib.Goodput(workdir, resumed_step=resumable[0] if resumable else None)
   tracker.compiled(compile_s)
 

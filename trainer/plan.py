@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import importlib.util
 import math
+import os
 from collections.abc import Sequence
 
 import jax
@@ -81,6 +82,10 @@ def topology_devices(topology: str) -> list[jax.Device]:
     raise UserError(f'--topology={topology!r} needs the TPU compiler, an optional extra of about 600 MB: '
                     f'pip install -r requirements-tpu-plan.txt (or run --plan without --topology).')
   from jax.experimental import topologies
+  # libtpu takes /tmp/libtpu_lockfile so that two processes never drive the same chips; compile-only devices drive
+  # none, and without this a second plan on the machine (two test workers, two terminals) fails to describe the
+  # slice ("Internal error when accessing libtpu multi-process lockfile": seen under pytest -n 2).
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
   try:
     return list(topologies.get_topology_desc(topology, 'tpu').devices)
   except Exception as e:  # pylint: disable=broad-except  (the TPU plugin raises its own runtime errors)
