@@ -27,17 +27,14 @@ def test_a_smoke_row_reports_throughput_and_data_wait_but_no_made_up_mfu_on_cpu(
   assert '| gpt2_b32 | 1 x cpu |' in out and '| - | - | - |' in out
 
 
-def test_every_row_builds_its_config_and_attention_is_passed_or_refused(bench):
+def test_every_row_builds_its_config_and_attention_is_passed(bench):
   for name in bench.ROWS:
     config = bench.row_config(name, None, smoke=False)
     assert config.ckpt.every_steps == 10**9 and config.train.eval_every_steps == 0
   assert bench.row_config('gpt2_b32_packed', None, smoke=False).data.packing
   assert bench.row_config('llama_b16_save_qkv_proj', None, smoke=False).train.remat_policy == 'save_qkv_proj'
   assert bench.row_config('vit_b256', None, smoke=False).train.batch_size == 256
-  if 'attention' in bench.row_config('gpt2_b32', None, smoke=False).model:
-    assert bench.row_config('gpt2_b32', 'xla', smoke=False).model.attention == 'xla'
-  else:
-    with pytest.raises(SystemExit, match='--attention=xla sets model.attention, which configs/base.py'):
-      bench.row_config('gpt2_b32', 'xla', smoke=False)
+  assert bench.row_config('gpt2_b32', None, smoke=False).model.attention == 'auto'
+  assert bench.row_config('gpt2_b32', 'xla', smoke=False).model.attention == 'xla'
   with pytest.raises(SystemExit, match=r"unknown --rows \['gpt3'\]"):
     bench.main(['--rows=gpt3'])

@@ -1,5 +1,6 @@
 """End to end through `python launch.py`: it learns, logs, checkpoints, resumes, and fails clearly."""
 
+import math
 import shutil
 
 import pytest
@@ -30,7 +31,9 @@ def test_loss_falls_and_metrics_are_written(finished_run):
   for record in records:
     assert {'step', 'loss', 'step_time_s', 'tokens_per_s', 'learning_rate', 'grad_norm'} <= record.keys()
     assert record['tokens_per_s'] > 0
-  assert records[-1]['loss'] < records[0]['loss'] - 0.5
+  # It learns: below the loss of uniform predictions, ln(256), which the initial model starts near (within 0.15;
+  # tests/test_presets.py), by more than that start's spread.
+  assert records[-1]['loss'] < min(records[0]['loss'], math.log(256)) - 0.3
   assert 'eval_loss' in records[-1]
   assert 'Mesh {\'data\': 8, \'fsdp\': 1, \'tensor\': 1} over 8 devices' in first.stderr
   assert 'step 8/8 | loss' in first.stderr

@@ -85,6 +85,7 @@ def test_tied_embeddings_have_no_head_and_logits_are_hidden_times_table_transpos
 def test_preset_parameter_counts_from_abstract_shapes(name, expected, target):
   """Counted by jax.eval_shape, so nothing is allocated; every parameter carries logical names for each axis."""
   config = getattr(configs, name).get_config()
+  config.train.remat_policy = 'full'  # The presets' 'auto' is resolved by the launcher before a model is built.
   model = llama.build(config)
   boxed = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 8), jnp.int32))['params']
   leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))

@@ -4,6 +4,7 @@ Every subprocess runs in its own session under a timeout, and is killed with its
 whole group if it overruns, so a hung collective fails the test instead of the suite.
 """
 
+import math
 import json
 import os
 import re
@@ -18,7 +19,6 @@ import time
 
 import pytest
 
-from conftest import REPO, read_metrics, run_launcher
 from parallel import distributed
 from trainer.errors import UserError
 
@@ -79,7 +79,7 @@ def test_two_processes_train_exactly_like_one(runs):
     for key in ('loss', 'eval_loss'):
       if key in b:
         assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (a['step'], key, a[key], b[key])
-  assert two[-1]['loss'] < two[0]['loss'] - 0.5
+  assert two[-1]['loss'] < min(two[0]['loss'], math.log(256)) - 0.3  # Learns (as in tests/test_launch.py).
 
 
 def test_relaunch_resumes_every_process_from_the_shared_checkpoint(runs):

@@ -84,7 +84,7 @@ def test_preset_builds_shards_on_2x2x2_and_runs_one_step(name):
 def test_a_language_model_starts_near_uniform_predictions(name):
   """Step-1 loss (the freshly initialized model's) within 0.15 of ln(vocab), every LM preset at its own vocabulary
   and tying, shrunk in depth and width (the head's init scale keeps the logits' stddev independent of width)."""
-  config = importlib.import_module(f'configs.{name}').get_config()
+  config = remat.resolve(importlib.import_module(f'configs.{name}').get_config())[0]
   vocab, tied = config.model.vocab_size, config.model.tie_embeddings
   config = _shrink(config)
   config.model.vocab_size, config.data.source = vocab, 'synthetic'
