@@ -4,8 +4,8 @@ Every subprocess runs in its own session under a timeout, and is killed with its
 whole group if it overruns, so a hung collective fails the test instead of the suite.
 """
 
-import math
 import json
+import math
 import os
 import re
 import shlex
@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from conftest import REPO, read_metrics, run_launcher
 from parallel import distributed
 from trainer.errors import UserError
 

@@ -13,6 +13,7 @@ import logging as std_logging
 import os
 import pathlib
 import shutil
+import sys
 
 from trainer.errors import UserError
 
@@ -70,12 +71,24 @@ def _mb(size: int) -> str:
   return f'{size / 2**20:.1f} MiB'
 
 
+# Where a failed save's echoes come from: Orbax's writer threads, and the asyncio tasks and loops they ran on
+# ("Task exception was never retrieved" at exit; "Event loop is closed" from threads finishing after their loop).
+_ECHO_SOURCES = ('orbax', 'asyncio', 'concurrent')
+
+
+def _is_save_echo(error: BaseException | None) -> bool:
+  return error is not None and (write_failure(error) is not None or
+                                (isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'))
+
+
 class _OneLine(std_logging.Filter):
-  """Orbax's records of a failed write, kept as one line each: the traceback is dropped, the error kept."""
+  """A failed write's records, kept as one line each: the traceback is dropped, the error kept."""
 
   def filter(self, record: std_logging.LogRecord) -> bool:
-    if ('orbax' in record.pathname and record.exc_info and record.exc_info[1] is not None
-        and write_failure(record.exc_info[1]) is not None):
+    if (any(s in record.pathname for s in _ECHO_SOURCES) and record.exc_info
+        and _is_save_echo(record.exc_info[1])):
+      if 'asyncio' in record.pathname:  # "... exception was never retrieved", one per array: Orbax said it once.
+        return False
       record.msg = f'{record.getMessage()} ({" ".join(str(record.exc_info[1]).split())[:200]})'
       record.args, record.exc_info, record.exc_text = None, None, None
     return True
@@ -84,11 +97,21 @@ class _OneLine(std_logging.Filter):
 _FILTER = _OneLine()
 
 
+def _one_line_unraisable(unraisable) -> None:
+  """sys.unraisablehook: the same echoes, raised where Python can only print them, as one line each."""
+  if _is_save_echo(unraisable.exc_value):
+    print(f'(after a failed save) {type(unraisable.exc_value).__name__}: '
+          f'{" ".join(str(unraisable.exc_value).split())[:200]}', file=sys.stderr)
+    return
+  sys.__unraisablehook__(unraisable)
+
+
 def quiet_orbax_tracebacks() -> None:
-  """Installs the one-line filter on the handlers absl logs through (idempotent)."""
+  """Installs the one-line filter on the handlers absl logs through, and the unraisable hook (idempotent)."""
   for handler in std_logging.getLogger().handlers + std_logging.getLogger('absl').handlers:
     if _FILTER not in handler.filters:
       handler.addFilter(_FILTER)
+  sys.unraisablehook = _one_line_unraisable
 
 
 def describe(error: BaseException, workdir: str | os.PathLike) -> str | None:
