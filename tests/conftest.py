@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -71,3 +72,11 @@ class ApplyTask:
 
   def weight(self, batch):
     return self.objective.weight(batch)
+
+
+def free_port() -> int:
+  """A port free on 127.0.0.1 now, for a coordinator of real multi-process runs (tests pick fresh ones, so two test
+  processes under pytest -n 2 do not collide)."""
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]

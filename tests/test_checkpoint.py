@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from conftest import REPO, make_text_dir
+from conftest import REPO, free_port, make_text_dir
 from parallel import sharding
 from trainer import checkpoint, data
 from trainer import job as job_lib
@@ -218,16 +218,9 @@ ckpt.close()
 '''
 
 
-def _free_port() -> int:
-  import socket
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 def test_a_two_process_save_restores_its_state_in_one_process(tmp_path, text_dir):
   """State only, through the Checkpointer (the data position is per process; see check_compatible)."""
-  script = TWO_PROCESS_SAVER.format(repo=str(REPO), port=_free_port(), text_dir=str(text_dir),
+  script = TWO_PROCESS_SAVER.format(repo=str(REPO), port=free_port(), text_dir=str(text_dir),
                                     workdir=str(tmp_path))
   env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4', 'JAX_PLATFORMS': 'cpu'}
   procs = [subprocess.Popen([sys.executable, '-c', script, str(i)], cwd=REPO, env=env, stdout=subprocess.PIPE,

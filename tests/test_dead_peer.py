@@ -9,7 +9,6 @@ watchdog.PEER_LOST_EXIT_CODE and one line naming the lost process (before: a
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,16 +16,10 @@ import time
 
 import pytest
 
-from conftest import REPO, CACHE_ENV
+from conftest import CACHE_ENV, REPO, free_port
 from parallel import watchdog
 
 TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('', 0))
-    return s.getsockname()[1]
 
 
 def _start(process_id: int, port: int, workdir) -> subprocess.Popen:
@@ -44,7 +37,7 @@ def _start(process_id: int, port: int, workdir) -> subprocess.Popen:
 # survivor before the watchdog reports (parallel/watchdog.py); DEAD_PEER_VICTIMS=1,0,0,0 runs what BENCHMARKS.md counts.
 @pytest.mark.parametrize('victim', [int(v) for v in os.environ.get('DEAD_PEER_VICTIMS', '1').split(',')])
 def test_a_killed_peer_is_named_by_the_survivor_within_30s(tmp_path, victim):
-  port = _free_port()
+  port = free_port()
   procs = [_start(i, port, tmp_path) for i in (0, 1)]
   survivor = procs[1 - victim]
   logs, trained = ([], []), threading.Event()

@@ -11,7 +11,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import REPO, read_metrics, run_launcher
+from conftest import REPO, free_port, read_metrics, run_launcher
 from parallel import distributed
 from trainer.errors import UserError
 
@@ -118,14 +117,8 @@ def test_only_process_0_writes_metrics_and_config(runs):
   assert json.loads((runs['two'] / 'config.json').read_text())['train']['steps'] == 10
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('', 0))
-    return s.getsockname()[1]
-
-
 def test_a_process_that_never_joins_fails_every_waiting_process_in_one_line(tmp_path):
-  port = _free_port()
+  port = free_port()
   env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4', 'JAX_PLATFORMS': 'cpu'}
   start = time.monotonic()
   result = _run([sys.executable, str(REPO / 'launch.py'), TINY[0], f'--workdir={tmp_path}',
@@ -145,7 +138,7 @@ def test_a_process_that_never_joins_fails_every_waiting_process_in_one_line(tmp_
 
 
 def test_a_detected_slurm_launch_with_a_missing_task_fails_in_one_line(tmp_path):
-  port = _free_port()
+  port = free_port()
   env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4', 'JAX_PLATFORMS': 'cpu',
          'SLURM_JOB_ID': '77', 'SLURM_STEP_NODELIST': 'localhost', 'SLURM_NTASKS': '2', 'SLURM_PROCID': '0',
          'SLURM_LOCALID': '0', 'JAX_COORDINATOR_PORT': str(port)}
@@ -182,7 +175,7 @@ def _check_in_concurrently(*processes: tuple[int, int], port: int, timeout_s: in
 
 
 def test_every_waiting_process_names_the_missing_one():
-  port = _free_port()
+  port = free_port()
   errors = _check_in_concurrently((0, 3), (1, 3), port=port)
   for error in errors:
     assert error.startswith(f'process 2 of 3 did not join within --distributed_timeout_s=2 (2 of 3 joined at the '
@@ -190,7 +183,7 @@ def test_every_waiting_process_names_the_missing_one():
 
 
 def test_a_process_without_its_coordinator_says_so():
-  port = _free_port()
+  port = free_port()
   [error] = _check_in_concurrently((1, 2), port=port, timeout_s=1)
   assert error.startswith(f'process 0 of 2 (the coordinator at 127.0.0.1:{port}) did not join within '
                           f'--distributed_timeout_s=1: process 1 could not reach it'), error
@@ -202,7 +195,7 @@ def test_a_process_without_its_coordinator_says_so():
     (((0, 3), (1, 3), (1, 3)), 'two processes were started with --process_id=1'),
 ])
 def test_inconsistent_processes_fail_all_of_them(processes, expected):
-  errors = _check_in_concurrently(*processes, port=_free_port(), timeout_s=10)
+  errors = _check_in_concurrently(*processes, port=free_port(), timeout_s=10)
   for error in errors:
     assert expected in error, error
 
