@@ -59,6 +59,10 @@ def get_config() -> config_dict.ConfigDict:
       ('patch', None),  # Pixels of one image patch (ViT's patch embedding input).
       ('classes', None),  # A classifier's output classes.
   )
+  # Rules tried before logical_axis_rules (the first rule naming an axis wins): add or override one without
+  # retyping the defaults, e.g. (('model', 'tensor'),) for a model written for a mesh with a 'model' axis.
+  c.parallel.extra_axis_rules = ()
+  c.parallel.unnamed_params = 'auto'  # Parameters with no axis names: 'auto' (replicate small ones, split the largest dim of big ones over fsdp), 'replicate' or 'error'.
 
   c.ckpt = config_dict.ConfigDict()
   c.ckpt.every_steps = 500  # Save a checkpoint every N steps; the last step is always saved.
@@ -110,5 +114,6 @@ def get_config() -> config_dict.ConfigDict:
   # small depth: 2 layers ran 40% faster unrolled on CPU); 'auto' scans above 4 layers (trainer/models/layer_scan.py).
   c.model.scan_layers = config_dict.FieldReference('auto', field_type=object)  # True, False or 'auto' (any type).
   c.model.attention = 'auto'  # Attention kernel: 'auto' (cuDNN on NVIDIA GPUs, splash on TPUs, XLA elsewhere; the log says which and why), 'xla', 'cudnn' or 'splash'.
+  c.model.check_alignment = True  # Your own 'lm' model: before step 1, probe that logits[t] read inputs[t] and no later input (trainer/models/contract.py).
 
   return c

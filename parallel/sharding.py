@@ -11,15 +11,35 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from parallel import mesh as mesh_lib
+
 from trainer.errors import UserError
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 
 def rules_from_config(parallel_config) -> tuple[tuple[str, object], ...]:
-  """The config's rules as hashable tuples (ConfigDict may hand back lists)."""
-  return tuple((name, tuple(axis) if isinstance(axis, list) else axis)
-               for name, axis in parallel_config.logical_axis_rules)
+  """The rules in force, as hashable tuples (ConfigDict may hand back lists).
+
+  `parallel.extra_axis_rules` first (Flax takes the first rule naming an axis,
+  so they override without retyping the defaults), then
+  `parallel.logical_axis_rules`, then one identity rule per mesh axis no rule
+  names: a parameter or activation named after a mesh axis ('data', 'fsdp',
+  'tensor', as models written for their own mesh name them) is split over it.
+  """
+  rules = []
+  for key in ('extra_axis_rules', 'logical_axis_rules'):
+    for rule in parallel_config[key]:
+      axes = rule[1] if isinstance(rule, (tuple, list)) and len(rule) == 2 else ()
+      axes = (axes,) if isinstance(axes, str) or axes is None else tuple(axes)
+      if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
+              and all(a is None or a in mesh_lib.AXES for a in axes)):
+        raise UserError(f'parallel.{key}: {rule!r} is not a rule; each is (name, mesh axis), with a mesh axis of '
+                        f"{mesh_lib.AXES}, a tuple of them, or None, e.g. ('model', 'tensor').")
+      rules.append((rule[0], tuple(rule[1]) if isinstance(rule[1], list) else rule[1]))
+  rules = tuple(rules)
+  named = {name for name, _ in rules}
+  return rules + tuple((axis, axis) for axis in mesh_lib.AXES if axis not in named)
 
 
 def tree_shardings(abstract_boxed_tree, mesh: Mesh, rules: Rules):
@@ -53,24 +73,29 @@ def _bytes_per_device(abstract, named: NamedSharding) -> int:
   return math.prod(named.shard_shape(abstract.shape)) * abstract.dtype.itemsize
 
 
-def sharding_table(abstract_state, shardings) -> tuple[str, dict[str, int]]:
+def sharding_table(abstract_state, shardings, notes: dict[str, str] | None = None) -> tuple[str, dict[str, int]]:
   """A table of every parameter (path, shape, PartitionSpec, bytes per device) and per-device totals.
 
+  `notes` ({path: text}, from parallel/param_names.py) adds a column saying how
+  the names of parameters the model did not fully name were chosen.
   Returns (text, totals) where totals has params / opt_state bytes per device and in total.
   """
-  rows = [('parameter', 'shape', 'spec', 'bytes/device')]
+  notes = notes or {}
+  rows = [('parameter', 'shape', 'spec', 'bytes/device') + (('names',) if notes else ())]
   for (path, leaf), named in zip(jax.tree_util.tree_flatten_with_path(abstract_state.params)[0],
                                  jax.tree.leaves(shardings.params)):
-    rows.append((path_name(path), str(tuple(leaf.shape)), str(tuple(named.spec)),
-                 f'{_bytes_per_device(leaf, named):,}'))
+    where = path_name(path)
+    rows.append((where, str(tuple(leaf.shape)), str(tuple(named.spec)), f'{_bytes_per_device(leaf, named):,}')
+                + ((notes.get(where, 'from the model'),) if notes else ()))
   totals = {}
   for part in ('params', 'opt_state'):
     leaves = jax.tree.leaves(getattr(abstract_state, part))
     named = jax.tree.leaves(getattr(shardings, part))
     totals[f'{part}_bytes_per_device'] = sum(_bytes_per_device(a, n) for a, n in zip(leaves, named))
     totals[f'{part}_bytes_total'] = sum(a.size * a.dtype.itemsize for a in leaves)
-  widths = [max(len(r[i]) for r in rows) for i in range(4)]
-  lines = ['  '.join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  lines = ['  '.join(c.rjust(w) if i == 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+           for r in rows]
   for part in ('params', 'opt_state'):
     lines.append(f'{part} per device: {totals[f"{part}_bytes_per_device"]:,} bytes '
                  f'of {totals[f"{part}_bytes_total"]:,} in total')

@@ -227,6 +227,12 @@ class _PmapWithGlobalBatch:
         lambda x: jax.core.ShapedArray(_per_device_shape(x.shape, self._mesh), x.dtype), batch)
     return _PmapWithGlobalBatch(self._fn.lower(abstract_tree, abstract_batch), self._mesh)
 
+  def trace(self, tree, batch):
+    """The step traced on abstract values (nothing lowered or compiled): raises what the model raises."""
+    return jax.eval_shape(self._fn, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree),
+                          jax.tree.map(lambda x: jax.ShapeDtypeStruct(_per_device_shape(x.shape, self._mesh),
+                                                                      x.dtype), batch))
+
   def compile(self) -> '_PmapWithGlobalBatch':
     return _PmapWithGlobalBatch(self._fn.compile(), self._mesh)
 

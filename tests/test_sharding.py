@@ -1,5 +1,7 @@
 """Logical-axis rules to shardings: the table a user sees, and that nothing is held whole per device."""
 
+import flax.linen as nn
+import pytest
 from ml_collections import config_dict
 
 from configs import tiny
@@ -8,6 +10,7 @@ from parallel import sharding
 from trainer import optimizer
 from trainer import task as task_lib
 from trainer import state as state_lib
+from trainer.errors import UserError
 
 
 def _abstract(mesh_shape):
@@ -52,6 +55,18 @@ def test_created_state_lands_in_its_shardings_without_a_whole_copy_per_device():
       (config.model.num_layers, config.model.d_model // 8, config.model.mlp_dim)}
 
 
-def test_rules_from_config_are_hashable_tuples():
-  parallel = config_dict.ConfigDict({'logical_axis_rules': [['batch', ['data', 'fsdp']], ['embed', 'fsdp']]})
-  assert sharding.rules_from_config(parallel) == (('batch', ('data', 'fsdp')), ('embed', 'fsdp'))
+def test_rules_from_config_are_hashable_tuples_extra_rules_first_mesh_axes_last():
+  parallel = config_dict.ConfigDict({'logical_axis_rules': [['batch', ['data', 'fsdp']], ['embed', 'fsdp']],
+                                     'extra_axis_rules': [['embed', None], ['tensor', 'fsdp']]})
+  rules = sharding.rules_from_config(parallel)
+  assert rules == (('embed', None), ('tensor', 'fsdp'), ('batch', ('data', 'fsdp')), ('embed', 'fsdp'),
+                   ('data', 'data'), ('fsdp', 'fsdp'))  # 'tensor' is a rule's name already: no identity rule.
+  # Flax takes the first rule naming an axis: the extra rule overrides the default one.
+  assert tuple(nn.logical_to_mesh_axes(('embed', 'batch'), rules)) == (None, ('data', 'fsdp'))
+
+
+@pytest.mark.parametrize('rule', [('model',), ('model', 'tp'), (3, 'tensor')])
+def test_a_malformed_rule_is_one_line_naming_the_key(rule):
+  parallel = config_dict.ConfigDict({'logical_axis_rules': [], 'extra_axis_rules': [rule]})
+  with pytest.raises(UserError, match=r"parallel.extra_axis_rules: .* is not a rule; each is \(name, mesh axis\)"):
+    sharding.rules_from_config(parallel)

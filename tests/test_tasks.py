@@ -136,16 +136,18 @@ def test_a_custom_loss_method_replaces_the_objective():
     ('tests.custom_modls:MlpLM', r"there is no module 'tests.custom_modls' to import"),
     ('tests.custom_models:MlpLm', r"has no attribute 'MlpLM'|has no attribute 'MlpLm'.*Did you mean 'MlpLM'"),
     ('custom_models.MlpLM', r"neither a registered model \(llama, vit\) nor an import path"),
-    ('tests.custom_models:NnxWithoutNames', r'3 parameter\(s\) have no logical axis names: embed/embedding \(256, 8\), '
-     r'out/bias \(256,\).*nnx.with_partitioning'),
-    ('tests.custom_models:linen_without_names', r'3 parameter\(s\) have no logical axis names: .*Dense_0/bias.*'
-     r'nn.with_logical_partitioning'),
-    ('tests.custom_models:NnxUnknownAxis', r"scale uses logical axis name\(s\) \['logits'\] that "
-     r"parallel.logical_axis_rules does not map"),
+    ('tests.custom_models:NnxWithoutNames', r"3 parameter\(s\) have no axis names: embed/embedding \(256, 8\), "
+     r"out/bias \(256,\).*parallel.unnamed_params='error'. Name them with nnx.with_partitioning"),
+    ('tests.custom_models:linen_without_names', r"3 parameter\(s\) have no axis names: .*Dense_0/bias.*"
+     r"nn.with_logical_partitioning"),
+    ('tests.custom_models:NnxUnknownAxis', r"scale names axis 'logits', which is neither a mesh axis \(data, fsdp, "
+     r"tensor\) nor in parallel.logical_axis_rules; map it with --config.parallel.extra_axis_rules="),
 ])
 def test_unusable_model_names_what_is_missing(name, message):
+  config = _config(name)
+  config.parallel.unnamed_params = 'error'  # The default ('auto') names them; tests/test_param_names.py shows how.
   with pytest.raises(UserError, match=message):
-    job.build_job(_config(name))
+    job.build_job(config)
 
 
 def test_misspelled_import_path_is_one_line_from_the_launcher(launcher, tmp_path):

@@ -18,6 +18,7 @@ from trainer import guardrails, optimizer, validation
 from trainer import step as step_lib
 from trainer import state as state_lib
 from trainer import task as task_lib
+from trainer.models import contract, registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,11 @@ class Job:
   abstract_batch: dict[str, jax.ShapeDtypeStruct]
   train_step: Any  # Partitioned by the strategy; `.lower(state, batch).compile()`.
   eval_step: Any
+
+  @property
+  def brought_model(self) -> bool:
+    """The model is the user's own (an import path), not one the launcher registers and tests."""
+    return registry.registered_task(self.config.model.name) is None
 
   def compile_train_step(self):
     """Ahead-of-time compile for the configured mesh: the one compile of the run."""
@@ -54,8 +60,7 @@ def build_job(config, devices: Sequence[jax.Device] | None = None) -> Job:
   validation.validate_strategy(config, mesh)
   validation.validate_grad_accum(config, mesh)
   rules = sharding.rules_from_config(config.parallel)
-  # Under 'jit' the model may pin activation shardings; per-device strategies run it on local shards.
-  task = task_lib.build_task(config, *((mesh, rules) if config.parallel.strategy == 'jit' else (None, rules)))
+  task = task_lib.build_task(config, mesh, rules)
   sharding.check_divisible(task.model.abstract_boxed, mesh, rules)
   tx, schedule = optimizer.build_optimizer(config.train)
   guardrails.validate(config.train.on_nonfinite)
@@ -68,4 +73,7 @@ def build_job(config, devices: Sequence[jax.Device] | None = None) -> Job:
   train_step = strategy.partition_train_step(name, mesh, shardings, per_key, task=task, tx=tx, schedule=schedule,
                                              options=step_lib.StepOptions.from_config(config.train))
   eval_step = strategy.partition_eval_step(name, mesh, shardings.params, per_key, task=task)
-  return Job(config, mesh, task, tx, abstract, shardings, per_key, abstract_batch, train_step, eval_step)
+  job = Job(config, mesh, task, tx, abstract, shardings, per_key, abstract_batch, train_step, eval_step)
+  if job.brought_model:
+    contract.check_strategy(job)
+  return job

@@ -21,6 +21,7 @@ from trainer import goodput as goodput_lib
 from trainer import profiling, progress
 from trainer import job as job_lib
 from trainer.memory import preflight, remat
+from trainer.models import contract
 from trainer.metrics import MetricsWriter
 
 
@@ -96,6 +97,9 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   # moved aside here, and kept; intact checkpoints are only read.)
   ckpt = None if start_over else checkpoint.Checkpointer(workdir, config.ckpt)
   resumable = [] if start_over else ckpt.resumable_steps(manifest)
+  if (not resumable and job.brought_model and objective.kind == 'lm' and not job.task.custom_loss
+      and config.model.check_alignment):
+    contract.check_alignment(job, config.train.seed)  # Seconds, and before the long compile.
   # Compiled and checked against device memory before anything else touches the workdir: a refused launch, with
   # --start_over too, changes nothing.
   start = time.perf_counter()
@@ -159,7 +163,7 @@ def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
   logging.info('Mesh %s over %d devices (%d processes); model: %s (%s, %s), %s parameters', dict(mesh.shape),
                mesh.size, jax.process_count(), config.model.name, job.task.model.framework, config.model.task,
                f'{num_params:,}')
-  table, _ = sharding.sharding_table(job.abstract, job.shardings)
+  table, _ = sharding.sharding_table(job.abstract, job.shardings, job.task.param_notes)
   if write:
     logging.info('Sharding (also in %s/sharding.txt):\n%s', workdir, table)
     pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)

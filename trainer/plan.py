@@ -163,8 +163,9 @@ def report(plan: Plan, config) -> str:
 
 def _candidates(config, mesh_shape: dict[str, int]) -> list[tuple[str, dict[str, object]]]:
   """Config changes that lower per-device memory, each as (flags, overrides)."""
+  from trainer.memory import remat  # Here: remat imports this module.
   out = []
-  if config.train.remat_policy != 'full':
+  if config.train.remat_policy != 'full' and remat.policies(config.model.name) is not None:  # Only where it applies.
     out.append({'train.remat_policy': 'full'})
   data, fsdp = mesh_shape['data'], mesh_shape['fsdp']
   if data % 2 == 0:

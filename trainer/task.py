@@ -5,11 +5,15 @@ user writes is one class (or a function returning one):
 
 - how to build it from the config: `MyModel(config, rngs=...)` for Flax NNX,
   or `build(config) -> linen.Module` for Linen (modules are not rewritten);
-- the logical axis names of its parameters (`nnx.with_partitioning`,
-  `nn.with_logical_partitioning`), which `parallel.logical_axis_rules` map to
-  mesh axes;
-- its call: `model(inputs)` -> logits for `model.task='lm'`, `model(images)`
-  -> logits for 'classifier'. The loss, metrics and the batch's shapes come from
+- optionally, the axis names of its parameters, logical or mesh axes, as
+  Flax writes them (parallel/param_names.py says how each kind is read, and
+  what parameters without names get);
+- its call: `model(inputs)` -> logits for `model.task='lm'`, where logits[t]
+  scores targets[t] = inputs[t + 1] (the batch is already shifted: a model
+  must not shift again), `model(images)` -> logits for 'classifier'.
+- optional keywords its builder may take: `mesh`, `rules` (under 'jit'),
+  `dtype` (train.compute_dtype; else its float parameters are cast inside the
+  step), `param_dtype`, `remat_policy` (else a warning says it does not apply). The loss, metrics and the batch's shapes come from
   the task (trainer/objectives.py); a class that defines
   `loss(self, batch) -> (loss, metrics)` uses its own loss instead (the loss is
   a mean over the task's weight: tokens for 'lm', rows for 'classifier').
@@ -19,14 +23,21 @@ or an import path 'my_pkg.my_module:MyModel'. Everything about the model is
 checked here, before any compile.
 """
 
+import contextlib
 import dataclasses
+import functools
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
+from absl import logging
+from jax.sharding import Mesh
 
-from parallel import sharding
-from trainer import objectives
+from parallel import param_names, sharding
+from trainer import objectives, precision
 from trainer.errors import UserError
 from trainer.models import adapters, registry
 
@@ -39,13 +50,45 @@ class Task:
   objective: objectives.Objective
   model: adapters.AdaptedModel
   custom_loss: bool  # The model's class defines `loss(self, batch)`.
+  # Under 'jit', a brought model's own sharding constraints (a bare PartitionSpec, nn.with_logical_constraint)
+  # are read against this mesh and these rules while it is traced; None under the per-device strategies.
+  mesh: Mesh | None = None
+  rules: tuple = ()
+  # The compute dtype of a brought model whose builder takes no `dtype`: its float parameters are cast to it inside
+  # the loss (float32 master weights and gradients stay in train.param_dtype); None when nothing is cast.
+  cast_params_to: Any = None
+  param_notes: dict[str, str] = dataclasses.field(default_factory=dict)  # How unnamed parameters were named.
+
+  def bind(self, params):
+    """The model bound to `params`, in the compute dtype (to be called inside `context()`)."""
+    if self.cast_params_to is not None:
+      dtype = self.cast_params_to
+      params = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+    return self.model.bind(params)
+
+  # A Linen model naming mesh axes this mesh lacks (mapped by rules) gets the physical-mesh context (see
+  # physical_mesh_context): its bare PartitionSpecs work, its nn.with_logical_constraint calls do nothing.
+  physical_context: bool = False
+
+  def context(self):
+    """Where the model runs: the mesh and rules its own sharding constraints name, under 'jit'."""
+    if self.physical_context:
+      return physical_mesh_context(self.mesh)
+    return mesh_context(self.mesh, self.rules)
 
   def loss(self, params, batch: Batch) -> tuple[jax.Array, Metrics]:
     """(loss to minimize, metrics), both means over `weight(batch)`."""
-    model = self.model.bind(params)
-    if self.custom_loss:
-      return model.loss(batch)
-    return self.objective.loss(model, batch)
+    with self.context():
+      model = self.bind(params)
+      if self.custom_loss:
+        return model.loss(batch)
+      return self.objective.loss(model, batch)
+
+  def outputs(self, params, batch: Batch) -> jax.Array:
+    """The model's own output on `batch` (logits), called the way the objective calls it."""
+    args, kwargs = self.objective.model_inputs(batch)
+    with self.context():
+      return self.bind(params)(*args, **kwargs)
 
   def weight(self, batch: Batch) -> jax.Array:
     return self.objective.weight(batch)
@@ -54,43 +97,84 @@ class Task:
     return self.objective.batch_shapes()
 
 
-def build_task(config, mesh=None, rules: Sequence = ()) -> Task:
-  """Resolves `model.name`, builds the model abstractly and checks its parameters' logical axes against `rules`.
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh | None, rules: Sequence):
+  """While tracing: a model's bare PartitionSpecs and nn.with_logical_constraint read this mesh and these rules."""
+  if mesh is None:
+    yield
+    return
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(tuple(rules)):
+    yield
 
-  `mesh` goes to model builders that take one (activation sharding constraints
-  under the 'jit' strategy); `rules` are also what every parameter name must be in.
+
+@contextlib.contextmanager
+def physical_mesh_context(mesh: Mesh | None):
+  """Bare PartitionSpecs read `mesh`, and Flax does not pin parameters to their names.
+
+  Under jax.sharding.use_abstract_mesh, Flax 0.12 pins each nn.with_partitioning
+  parameter to its names as mesh axes whenever it unboxes one (at init, and in
+  every apply, where Linen re-runs the initializer abstractly to check shapes),
+  which fails for a name only a rule maps ('model'). Under the older
+  `with mesh:` context Flax sees no mesh and jax still resolves bare
+  PartitionSpecs (test_brought_models.py). The launcher shards parameters itself.
+  """
+  if mesh is None:
+    yield
+    return
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', DeprecationWarning)  # `with mesh:`, which jax 0.10 still honours.
+    with mesh:
+      yield
+
+
+def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
+  """Resolves `model.name`, builds the model abstractly and names every parameter's axes (parallel/param_names.py).
+
+  Under the 'jit' strategy `mesh` and `rules` also go to model builders that
+  take them (activation sharding constraints); the per-device strategies run
+  the model on local shards, with neither.
   """
   name = config.model.name
+  rules = tuple(rules) or sharding.rules_from_config(config.parallel)
   made_for = registry.registered_task(name)
   if made_for is not None and made_for != config.model.task:
     raise UserError(f"model.name={name!r} is a {made_for!r} model but model.task={config.model.task!r}; "
                     f"set --config.model.task={made_for}.")
   objective = objectives.for_config(config)
   builder = registry.resolve(name)
-  model = adapters.adapt(builder, config, objectives.example_inputs(objective), mesh, rules)
-  check_axis_names(model, name, rules)
-  return Task(objective, model, custom_loss=callable(getattr(model.module_class, 'loss', None)))
+  under_jit = config.parallel.strategy == 'jit'
+  keywords = {'mesh': mesh if under_jit else None, 'rules': tuple(rules)}
+  cast_to = None
+  if made_for is None:  # Built-in models read train.* themselves; a brought one gets them as keywords it takes.
+    keywords, cast_to = _brought_model_keywords(config, builder, keywords)
+  # A Linen model is initialized by tracing its call on the global batch, under jit for every strategy.
+  init_context = functools.partial(physical_mesh_context, mesh if made_for is None else None)
+  model = adapters.adapt(builder, config, objectives.example_inputs(objective), keywords, init_context)
+  mesh_shape = dict(mesh.shape) if mesh is not None else {'fsdp': 1}
+  foreign = param_names.names_foreign_mesh_axes(model.abstract_boxed)
+  boxed, notes = param_names.name_params(model.abstract_boxed, rules, mesh_shape, config.parallel.unnamed_params, name,
+                                         model.framework)
+  model = dataclasses.replace(model, abstract_boxed=boxed)
+  return Task(objective, model, custom_loss=callable(getattr(model.module_class, 'loss', None)),
+              mesh=mesh if under_jit and made_for is None else None, rules=tuple(rules), cast_params_to=cast_to,
+              param_notes=notes, physical_context=foreign)
 
 
-def check_axis_names(model: adapters.AdaptedModel, name: str, rules: Sequence) -> None:
-  """Every parameter names each of its dimensions, with names the rules know; else one error listing them."""
-  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
-  leaves = jax.tree_util.tree_flatten_with_path(model.abstract_boxed, is_leaf=is_box)[0]
-  unnamed = [f'{sharding.path_name(p)} {tuple(leaf.shape)}' for p, leaf in leaves if not is_box(leaf)]
-  if unnamed:
-    how = ('nnx.with_partitioning(init, names) on its initializer' if model.framework == 'nnx'
-           else 'nn.with_logical_partitioning(init, names) on its initializer')
-    raise UserError(f'model.name={name!r}: {len(unnamed)} parameter(s) have no logical axis names: '
-                    f'{", ".join(unnamed[:6])}{" ..." if len(unnamed) > 6 else ""}. Name every dimension with {how}, '
-                    f"e.g. ('embed', 'mlp'); parallel.logical_axis_rules maps the names to mesh axes.")
-  known = {rule[0] for rule in rules}
-  for p, box in leaves:
-    names, where = tuple(box.names), sharding.path_name(p)
-    if len(names) != len(box.value.shape):
-      raise UserError(f'model.name={name!r}: parameter {where} has shape {tuple(box.value.shape)} but '
-                      f'{len(names)} axis names {names}; give one name (or None) per dimension.')
-    missing = [n for n in names if n is not None and n not in known]
-    if rules and missing:
-      raise UserError(f'model.name={name!r}: parameter {where} uses logical axis name(s) {missing} that '
-                      f'parallel.logical_axis_rules does not map; add e.g. ({missing[0]!r}, None) (replicated) or '
-                      f"({missing[0]!r}, 'tensor') to the rules in your config.")
+def _brought_model_keywords(config, builder, keywords: dict) -> tuple[dict, Any]:
+  """The keywords a brought model's builder takes for train.compute_dtype / param_dtype / remat_policy, and the
+  dtype to cast its parameters to when it takes no `dtype`; logs how each setting reaches the model."""
+  name, train = config.model.name, config.train
+  dtype = precision.compute_dtype(train.compute_dtype)
+  keywords = dict(keywords, dtype=dtype, param_dtype=jnp.dtype(train.param_dtype), remat_policy=train.remat_policy)
+  cast_to = None
+  if adapters.takes_keyword(builder, 'dtype'):
+    logging.info('train.compute_dtype: %s reaches model.name=%r as its dtype= keyword.', dtype.name, name)
+  elif dtype != jnp.float32:
+    cast_to = dtype
+    logging.info('train.compute_dtype: model.name=%r takes no dtype= keyword, so its float parameters are cast to %s '
+                 'inside the step (master weights and gradients stay %s).', name, dtype.name, train.param_dtype)
+  if not adapters.takes_keyword(builder, 'remat_policy') and train.remat_policy != 'none':
+    logging.warning('train.remat_policy=%r does not apply to model.name=%r: its builder takes no remat_policy= '
+                    'keyword (README, "Bring your own model"). It trains without rematerialization.',
+                    train.remat_policy, name)
+  return keywords, cast_to

@@ -57,8 +57,25 @@ class Choice:
     return dataclasses.asdict(self)
 
 
+# The policies a brought model's builder may be handed as `remat_policy=` (README, "Bring your own model"): jax's
+# own, by name; `checkpoint_policy(name)` is what to give `nn.remat` / `nnx.remat` / `jax.checkpoint` for each.
+GENERIC_POLICIES = {
+    'full': None,  # Save nothing: the whole block is recomputed in the backward pass.
+    'dots_saveable': jax.checkpoint_policies.dots_saveable,
+    'dots_with_no_batch_dims_saveable': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def checkpoint_policy(name: str):
+  """The `jax.checkpoint` policy for a train.remat_policy name a brought model was given (not 'none')."""
+  if name not in GENERIC_POLICIES:
+    raise UserError(f'train.remat_policy={name!r}: a model of your own takes one of none, '
+                    f'{", ".join(GENERIC_POLICIES)}.')
+  return GENERIC_POLICIES[name]
+
+
 def policies(model_name: str) -> tuple[str, ...] | None:
-  """The remat policies a model takes, least recomputation first; None for models brought by the user."""
+  """The remat policies a model takes, least recomputation first; None for a brought model taking none."""
   if model_name == 'llama':
     from trainer.models import llama
     known = llama.REMAT_POLICIES
@@ -66,7 +83,10 @@ def policies(model_name: str) -> tuple[str, ...] | None:
     from trainer.models import vit
     known = vit.REMAT_POLICIES
   else:
-    return None
+    from trainer.models import adapters, registry
+    if not adapters.takes_keyword(registry.resolve(model_name), 'remat_policy'):
+      return None
+    known = GENERIC_POLICIES
   return tuple(p for p in RECOMPUTE_ORDER if p == 'none' or p in known)
 
 

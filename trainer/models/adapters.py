@@ -18,6 +18,7 @@ as `model.init(key, ...)`, so a hand-written loop reproduces the launcher's
 initial parameters from `train.seed`.
 """
 
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import Callable
@@ -51,17 +52,32 @@ class AdaptedModel:
                         self.abstract_boxed, params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
-def call_builder(builder: Callable, config, mesh, rules, **extra) -> Any:
-  """`builder(config, **extra)`, plus `mesh=`/`rules=` when its signature takes them."""
+def _signature(builder: Callable) -> tuple[set[str], bool]:
+  """(keyword names the builder's signature lists, whether it takes **kwargs)."""
   # A class's own __init__: NNX's metaclass hides it behind a generic (*args, **kwargs) __call__.
   target = builder.__init__ if isinstance(builder, type) else builder
   try:
     accepted = inspect.signature(target).parameters
   except (TypeError, ValueError):
-    accepted = {}
-  takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-  context = {k: v for k, v in (('mesh', mesh), ('rules', rules)) if takes_all or k in accepted}
-  return builder(config, **extra, **context)
+    return set(), False
+  return set(accepted), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+
+
+def takes_keyword(builder: Callable, keyword: str) -> bool:
+  """Whether the builder's signature names `keyword` (a **kwargs catch-all does not count)."""
+  return keyword in _signature(builder)[0]
+
+
+def call_builder(builder: Callable, config, keywords: dict[str, Any], **extra) -> Any:
+  """`builder(config, **extra)`, plus each of `keywords` its signature names.
+
+  'mesh' and 'rules' also go to a builder taking **kwargs (they only add
+  information); the others ('dtype', 'param_dtype', 'remat_policy') change what
+  is built, so only a builder naming them gets them.
+  """
+  names, takes_all = _signature(builder)
+  passed = {k: v for k, v in keywords.items() if k in names or (takes_all and k in ('mesh', 'rules'))}
+  return builder(config, **extra, **passed)
 
 
 def is_nnx_builder(builder: Callable) -> bool:
@@ -74,28 +90,31 @@ def is_nnx_builder(builder: Callable) -> bool:
     return False
 
 
-def adapt(builder: Callable, config, example_inputs: tuple[tuple, dict], mesh=None, rules=()) -> AdaptedModel:
+def adapt(builder: Callable, config, example_inputs: tuple[tuple, dict], keywords: dict[str, Any],
+          init_context: Callable[[], Any] = contextlib.nullcontext) -> AdaptedModel:
   """Builds the configured model abstractly (nothing allocated) and wraps it for the functional train step.
 
-  `example_inputs` is `(args, kwargs)` of ShapeDtypeStructs: what a Linen model is initialized on.
+  `example_inputs` is `(args, kwargs)` of ShapeDtypeStructs: what a Linen model is initialized on;
+  `keywords` go to the builder where its signature takes them (call_builder);
+  `init_context()` is entered around a Linen model's initializing call.
   """
   name = config.model.name
   if is_nnx_builder(builder):
-    return _adapt_nnx(builder, config, mesh, rules)
-  module = call_builder(builder, config, mesh, rules)
+    return _adapt_nnx(builder, config, keywords)
+  module = call_builder(builder, config, keywords)
   if isinstance(module, nnx.Module):
     raise UserError(f'model.name={name!r} built an NNX module without `rngs`; give its constructor an `rngs` '
                     f'argument (the launcher passes nnx.Rngs seeded from train.seed).')
   if not isinstance(module, nn.Module):
     raise UserError(f'model.name={name!r} returned a {type(module).__name__}, not a Flax module; point it at an '
                     f'nnx.Module class, or at a function `build(config)` returning a flax.linen Module.')
-  return _adapt_linen(module, example_inputs, name)
+  return _adapt_linen(module, example_inputs, name, init_context)
 
 
-def _adapt_nnx(builder, config, mesh, rules) -> AdaptedModel:
+def _adapt_nnx(builder, config, keywords) -> AdaptedModel:
   def make(key):
     with nnx.use_eager_sharding(False):  # The launcher shards after init, from the config's rules.
-      return call_builder(builder, config, mesh, rules, rngs=nnx.Rngs(key))
+      return call_builder(builder, config, keywords, rngs=nnx.Rngs(key))
 
   abstract_module = nnx.eval_shape(lambda: make(jax.random.key(0)))
   graphdef, abstract_state, rest = nnx.split(abstract_module, nnx.Param, ...)
@@ -136,12 +155,21 @@ class _BoundLinen:
     return lambda *args, **kwargs: self._module.apply(self._variables, *args, method=method, **kwargs)
 
 
-def _adapt_linen(module: nn.Module, example_inputs, name: str) -> AdaptedModel:
+def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> AdaptedModel:
   def init_variables(key):
     args, kwargs = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), example_inputs)
-    return module.init(key, *args, **kwargs)
+    with init_context():
+      return module.init(key, *args, **kwargs)
 
-  variables = jax.eval_shape(init_variables, jax.random.key(0))
+  try:
+    variables = jax.eval_shape(init_variables, jax.random.key(0))
+  except TypeError as e:
+    packed = [k for k in example_inputs[1] if f"'{k}'" in str(e)]
+    if not packed:
+      raise
+    raise UserError(f'model.name={name!r} takes no {packed[0]}= keyword, and data.packing=True calls the model with '
+                    f'segment_ids= and positions=: take them in its __call__ (and keep attention within a segment), '
+                    f'or set --config.data.packing=False.') from e
   others = sorted(set(variables) - {'params'})
   if others:
     raise UserError(f'model.name={name!r} creates variable collections {others} besides "params". The launcher '

@@ -1,0 +1,147 @@
+"""Third-party-style models (tests/third_party/) train by import path, with every setting applied or refused.
+
+In-process on the 8 fake CPU devices: a jit run on a (2, 2, 2) mesh per model;
+the other strategies either train or refuse in one line before any compile;
+bf16 reaches every model; the alignment probe catches a model that shifts its
+own inputs.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import make_text_dir, read_metrics
+from configs import tiny
+from parallel import sharding
+from tests.third_party import glue
+from trainer import data, job, loop
+from trainer import task as task_lib
+from trainer.errors import UserError
+
+MODELS = ('meshy', 'prefix', 'gemma_style')
+
+
+def _config(builder: str, strategy='jit', mesh=(2, 2, 2), steps=3):
+  c = tiny.get_config()
+  c.model.name = f'tests.third_party.glue:{builder}'
+  c.parallel.extra_axis_rules = glue.RULES[builder.replace('_as_published', '')]
+  c.parallel.strategy = strategy
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
+  c.data.source = 'synthetic'
+  c.train.steps, c.train.warmup_steps, c.train.compute_dtype = steps, 0, 'float32'
+  c.train.eval_batches, c.log.every_steps, c.ckpt.every_steps = 0, 1, 100
+  return c
+
+
+@pytest.mark.parametrize('builder', MODELS)
+def test_trains_under_jit_on_a_2x2x2_mesh(builder, tmp_path):
+  loop.run(_config(builder), str(tmp_path))
+  losses = [r['loss'] for r in read_metrics(tmp_path) if 'loss' in r]
+  assert len(losses) == 3 and all(np.isfinite(losses))
+  assert abs(losses[0] - np.log(256)) < 1.0, losses  # Near ln(vocab) at init: logits line up with targets.
+  table = (tmp_path / 'sharding.txt').read_text()
+  assert 'names' in table.splitlines()[0]
+
+
+def test_mesh_axis_names_map_onto_the_launchers_mesh_and_unnamed_norms_follow_the_default():
+  built = job.build_job(_config('meshy'))
+  specs = {sharding.path_name(p): tuple(s.spec) for p, s in
+           jax.tree_util.tree_flatten_with_path(built.shardings.params)[0]}
+  assert specs['Embed_0/embedding'] == ('tensor', 'data')  # ('model', 'data'): an extra rule, and a mesh axis.
+  assert specs['Block_0/LayerNorm_0/scale'] == (None,)  # Unnamed and small: replicated.
+  assert built.task.param_notes['Block_0/LayerNorm_0/scale'] == 'unnamed: replicated (small)'
+
+
+def test_fewer_names_than_dimensions_leave_the_trailing_ones_whole():
+  built = job.build_job(_config('prefix'))
+  specs = {sharding.path_name(p): tuple(s.spec) for p, s in
+           jax.tree_util.tree_flatten_with_path(built.shardings.params)[0]}
+  q_kernel = specs['DecoderLayer_0/DenseGeneral_0/kernel']  # (embed, heads, head_dim) named ('embed', 'kv').
+  assert q_kernel == ('fsdp', 'tensor', None)
+  assert '2 names for 3 dims' in built.task.param_notes['DecoderLayer_0/DenseGeneral_0/kernel']
+
+
+def test_a_large_unnamed_parameter_is_split_over_fsdp_under_auto():
+  from parallel import param_names
+  shape = jax.ShapeDtypeStruct((1024, 512), jnp.float32)
+  named, notes = param_names.name_params({'w': shape, 'b': jax.ShapeDtypeStruct((512,), jnp.float32)}, (),
+                                         {'fsdp': 4}, 'auto', 'm', 'nnx')
+  assert named['w'].names == ('fsdp', None) and named['b'].names == (None,)
+  assert notes == {'w': 'unnamed: dim 0 over fsdp', 'b': 'unnamed: replicated (small)'}
+  named, _ = param_names.name_params({'w': shape}, (), {'fsdp': 3}, 'auto', 'm', 'nnx')
+  assert named['w'].names == (None, None)  # No dimension divides by 3.
+
+
+@pytest.mark.parametrize('builder,strategy,mesh,message', [
+    ('meshy', 'shard_map', (4, 2, 1), r"cannot run under parallel.strategy='shard_map' on mesh .*"
+     r"pins activation shardings.*--config.parallel.strategy=jit"),
+    ('meshy', 'pmap', (8, 1, 1), r"parameter .* is split over the mesh .* parallel.strategy='pmap' keeps every"),
+    ('gemma_style', 'shard_map', (4, 2, 1), r"cannot run under parallel.strategy='shard_map'.*strategy=jit"),
+    ('gemma_style', 'pmap', (8, 1, 1), r"cannot run under parallel.strategy='pmap'.*strategy=jit"),
+])
+def test_a_strategy_that_cannot_run_the_model_is_one_line_before_compile(builder, strategy, mesh, message, tmp_path):
+  with pytest.raises(UserError, match=message) as refused:
+    loop.run(_config(builder, strategy, mesh), str(tmp_path))
+  assert '\n' not in str(refused.value)
+  assert not list(tmp_path.glob('checkpoints/[0-9]*'))
+
+
+@pytest.mark.parametrize('strategy,mesh', [('shard_map', (4, 2, 1)), ('pmap', (8, 1, 1))])
+def test_a_model_without_constraints_trains_under_the_per_device_strategies(strategy, mesh, tmp_path):
+  loop.run(_config('prefix', strategy, mesh, steps=2), str(tmp_path))
+  assert len([r for r in read_metrics(tmp_path) if 'loss' in r]) == 2
+
+
+def test_packed_rows_need_the_keywords_and_say_so(tmp_path):
+  config = _config('prefix')
+  config.data.source, config.data.text_dir, config.data.packing = 'text', str(make_text_dir(tmp_path)), True
+  with pytest.raises(UserError, match=r"takes no (positions|segment_ids)= keyword, and data.packing=True calls the model with segment_ids= and "
+                                      r"positions=: take them in its __call__.*data.packing=False"):
+    job.build_job(config)
+
+
+@pytest.mark.parametrize('builder', MODELS)
+def test_bf16_reaches_the_model(builder):
+  """Logits at init, float32 vs bfloat16: apart by a bfloat16-sized amount (2^-8 relative), never equal.
+
+  Logits, not the loss: at init they are small, so the loss sits at ln(vocab) whatever the precision
+  (meshy's differed by 3e-7 relative).
+  """
+  outputs = {}
+  for dtype in ('float32', 'bfloat16'):
+    config = _config(builder, mesh=(8, 1, 1))
+    config.train.compute_dtype = dtype
+    task = job.build_job(config).task  # With the mesh: two of the models pin activations to it.
+    params = task.model.init(jax.random.key(0))
+    batch = next(data.train_iterator_for(config))
+    outputs[dtype] = np.asarray(jax.jit(task.outputs)(params, batch), np.float32)
+  gap = np.abs(outputs['bfloat16'] - outputs['float32']).max() / np.abs(outputs['float32']).max()
+  assert 1e-4 < gap < 5e-2, gap
+
+
+def test_remat_reaches_a_model_that_takes_it_and_is_a_warning_for_one_that_does_not(caplog):
+  config = _config('gemma_style', mesh=(8, 1, 1))
+  config.train.remat_policy = 'full'
+  jaxpr = str(jax.make_jaxpr(lambda p, b: jax.grad(lambda p: job.build_job(config).task.loss(p, b)[0])(p))(
+      *_init_and_batch(config)))
+  assert 'remat' in jaxpr or 'checkpoint' in jaxpr
+  config = _config('prefix', mesh=(8, 1, 1))
+  config.train.remat_policy = 'full'
+  with caplog.at_level('WARNING'):
+    task_lib.build_task(config)
+  assert any("train.remat_policy='full' does not apply to model.name='tests.third_party.glue:prefix'" in r.message
+             for r in caplog.records)
+
+
+def _init_and_batch(config):
+  task = task_lib.build_task(config)
+  return task.model.init(jax.random.key(0)), next(data.train_iterator_for(config))
+
+
+def test_a_model_that_shifts_its_own_inputs_is_refused_before_compile(tmp_path):
+  """It trains (the loss falls), but two tokens ahead: the probe sees logits[p] ignore inputs[p]."""
+  with pytest.raises(UserError, match=r"logits at position 16 do not depend on inputs\[16\], so it shifts its inputs "
+                                      r"itself.*Remove the model's own shift"):
+    loop.run(_config('prefix_as_published'), str(tmp_path))
+  assert not list(tmp_path.glob('checkpoints/[0-9]*')) and not (tmp_path / 'metrics.jsonl').exists()

@@ -1,0 +1,35 @@
+"""All the glue between the launcher and this folder's models: one builder each, at most 10 lines.
+
+Each model's own axis names that are not the launcher's go in the config,
+as `parallel.extra_axis_rules` (RULES below); nothing else is needed.
+"""
+
+from tests.third_party import meshy_linen, nnx_lm, prefix_linen
+from trainer.memory import remat
+
+RULES = {'meshy': (('model', 'tensor'),), 'prefix': (('kv', 'tensor'), ('joined_kv', 'tensor')),
+         'gemma_style': (('tp', 'tensor'),)}
+
+
+def meshy(config, dtype):  # Its mesh axis 'data' is the launcher's; 'model' is mapped by a rule.
+  m = config.model
+  return meshy_linen.TransformerDo(meshy_linen.DoConfig(m.vocab_size, m.d_model, m.num_heads, m.num_layers,
+                                                        dtype=dtype))
+
+
+def prefix(config, shift=False):  # Takes no dtype: the launcher casts its parameters.
+  m = config.model
+  return prefix_linen.TransformerLM(prefix_linen.LMConfig(m.vocab_size, m.d_model, m.num_heads, m.num_layers,
+                                                          m.mlp_dim, shift=shift))
+
+
+def prefix_as_published(config):  # Shifts its inputs itself: the launcher's alignment probe refuses it.
+  return prefix(config, shift=True)
+
+
+def gemma_style(config, *, rngs, dtype, remat_policy):
+  m = config.model
+  cfg = nnx_lm.TransformerConfig(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.mlp_dim,
+                                 nnx_lm.ShardingConfig.fsdp_tp())
+  policy = False if remat_policy == 'none' else remat.checkpoint_policy(remat_policy)
+  return nnx_lm.Transformer(cfg, rngs=rngs, dtype=dtype, remat_policy=policy)
