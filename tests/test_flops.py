@@ -225,3 +225,25 @@ def test_a_brought_model_is_counted_too():
   config = _config(tiny, name='tests.custom_models:MlpLM')
   m, tokens = config.model, config.train.batch_size * config.data.seq_len
   assert _traced(config) == 3 * tokens * 2 * (m.d_model * m.mlp_dim + m.mlp_dim * m.vocab_size)
+
+
+def test_a_step_that_only_traces_under_its_strategy_gets_no_throughput_and_one_warning(caplog):
+  class CollectiveLoss:  # Means over the 'batch' axis: only bound under shard_map or pmap.
+    def loss(self, params, batch):
+      loss = jax.lax.pmean(jnp.mean(batch['inputs'] @ params['w']), 'batch')
+      return loss, {'loss': loss}
+
+    def weight(self, batch):
+      return jnp.float32(batch['inputs'].shape[0])
+
+    def batch_shapes(self):
+      return {'inputs': S((8, 4), F32)}
+
+  config = tiny.get_config()
+  config.model.name = 'tests.custom_models:Collective'
+  job = types.SimpleNamespace(config=config, task=CollectiveLoss(), abstract=types.SimpleNamespace(
+      params={'w': S((4, 4), F32)}), mesh=None)  # The mesh is only read once the count succeeded.
+  with caplog.at_level('WARNING'):
+    assert flops.Throughput.for_job(job) is None
+  assert ("FLOPs not counted, so no TFLOP/s or MFU: the train step of model.name='tests.custom_models:Collective' "
+          'does not trace without a mesh (NameError: Found an unbound axis name: batch') in caplog.text
