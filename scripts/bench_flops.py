@@ -52,8 +52,8 @@ def row(preset: str, scan: bool, repeats: int) -> dict:
   if config.model.name == 'llama':
     m, b, t = config.model, config.train.batch_size, config.data.seq_len
     analytic = flops.step_flops(m, b, t)
-    unhalved = analytic.matmul + 3 * b * t * m.num_layers * 4 * t * m.d_model / 2
-    out.update(matmul=analytic.matmul, unhalved=unhalved, six_n=analytic.six_n, ratio=counted.flops / unhalved)
+    out.update(matmul=analytic.matmul, unhalved=analytic.matmul_unmasked, six_n=analytic.six_n,
+               ratio=counted.flops / analytic.matmul_unmasked)
   return out
 
 

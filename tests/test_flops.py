@@ -29,6 +29,8 @@ def test_matmul_convention_counts_every_matmul_with_causal_attention_halved():
   per_layer_fwd = 2 * b * t * (4 * 768 * 768 + 3 * 768 * 3072) + 2 * b * t * t * 768  # (4*T*d)/2 per token
   expected = 3 * (12 * per_layer_fwd + 2 * b * t * 768 * 50304)
   assert flops.step_flops(m, b, t).matmul == pytest.approx(expected, rel=1e-12)
+  unmasked = expected + 3 * 12 * 2 * b * t * t * 768  # The scores and the weighted sum in full.
+  assert flops.step_flops(m, b, t).matmul_unmasked == pytest.approx(unmasked, rel=1e-12)
 
 
 def test_6n_convention_is_nanogpt_and_differs_from_matmul_by_unmasked_attention_and_norms():
@@ -185,14 +187,10 @@ def _config(module, **model):
 
 
 def _traced(config) -> float:
-  job = job_lib.build_job(config, jax.devices()[:1])  # The count is the same on any mesh: one device builds fastest.
-  return flops.Throughput.for_job(job).step_flops
-
-
-def _analytic_unhalved(config) -> float:
-  """The analytic 'matmul' count with causal attention's (L, L) products in full, as the XLA kernel computes them."""
-  m, b, t = config.model, config.train.batch_size, config.data.seq_len
-  return flops.step_flops(m, b, t).matmul + 3 * b * t * m.num_layers * 4 * t * m.d_model / 2
+  """The step's traced FLOPs, on one device (the count is the same on any mesh; one device builds fastest)."""
+  counted = flops.job_step_flops(job_lib.build_job(config, jax.devices()[:1]))
+  assert (counted.unbounded_loops, counted.opaque) == (0, ())  # Nothing left out: the count is whole.
+  return counted.flops
 
 
 @pytest.mark.parametrize('module,settings', [
@@ -204,9 +202,10 @@ def _analytic_unhalved(config) -> float:
 def test_the_llama_traced_count_is_the_analytic_matmul_count_with_attention_unhalved(module, settings):
   config = _config(module, **settings)
   traced = _traced(config)
-  assert traced == pytest.approx(_analytic_unhalved(config), rel=0.02)
+  analytic = flops.step_flops(config.model, config.train.batch_size, config.data.seq_len)
+  assert traced == pytest.approx(analytic.matmul_unmasked, rel=0.02)
   # MaxText's convention halves causal attention: the traced count is above it by that half.
-  assert traced > flops.step_flops(config.model, config.train.batch_size, config.data.seq_len).matmul
+  assert traced > analytic.matmul
 
 
 def test_the_vit_traced_count_is_its_matmuls_by_hand():
@@ -247,3 +246,10 @@ def test_a_step_that_only_traces_under_its_strategy_gets_no_throughput_and_one_w
     assert flops.Throughput.for_job(job) is None
   assert ("FLOPs not counted, so no TFLOP/s or MFU: the train step of model.name='tests.custom_models:Collective' "
           'does not trace without a mesh (NameError: Found an unbound axis name: batch') in caplog.text
+
+
+@pytest.mark.parametrize('strategy,mesh', [('jit', (2, 2, 2)), ('shard_map', (8, 1, 1)), ('pmap', (8, 1, 1))])
+def test_the_count_is_the_same_under_every_strategy_and_mesh(strategy, mesh):
+  config = _config(tiny, parallel__strategy=strategy, mesh__data=mesh[0], mesh__fsdp=mesh[1], mesh__tensor=mesh[2])
+  counted = flops.job_step_flops(job_lib.build_job(config))
+  assert counted == flops.job_step_flops(job_lib.build_job(_config(tiny), jax.devices()[:1]))

@@ -51,6 +51,5 @@ def _tiny_traced_flops_per_token():
   from configs import tiny
   from trainer import flops
   c = tiny.get_config()
-  m, b, t = c.model, c.train.batch_size, c.data.seq_len
-  unhalved = flops.step_flops(m, b, t).matmul + 3 * b * t * m.num_layers * 4 * t * m.d_model / 2
-  return unhalved / (b * t)
+  b, t = c.train.batch_size, c.data.seq_len
+  return flops.step_flops(c.model, b, t).matmul_unmasked / (b * t)

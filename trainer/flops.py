@@ -19,7 +19,8 @@ train step (forward and backward, 3x the forward's matmuls), both model FLOPs:
 
 - 'matmul' (MaxText's): every matmul of the model, 2*m*n*k, with causal
   attention's two (L, L) products halved because half the scores are masked.
-  With attention unhalved it is what the traced count finds (tests/test_flops.py).
+  With attention unhalved ('matmul_unmasked') it is what the traced count finds
+  (tests/test_flops.py).
 - '6n' (nanoGPT's and torchtitan's): 6*N + 12*layers*heads*head_dim*seq_len per
   token, N the parameters other than the embedding table (an untied head counts;
   the lookup is not a matmul; a head tied to the table is not a parameter of its
@@ -74,6 +75,7 @@ class StepFlops:
   matmul: float
   six_n: float
   non_embedding_params: int
+  matmul_unmasked: float = 0.0  # 'matmul' with causal attention in full: what the traced count finds.
 
 
 def step_flops(model_config, batch_size: int, seq_len: int) -> StepFlops:
@@ -89,13 +91,15 @@ def step_flops(model_config, batch_size: int, seq_len: int) -> StepFlops:
   # Scores (Q K^T) and the weighted sum (P V), 2*L*H*K each per token, halved for the causal mask.
   causal_attention_flops = 4 * seq_len * heads * head_dim / 2
   matmul = 3 * tokens * (layers * (block_matmul_flops + causal_attention_flops) + head_flops)
+  unmasked = matmul + 3 * tokens * layers * causal_attention_flops
   # A tied head is the embedding table itself: not a non-embedding parameter, though its matmul is still done.
   head_params = d * v
   tied = getattr(m, 'tie_embeddings', False)
   non_embedding = (layers * ((2 * heads + 2 * kv_heads) * d * head_dim + 3 * d * f + 2 * d) + d
                    + (0 if tied else head_params))
   six_n = tokens * (6 * (non_embedding + (head_params if tied else 0)) + 12 * layers * heads * head_dim * seq_len)
-  return StepFlops(matmul=float(matmul), six_n=float(six_n), non_embedding_params=non_embedding)
+  return StepFlops(matmul=float(matmul), six_n=float(six_n), non_embedding_params=non_embedding,
+                   matmul_unmasked=float(unmasked))
 
 
 def traced_step_flops(task, params, batch_shapes, options=step_lib.StepOptions()) -> traced_flops.Count:

@@ -35,7 +35,7 @@ from jax import extend
 
 RECOMPUTED = 'rematted_computation'  # jax's name-stack entry for the forward a checkpoint's transpose recomputes.
 # Primitives whose work runs in a kernel the jaxpr does not describe (prefixes of their names).
-OPAQUE_PREFIXES = ('pallas_call', 'dot_product_attention', 'ffi_call', 'custom_call', 'cudnn')
+OPAQUE_PREFIXES = ('pallas_call', 'dot_product_attention', 'ffi_call', 'custom_call', 'cudnn', 'scaled_matmul')
 
 
 @dataclasses.dataclass(frozen=True)
