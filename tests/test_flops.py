@@ -196,6 +196,7 @@ def _traced(config) -> float:
 @pytest.mark.parametrize('module,settings', [
     (tiny, {}),  # Scanned layers, multi-head attention.
     (tiny, {'scan_layers': False, 'num_heads': 4, 'num_kv_heads': 2}),  # Unrolled, grouped-query.
+    (tiny, {'scan_layers': False, 'train__remat_policy': 'dots_with_no_batch_dims_saveable'}),
     (tiny, {'train__remat_policy': 'full', 'train__grad_accum_steps': 2, 'tie_embeddings': True}),
     (llama_1b, {'train__remat_policy': 'save_qkv_proj', 'train__grad_accum_steps': 4}),
 ])
@@ -208,8 +209,9 @@ def test_the_llama_traced_count_is_the_analytic_matmul_count_with_attention_unha
   assert traced > analytic.matmul
 
 
-def test_the_vit_traced_count_is_its_matmuls_by_hand():
-  config = _config(vit_tiny, num_layers=2)
+@pytest.mark.parametrize('remat', ['none', 'full'])
+def test_the_vit_traced_count_is_its_matmuls_by_hand(remat):
+  config = _config(vit_tiny, num_layers=2, train__remat_policy=remat)
   m, b = config.model, config.train.batch_size
   height, width, channels = config.data.image_shape
   patches, pixels = height * width // m.patch_size ** 2, m.patch_size ** 2 * channels
