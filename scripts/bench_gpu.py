@@ -10,8 +10,9 @@ train.remat_policy); vit_b256 (configs/vit_base.py at batch 256, synthetic image
 
 Each row builds the real Job (trainer/job.py) and inputs (trainer/data: the device feed, the pooled synthetic
 source) and drives trainer/loop.py's `_train` with checkpoints and evals off, so it measures what the launcher
-runs. Per row: tokens/s or images/s, MFU under both conventions of trainer/flops.py (matmul and 6N; only
-where the device's peak is known, so none on CPU), peak device memory (`memory_stats`) and the share of step
+runs. Per row: tokens/s or images/s, TFLOP/s per device and MFU from the FLOPs counted in the traced step
+(trainer/flops.py), and for Llama rows MFU under the analytic 6N convention too (MFU only where the device's
+peak is known, so none on CPU), peak device memory (`memory_stats`) and the share of step
 time spent waiting for data, all from the loop's own metrics over the timed steps. On a GPU each row runs in
 its own process, so peak memory is that row's and an out-of-memory row is reported without ending the others;
 --smoke runs in-process on shrunk models (CPU has no memory stats).
@@ -97,7 +98,7 @@ def measure(name: str, steps: int, warmup: int, attention: str | None, smoke: bo
       config=config, objective=job.task.objective, compiled_step=keep, eval_step=None,
       eval_set=[], train_iter=feed, ckpt=_NoCheckpoints(), manifest={}, writer=writer,
       guard=guardrails.Guard('stop', []), preempt=preemption.PreemptionWatch(),
-      throughput=flops.Throughput.for_run(config, job.mesh.devices.flat),
+      throughput=flops.Throughput.for_job(job),
       profiler=profiling.Profiler(config.profile, workdir, first_step=1, total_steps=warmup + steps))
   state = job.init_state(config.train.seed)
   try:
@@ -113,7 +114,7 @@ def measure(name: str, steps: int, warmup: int, attention: str | None, smoke: bo
   stats = jax.devices()[0].memory_stats() or {}
   return {'row': name, 'devices': job.mesh.size, 'device': jax.devices()[0].device_kind,
           'per_s': record[f'{unit}_per_s'], 'unit': unit, 'step_ms': 1e3 * record['step_time_s'],
-          'mfu': record.get('mfu'), 'mfu_6n': record.get('mfu_6n'),
+          'tflops': record.get('tflops_per_device'), 'mfu': record.get('mfu'), 'mfu_6n': record.get('mfu_6n'),
           'peak_gib': stats['peak_bytes_in_use'] / 2**30 if 'peak_bytes_in_use' in stats else None,
           'data_wait_pct': 100 * record['data_wait_s'] / record['step_time_s']}
 
@@ -140,14 +141,15 @@ def _fmt(value, pattern: str) -> str:
 
 
 def table(results: list[dict]) -> str:
-  lines = ['| row | device | per s | step (ms) | MFU matmul | MFU 6N | peak GiB | data wait |',
-           '|---|---|---|---|---|---|---|---|']
+  lines = ['| row | device | per s | step (ms) | TFLOP/s per device | MFU | MFU 6N | peak GiB | data wait |',
+           '|---|---|---|---|---|---|---|---|---|']
   for r in results:
     if 'error' in r:
-      lines.append(f"| {r['row']} | failed: {r['error']} | | | | | | |")
+      lines.append(f"| {r['row']} | failed: {r['error']} | | | | | | | |")
       continue
     lines.append(f"| {r['row']} | {r['devices']} x {r['device']} | {r['per_s']:,.0f} {r['unit']}/s | "
-                 f"{r['step_ms']:.1f} | {_fmt(r['mfu'], '{:.1%}')} | {_fmt(r['mfu_6n'], '{:.1%}')} | "
+                 f"{r['step_ms']:.1f} | {_fmt(r.get('tflops'), '{:.3g}')} | {_fmt(r['mfu'], '{:.1%}')} | "
+                 f"{_fmt(r['mfu_6n'], '{:.1%}')} | "
                  f"{_fmt(r['peak_gib'], '{:.2f}')} | {r['data_wait_pct']:.2f}% |")
   return '\n'.join(lines)
 

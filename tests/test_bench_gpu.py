@@ -19,12 +19,12 @@ def test_a_smoke_row_reports_throughput_and_data_wait_but_no_made_up_mfu_on_cpu(
   (row,) = bench.main(['--smoke', '--rows=gpt2_b32', '--steps=3', '--warmup=1'])
   assert row['row'] == 'gpt2_b32' and row['unit'] == 'tokens' and row['devices'] == 1
   assert row['per_s'] == pytest.approx(8 * 32 / (row['step_ms'] / 1e3), rel=1e-6)  # batch 8 x 32 tokens.
-  # CPU: no peak FLOP/s in trainer/flops.py's table, no memory stats; nothing is made up.
-  assert row['mfu'] is None and row['mfu_6n'] is None and row['peak_gib'] is None
+  # CPU: no peak FLOP/s in trainer/flops.py's table, no memory stats; nothing is made up. TFLOP/s is measured.
+  assert row['mfu'] is None and row['mfu_6n'] is None and row['peak_gib'] is None and row['tflops'] > 0
   assert 0 <= row['data_wait_pct'] < 100
   out = capsys.readouterr().out
-  assert '| row | device | per s | step (ms) | MFU matmul | MFU 6N | peak GiB | data wait |' in out
-  assert '| gpt2_b32 | 1 x cpu |' in out and '| - | - | - |' in out
+  assert '| row | device | per s | step (ms) | TFLOP/s per device | MFU | MFU 6N | peak GiB | data wait |' in out
+  assert '| gpt2_b32 | 1 x cpu |' in out and f"| {row['tflops']:.3g} | - | - | - |" in out
 
 
 def test_every_row_builds_its_config_and_attention_is_passed(bench):

@@ -25,5 +25,8 @@ def test_vit_on_npz_images_learns_and_logs_accuracy(launcher, tmp_path):
   assert last['loss'] < first['loss'] - 0.3, records
   assert {'accuracy', 'images_per_s', 'eval_loss', 'eval_accuracy'} <= set(last)
   assert 'tokens_per_s' not in last and 'eval_perplexity' not in last
+  # TFLOP/s from the ViT's traced step (tests/test_flops.py checks the count); no MFU on CPU (no known peak).
+  assert last['tflops_per_device'] > 0 and 'mfu' not in last
+  assert f"{last['tflops_per_device']:.3g} TFLOP/s/device" in result.stderr
   assert last['eval_accuracy'] > 0.5, records  # 4 classes: chance is 0.25.
   assert 'eval_accuracy' in records[20]

@@ -57,7 +57,8 @@ def test_every_numeric_key_reaches_jsonl_and_tensorboard_with_memory_where_repor
     writer.write(5, {'loss': 2.5, 'tokens_per_s': 1000.0, 'step_time_s': 0.5, 'tflops_per_device': 312.5,
                      'mfu': 0.41, 'eval_loss': 2.75, 'not_known_here': None})
   writer.close()
-  assert 'step 5/10 | loss 2.5000 | eval_loss 2.7500 | 1,000 tok/s | MFU 41.0% | ETA 0m02s' in caplog.text
+  assert ('step 5/10 | loss 2.5000 | eval_loss 2.7500 | 1,000 tok/s | 312 TFLOP/s/device | MFU 41.0% | ETA 0m02s'
+          in caplog.text)
   assert 'reports no memory statistics' not in caplog.text
   record = read_metrics(tmp_path)[0]
   assert record == {'step': 5, 'loss': 2.5, 'tokens_per_s': 1000.0, 'step_time_s': 0.5, 'tflops_per_device': 312.5,

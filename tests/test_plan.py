@@ -9,7 +9,7 @@ import pytest
 
 from configs import tiny
 from parallel import sharding
-from trainer import flops, plan
+from trainer import flops, plan, traced_flops
 from trainer import job as job_lib
 from trainer.attention import choice
 from trainer.errors import UserError
@@ -41,6 +41,9 @@ def test_plan_reports_mesh_memory_and_flops_of_the_compiled_step():
   expected = flops.step_flops(config.model, config.train.batch_size, config.data.seq_len)
   assert result.flops == expected
   assert f'{expected.matmul:.4g}' in text and f'{expected.six_n:.4g}' in text
+  traced = flops.job_step_flops(job)
+  assert result.traced == traced and traced.flops > expected.matmul  # Causal attention in full.
+  assert f'FLOPs per step: {traced.flops:.4g} (every matmul and convolution of the traced' in text
   assert 'v5p' in text and 'at 100% MFU' in text
   assert 'Fits' not in text  # No budget given: nothing to judge.
 
@@ -180,3 +183,16 @@ def test_one_chip_is_singular_and_the_tied_table_is_not_counted():
   m = config.model
   untied = flops.step_flops(plan.with_overrides(config, {'model.tie_embeddings': False}).model, 8, 32)
   assert f'N = {untied.non_embedding_params - m.d_model * m.vocab_size:,} non-embedding parameters' in text
+
+
+def test_any_model_gets_its_traced_flops_and_the_step_times_they_imply():
+  config = tiny.get_config()
+  config.model.name = 'tests.custom_models:MlpLM'
+  counted = dataclasses.replace(FAKE, flops=None, traced=traced_flops.Count(8e12, unbounded_loops=1))
+  text = plan.report(counted, config)
+  assert 'FLOPs per step: 8e+12 (every matmul and convolution of the traced forward and backward' in text
+  assert '1 while loop(s) counted for one iteration' in text and 'Analytic' not in text
+  # 8e12 FLOPs over 8 chips of 459 TFLOP/s.
+  assert f'v5p     459 TFLOP/s bf16:   {8e12 / 8 / 459e12 * 1e3:.3f} ms at 100% MFU' in text
+  uncounted = plan.report(dataclasses.replace(FAKE, flops=None), config)
+  assert "FLOPs per step: not counted for model.name='tests.custom_models:MlpLM'" in uncounted

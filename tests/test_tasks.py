@@ -18,7 +18,7 @@ from flax import nnx
 import custom_models
 from conftest import REPO, read_metrics
 from configs import tiny
-from trainer import data, job
+from trainer import data, flops, job
 from trainer import task as task_lib
 from trainer.errors import UserError
 
@@ -108,6 +108,12 @@ def test_own_model_trains_through_the_launcher_like_a_hand_written_loop(name, ha
   assert len(launched) == STEPS
   assert expected[-1] < expected[0]  # It learns, so matching means something.
   np.testing.assert_allclose(launched, expected, rtol=2e-5)
+  # TFLOP/s for a brought model too, from its traced step's FLOPs (trainer/flops.py); no MFU on CPU (no known peak).
+  counted = flops.job_step_flops(job.build_job(config)).flops
+  train = [r for r in read_metrics(tmp_path) if 'loss' in r]
+  for r in train:
+    assert r['tflops_per_device'] * 1e12 * 8 * r['step_time_s'] == pytest.approx(counted, rel=1e-6) and 'mfu' not in r
+  assert f"{train[-1]['tflops_per_device']:.3g} TFLOP/s/device" in result.stderr
 
 
 def test_linen_and_nnx_models_get_named_shardings_on_a_2x2x2_mesh():

@@ -103,7 +103,7 @@ def test_every_scalar_the_issue_lists_is_served(finished_run, tensorboard):
   tags = set(tensorboard.get('/data/plugin/scalars/tags')['tensorboard'])
   wanted = {'train/loss', 'eval/loss', 'eval/perplexity', 'train/learning_rate', 'train/grad_norm',
             'train/param_norm', 'train/step_time_s', 'train/tokens_per_s', 'train/data_wait_s',
-            'train/checkpoint_blocking_s', 'train/compile_time_s', 'goodput/goodput'}
+            'train/checkpoint_blocking_s', 'train/compile_time_s', 'goodput/goodput', 'train/tflops_per_device'}
   assert wanted <= tags, wanted - tags
   assert not any('device_memory' in t for t in tags)  # The CPU backend reports none: no zeros logged.
   assert 'reports no memory statistics' in finished_run[1].stderr

@@ -68,7 +68,7 @@ class RunContext:
   writer: MetricsWriter
   guard: guardrails.Guard
   preempt: preemption.PreemptionWatch
-  throughput: flops.Throughput | None  # None where the model's FLOPs are not counted.
+  throughput: flops.Throughput | None  # None where the step cannot be traced for its FLOPs (trainer/flops.py).
   profiler: profiling.Profiler
 
 
@@ -135,7 +135,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
       config=config, objective=objective, compiled_step=compiled_step, eval_step=job.eval_step, eval_set=eval_set,
       train_iter=train_iter, ckpt=ckpt,
       manifest=manifest, writer=writer, guard=guard, preempt=preempt,
-      throughput=flops.Throughput.for_run(config, mesh.devices.flat), profiler=profiler)
+      throughput=flops.Throughput.for_job(job), profiler=profiler)
   try:
     while True:
       try:

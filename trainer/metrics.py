@@ -127,6 +127,8 @@ class MetricsWriter:
       parts.append(f'{record["tokens_per_s"]:,.0f} tok/s')
     if 'images_per_s' in record:
       parts.append(f'{record["images_per_s"]:,.0f} images/s')
+    if 'tflops_per_device' in record:
+      parts.append(f'{record["tflops_per_device"]:.3g} TFLOP/s/device')
     if 'mfu' in record:
       parts.append(f'MFU {record["mfu"]:.1%}')
     if 'step_time_s' in record:

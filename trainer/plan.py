@@ -6,8 +6,9 @@ the configured mesh, on this machine's devices (fake CPU devices work) or, with
 optional `libtpu` wheel (requirements-tpu-plan.txt) describes the pod's chips,
 and XLA's TPU compiler gives the real per-chip memory use. Printed: the mesh,
 per-device bytes (parameters, optimizer state, temporaries, from
-`compiled.memory_analysis()`), FLOPs per step (trainer/flops.py) and the
-step time the FLOPs imply on each accelerator in the peak table.
+`compiled.memory_analysis()`), FLOPs per step (trainer/flops.py: counted from
+the traced step for any model; the built-in Llama's analytic conventions too)
+and the step time the FLOPs imply on each accelerator in the peak table.
 
 The memory budget is `--plan_memory_gb`, else the chip's HBM with `--topology`,
 else what a run's pre-flight check would use (trainer/memory/footprint.py):
@@ -36,7 +37,7 @@ from collections.abc import Sequence
 import jax
 
 from parallel import sharding
-from trainer import flops
+from trainer import flops, traced_flops
 from trainer import job as job_lib
 from trainer.errors import UserError
 from trainer.memory import footprint
@@ -59,7 +60,8 @@ class Plan:
   alias_bytes: int  # Outputs written into donated inputs' buffers (the state).
   temp_bytes: int  # Activations, gradients and scratch, live only during the step.
   code_bytes: int
-  flops: flops.StepFlops | None  # None for models other than the built-in llama (not counted).
+  flops: flops.StepFlops | None  # The analytic counts: the built-in llama only.
+  traced: traced_flops.Count | None = None  # Any model; None where the step does not trace without a mesh.
 
   @property
   def total_bytes(self) -> int:
@@ -112,7 +114,8 @@ def make_plan(config, devices: Sequence[jax.Device] | None = None) -> Plan:
       alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
       code_bytes=memory.generated_code_size_in_bytes,
       flops=(flops.step_flops(config.model, config.train.batch_size, config.data.seq_len)
-             if config.model.name == 'llama' else None))
+             if config.model.name == 'llama' else None),
+      traced=flops.job_step_flops(job))
 
 
 _gib = footprint.gib
@@ -141,20 +144,25 @@ def report(plan: Plan, config) -> str:
       f'{_gib(plan.alias_bytes)}; code {_gib(plan.code_bytes)}',
       f'  total               {_gib(plan.total_bytes)}',
   ]
-  if plan.flops is None:
-    lines.append(f'FLOPs per step: not counted for model.name={config.model.name!r} (trainer/flops.py counts the '
-                 f'built-in llama only).')
+  if plan.traced is not None:
+    gaps = flops.describe_gaps(plan.traced)
+    lines.append(f'FLOPs per step: {plan.traced.flops:.4g} (every matmul and convolution of the traced forward and '
+                 f'backward, causal attention in full; trainer/flops.py){f"; {gaps}" if gaps else ""}')
+  if plan.flops is not None:
+    lines.append(
+        f'{"  Analytic" if plan.traced else "FLOPs per step"}: {plan.flops.matmul:.4g} (matmul count, causal '
+        f'attention halved; MaxText), {plan.flops.six_n:.4g} (6N + 12*layers*heads*head_dim*seq_len per token; '
+        f'nanoGPT), N = {plan.flops.non_embedding_params:,} non-embedding parameters')
+  step_flops = plan.traced.flops if plan.traced else plan.flops.matmul if plan.flops else 0
+  if not step_flops:
+    lines.append(f'FLOPs per step: not counted for model.name={config.model.name!r} (its step does not trace '
+                 f'without a mesh, or has no matmuls).')
     return '\n'.join(lines)
-  lines += [
-      f'FLOPs per step: {plan.flops.matmul:.4g} (matmul count, causal attention halved; MaxText), '
-      f'{plan.flops.six_n:.4g} (6N + 12*layers*heads*head_dim*seq_len per token; nanoGPT), '
-      f'N = {plan.flops.non_embedding_params:,} non-embedding parameters',
-      f'Step time implied by the matmul FLOPs on {devices} chip{"s" if devices != 1 else ""} of each kind '
-      f'(a compute-bound lower bound, '
-      f'and at {ASSUMED_MFU:.0%} MFU):',
-  ]
+  lines.append(f'Step time implied by {"these" if plan.traced else "the matmul"} FLOPs on {devices} '
+               f'chip{"s" if devices != 1 else ""} of each kind (a compute-bound lower bound, and at '
+               f'{ASSUMED_MFU:.0%} MFU):')
   for name, peak in flops.PEAK_FLOPS.items():
-    ideal = plan.flops.matmul / (devices * peak)
+    ideal = step_flops / (devices * peak)
     lines.append(f'  {name:5s} {peak / 1e12:5.0f} TFLOP/s bf16: {_duration(ideal):>10s} at 100% MFU, '
                  f'{_duration(ideal / ASSUMED_MFU):>10s} ({tokens / ideal * ASSUMED_MFU:,.0f} tokens/s) '
                  f'at {ASSUMED_MFU:.0%}')

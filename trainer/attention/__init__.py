@@ -9,6 +9,9 @@ kernel family runs it (xla.py, cudnn.py, splash.py). `check_config` makes the sa
 config's shapes before anything compiles, so a named kernel that cannot run the model fails in one line.
 """
 
+import contextlib
+import contextvars
+
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -17,7 +20,21 @@ from trainer.attention import cudnn, splash, xla
 from trainer.attention.choice import KERNELS, Call, Choice, choose, log_once
 from trainer.precision import compute_dtype
 
-__all__ = ['KERNELS', 'Call', 'Choice', 'choose', 'dot_product_attention', 'check_config', 'platform_of']
+__all__ = ['KERNELS', 'Call', 'Choice', 'choose', 'dot_product_attention', 'check_config', 'platform_of',
+           'xla_for_counting']
+
+_COUNTING = contextvars.ContextVar('attention_xla_for_counting', default=False)
+
+
+@contextlib.contextmanager
+def xla_for_counting():
+  """Within, every call runs the XLA kernel: the same math as cuDNN's and splash's, written as two matmuls that a
+  jaxpr shows (their kernels are opaque custom calls), so trainer/flops.py counts the same FLOPs on any platform."""
+  token = _COUNTING.set(True)
+  try:
+    yield
+  finally:
+    _COUNTING.reset(token)
 
 
 def platform_of(mesh: Mesh | None = None) -> tuple[str, float | None]:
@@ -59,6 +76,8 @@ def dot_product_attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_B
   Raises:
     UserError: a named kernel cannot run this call; names the constraint that failed.
   """
+  if _COUNTING.get():
+    return xla.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL)
   platform, capability = platform_of(mesh)
   call = Call(platform, np.dtype(q_BLHK.dtype).name, tuple(q_BLHK.shape), tuple(k_BLGK.shape), causal,
               segment_ids_BL is not None, capability)
