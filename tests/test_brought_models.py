@@ -37,8 +37,10 @@ def _config(builder: str, strategy='jit', mesh=(2, 2, 2), steps=3):
 @pytest.mark.parametrize('builder', MODELS)
 def test_trains_under_jit_on_a_2x2x2_mesh(builder, tmp_path):
   loop.run(_config(builder), str(tmp_path))
-  losses = [r['loss'] for r in read_metrics(tmp_path) if 'loss' in r]
+  records = [r for r in read_metrics(tmp_path) if 'loss' in r]
+  losses = [r['loss'] for r in records]
   assert len(losses) == 3 and all(np.isfinite(losses))
+  assert all(r['tflops_per_device'] > 0 for r in records[1:])  # Counted from the traced step (trainer/flops.py).
   assert abs(losses[0] - np.log(256)) < 1.0, losses  # Near ln(vocab) at init: logits line up with targets.
   table = (tmp_path / 'sharding.txt').read_text()
   assert 'names' in table.splitlines()[0]
