@@ -164,7 +164,7 @@ def _brought_model_keywords(config, builder, keywords: dict) -> tuple[dict, Any]
   """The keywords a brought model's builder takes for train.compute_dtype / param_dtype / remat_policy, and the
   dtype to cast its parameters to when it takes no `dtype`; logs how each setting reaches the model."""
   name, train = config.model.name, config.train
-  dtype = precision.compute_dtype(train.compute_dtype)
+  dtype = jnp.dtype(precision.compute_dtype(train.compute_dtype))
   keywords = dict(keywords, dtype=dtype, param_dtype=jnp.dtype(train.param_dtype), remat_policy=train.remat_policy)
   cast_to = None
   if adapters.takes_keyword(builder, 'dtype'):
