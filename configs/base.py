@@ -59,9 +59,7 @@ def get_config() -> config_dict.ConfigDict:
       ('patch', None),  # Pixels of one image patch (ViT's patch embedding input).
       ('classes', None),  # A classifier's output classes.
   )
-  # Rules tried before logical_axis_rules (the first rule naming an axis wins): add or override one without
-  # retyping the defaults, e.g. (('model', 'tensor'),) for a model written for a mesh with a 'model' axis.
-  c.parallel.extra_axis_rules = ()
+  c.parallel.extra_axis_rules = ()  # Rules tried before logical_axis_rules (the first naming an axis wins), e.g. (('model', 'tensor'),) for a model written for a mesh with a 'model' axis.
   c.parallel.unnamed_params = 'auto'  # Parameters with no axis names: 'auto' (replicate small ones, split the largest dim of big ones over fsdp), 'replicate' or 'error'.
 
   c.ckpt = config_dict.ConfigDict()

@@ -147,3 +147,11 @@ def test_a_model_that_shifts_its_own_inputs_is_refused_before_compile(tmp_path):
                                       r"itself.*Remove the model's own shift"):
     loop.run(_config('prefix_as_published'), str(tmp_path))
   assert not list(tmp_path.glob('checkpoints/[0-9]*')) and not (tmp_path / 'metrics.jsonl').exists()
+
+
+def test_plan_proposes_remat_only_to_a_model_that_takes_it():
+  from trainer import plan
+  mesh_shape = {'data': 2, 'fsdp': 2, 'tensor': 2}
+  flags = {b: ' '.join(f for f, _ in plan._candidates(_config(b), mesh_shape)) for b in ('prefix', 'gemma_style')}
+  assert 'remat' not in flags['prefix'] and 'mesh.fsdp=4' in flags['prefix']
+  assert '--config.train.remat_policy=full' in flags['gemma_style']

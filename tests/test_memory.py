@@ -107,7 +107,7 @@ def test_auto_without_a_known_limit_is_none_and_says_why(tmp_path):
   resolved, choice = remat.resolve(config, jax.devices()[:1])
   assert resolved.train.remat_policy == 'none' and choice.needed_bytes is None
   assert 'train.device_memory_gb is unset' in choice.summary
-  config.model.name = 'my_package.models:MyModel'  # Never imported: 'auto' needs no build.
+  config.model.name = 'tests.custom_models:MlpLM'  # A brought model whose builder takes no remat_policy.
   assert "takes no remat policy" in remat.resolve(config, jax.devices()[:1])[1].summary
   with pytest.raises(UserError, match="remat_policy='auto' is chosen by compiling candidates"):
     from trainer import job as job_lib
