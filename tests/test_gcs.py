@@ -217,3 +217,37 @@ def test_without_gcsfs_a_bucket_workdir_names_the_requirements_file(tmp_path):
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1] == (f'launch.py: error: {RUN} is on Cloud Storage, which needs '
                                                     f'gcsfs: pip install -r requirements-gcs.txt.')
+
+
+def test_storage_moves_folders_and_rewrites_logs_within_the_bucket(emulator):
+  from trainer import storage
+  fs = _fs()
+  fs.pipe_file(f'{BUCKET}/m/a/x', b'1')
+  fs.pipe_file(f'{BUCKET}/m/a/sub/y', b'2')
+  storage.move(storage.path(f'gs://{BUCKET}/m/a'), storage.path(f'gs://{BUCKET}/m/b/a'))
+  assert _objects(f'{BUCKET}/m') == ['m/b/a/sub/y', 'm/b/a/x']
+
+  fs.pipe_file(f'{BUCKET}/m/log.jsonl', b'old\n')
+  log = storage.AppendLog(storage.path(f'gs://{BUCKET}/m/log.jsonl'), flush_every_s=3600)
+  log.write('x\n')  # The first write is flushed at once ...
+  assert _fs().cat_file(f'{BUCKET}/m/log.jsonl') == b'old\nx\n'
+  log.write('y\n')  # ... later ones once flush_every_s has passed, or at close.
+  assert _fs().cat_file(f'{BUCKET}/m/log.jsonl') == b'old\nx\n'
+  log.close()
+  assert _fs().cat_file(f'{BUCKET}/m/log.jsonl') == b'old\nx\ny\n'
+
+
+def test_a_save_killed_midway_in_the_bucket_is_reported_and_skipped(runs):
+  """Orbax marks a finished save in a bucket with commit_success.txt: a step folder without it is no checkpoint."""
+  from configs import tiny
+  from trainer import checkpoint
+  fs = _fs()
+  for step in (4, 6):
+    fs.copy(f'{BUCKET}/run/checkpoints/{step}', f'{BUCKET}/killed/checkpoints/{step}', recursive=True)
+  fs.rm_file(f'{BUCKET}/killed/checkpoints/6/commit_success.txt')  # As if the process died before the commit.
+  ckpt = checkpoint.Checkpointer(f'gs://{BUCKET}/killed', tiny.get_config().ckpt)
+  try:
+    assert ckpt.all_steps() == [4]
+    assert [str(p) for p in ckpt.incomplete_saves()] == [f'gs://{BUCKET}/killed/checkpoints/6']
+  finally:
+    ckpt.close()

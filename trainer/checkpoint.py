@@ -142,9 +142,14 @@ class Checkpointer:
     return sorted(self._manager.all_steps())
 
   def incomplete_saves(self) -> list[storage.Path]:
-    """Tmp folders of saves that never finished (a process killed mid-save)."""
+    """Saves that never finished (a process killed mid-save): Orbax's tmp folders on disk. In a bucket Orbax
+    writes `<step>/` in place and lists it only once its commit_success.txt is written, so there it is the step
+    folders Orbax does not list (saving that step again overwrites them)."""
     if not self.directory.exists():
       return []
+    if storage.is_cloud(self.directory):
+      listed = set(self.all_steps())
+      return sorted(p for p in self.directory.iterdir() if p.name.isdigit() and int(p.name) not in listed)
     return sorted(p for p in self.directory.iterdir() if _TMP_MARK in p.name)
 
   def read_manifest(self, step: int) -> dict[str, Any]:
