@@ -5,6 +5,7 @@ tensorstore). Three launcher runs share it: 4 steps with a profiler trace, a rel
 the bucket, and a 2-process run to 6 with --start_over in the same prefix, whose losses must equal the first two's.
 """
 
+import http.server
 import importlib.util
 import json
 import os
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -207,6 +209,40 @@ def test_a_missing_bucket_ends_in_one_line_before_anything_compiles(emulator):
                    '(or these credentials cannot see it); create it (gcloud storage buckets create '
                    'gs://no-such-bucket) or fix the bucket name.'], result.stderr[-3000:]
   assert 'Traceback' not in result.stderr and 'Compiled' not in result.stderr
+
+
+class _Forbidden(http.server.BaseHTTPRequestHandler):
+  """A storage endpoint that refuses every request as Cloud Storage does a caller without permission."""
+
+  def _refuse(self):
+    body = json.dumps({'error': {'code': 403, 'message': 'caller does not have storage.objects.create access'}})
+    self.send_response(403)
+    self.send_header('Content-Type', 'application/json')
+    self.send_header('Content-Length', str(len(body)))
+    self.end_headers()
+    self.wfile.write(body.encode())
+
+  do_GET = do_POST = do_PUT = do_DELETE = _refuse
+
+  def log_message(self, *args):
+    pass
+
+
+def test_a_bucket_without_write_permission_ends_in_one_line(tmp_path):
+  server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), _Forbidden)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  try:
+    env = launcher_env(STORAGE_EMULATOR_HOST=f'http://127.0.0.1:{server.server_port}')
+    result = subprocess.run([sys.executable, str(REPO / 'launch.py'), *TINY, '--workdir=gs://theirs/run'], cwd=REPO,
+                            capture_output=True, text=True, timeout=60, env=env)
+  finally:
+    server.shutdown()
+  assert result.returncode == 2
+  (line,) = [l for l in result.stderr.splitlines() if l.startswith('launch.py: error:')]
+  assert line.startswith('launch.py: error: --workdir=gs://theirs/run: cannot write to bucket gs://theirs (OSError: '
+                         'Forbidden'), line
+  assert line.endswith("roles/storage.objectUser on gs://theirs.") and 'Traceback' not in result.stderr
 
 
 def test_without_gcsfs_a_bucket_workdir_names_the_requirements_file(tmp_path):
