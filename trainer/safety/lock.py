@@ -23,13 +23,14 @@ In a multi-process run only process 0 takes the lock; the others learn its
 outcome through jax's key-value store and stop with the same line.
 
 In a bucket (gs://) there is no flock. The lock is the object itself, created
-only if absent (a generation-0 precondition, which the service checks
-atomically), holding the same content; the holder rewrites it every
+only if absent (precondition ifGenerationMatch=0: the create is refused when the
+object exists), holding the same content; the holder rewrites it every
 HEARTBEAT_S seconds and deletes it when the run ends. An object found there is
 live unless its holder ran on this host and that pid is gone, or its last
 rewrite is older than STALE_AFTER_S (by the service's clock against this
-host's); a stale one is deleted and the create tried once more, so of two
-launches taking over at once one gets the refusal.
+host's). A stale one is deleted only in the generation that was found stale
+(ifGenerationMatch again) and the create tried once more, so of two launches
+taking over at once, one gets the refusal.
 """
 
 import dataclasses
@@ -194,7 +195,7 @@ def _acquire_object(workdir) -> ObjectLock:
         raise _in_use(workdir, None) from None
     try:
       fs.invalidate_cache(key)
-      info, text = fs.info(key), fs.cat_file(key)
+      info, text = fs.info(key), fs.cat_file(key)  # Read in this order: the text is of this generation or newer.
     except FileNotFoundError:
       continue  # Released meanwhile.
     try:
@@ -209,9 +210,11 @@ def _acquire_object(workdir) -> ObjectLock:
                     holder.describe() if holder else 'unreadable', f'process {holder.pid} is gone' if gone else
                     f'no heartbeat for {age_s:.0f}s')
     try:
-      fs.rm_file(key)
-    except FileNotFoundError:
+      bucket_name, name = key[len(storage.SCHEME):].split('/', 1)
+      fs.call('DELETE', 'b/{}/o/{}', bucket_name, name, ifGenerationMatch=info['generation'])
+    except (FileNotFoundError, FileExistsError):  # Gone, or renewed or retaken since (412): the create decides.
       pass
+    fs.invalidate_cache(key)
   raise _in_use(workdir, None)
 
 
