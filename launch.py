@@ -14,7 +14,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file, e.g. configs/default.py.')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Folder for checkpoints, metrics and TensorBoard logs.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Folder (or gs://bucket/run) for checkpoints, metrics and TensorBoard '
+                                'logs.')
 flags.mark_flags_as_required(['config'])  # --workdir too, except with --plan (checked in main).
 # Plan mode; see trainer/plan.py.
 _PLAN = flags.DEFINE_bool('plan', False, 'Compile the step ahead of time and print its memory and FLOPs; no training.')

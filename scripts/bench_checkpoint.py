@@ -1,6 +1,6 @@
 """How much a checkpoint costs the step loop: blocked time, total save time, restore time, step time after.
 
-  python scripts/bench_checkpoint.py [--sizes 10,100,1000] [--steps 5] [--sync]
+  python scripts/bench_checkpoint.py [--sizes 10,100,1000] [--steps 5] [--sync] [--workdir_root=gs://BUCKET/PREFIX]
 
 For each target state size (MB of params + Adam moments, float32) it builds
 the default LM scaled to that size (batch 8 x 16 tokens, so steps stay short),
@@ -12,6 +12,8 @@ compiles the real train step, and in one process:
 3. times the steps run while and right after the save (step-time cost);
 4. restores that checkpoint into the state's shardings (restore time).
 Runs on whatever devices jax sees (one CPU device unless XLA_FLAGS fakes more).
+Checkpoints go to a temporary local folder, or under --workdir_root (a gs://
+URL: the saves go to the bucket, as with launch.py --workdir=gs://...).
 Prints one JSON line per size and a Markdown table.
 """
 
@@ -56,12 +58,12 @@ def _watch(ckpt, finished: list) -> None:
   finished.append(time.perf_counter())
 
 
-def bench(size_mb: int, steps: int, async_save: bool, root: pathlib.Path) -> dict:
+def bench(size_mb: int, steps: int, async_save: bool, root: pathlib.Path, workdir_root: str | None = None) -> dict:
   import jax
   import numpy as np
 
   from parallel import sharding
-  from trainer import checkpoint, data
+  from trainer import checkpoint, data, storage
   from trainer import job as job_lib
   config = _config(size_mb, async_save)
   text = root / 'text'
@@ -75,7 +77,7 @@ def bench(size_mb: int, steps: int, async_save: bool, root: pathlib.Path) -> dic
   iterator = data.train_iterator_for(config)
   batch = data.to_global(next(iterator), job.batch_shardings, 1)
   manifest = checkpoint.run_manifest(config, job.abstract, job.mesh)
-  workdir = root / f'run_{size_mb}'
+  workdir = f'{workdir_root or root}/run_{size_mb}_{"async" if async_save else "sync"}'
   ckpt = checkpoint.Checkpointer(str(workdir), config.ckpt)
 
   for _ in range(2):  # Compile-time effects out of the baseline.
@@ -108,7 +110,10 @@ def bench(size_mb: int, steps: int, async_save: bool, root: pathlib.Path) -> dic
   jax.block_until_ready(restored)
   restore = time.perf_counter() - start
   reader.close()
-  shutil.rmtree(workdir, ignore_errors=True)
+  if storage.is_cloud(workdir):
+    storage.filesystem().rm(workdir, recursive=True)
+  else:
+    shutil.rmtree(workdir, ignore_errors=True)
   base = float(np.median(baseline))
   return {
       'state_mb': round(state_bytes / 1e6, 1), 'async': async_save, 'devices': jax.device_count(),
@@ -126,6 +131,7 @@ def main() -> None:
   parser.add_argument('--sizes', default='10,100,1000', help=f'comma-separated MB, from {sorted(SHAPES)}')
   parser.add_argument('--steps', type=int, default=5, help='steps timed before and after the save')
   parser.add_argument('--sync', action='store_true', help='also measure ckpt.async_save=False')
+  parser.add_argument('--workdir_root', default=None, help='save under this gs:// URL instead of a local temp folder')
   args = parser.parse_args()
   import jax
   rows = []
@@ -133,7 +139,7 @@ def main() -> None:
   try:
     for size in map(int, args.sizes.split(',')):
       for async_save in (True, False) if args.sync else (True,):
-        row = bench(size, args.steps, async_save, root)
+        row = bench(size, args.steps, async_save, root, args.workdir_root)
         print(json.dumps(row), flush=True)
         rows.append(row)
   finally:

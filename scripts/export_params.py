@@ -29,7 +29,7 @@ from ml_collections import config_flags
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'The config the run was trained with.')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'The run folder holding checkpoints/.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'The run folder (or gs:// URL) holding checkpoints/.')
 _OUTPUT = flags.DEFINE_string('output', None, 'Folder to create for the exported parameters (must not exist).')
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step to export; default: the newest intact one.')
 flags.mark_flags_as_required(['config', 'workdir', 'output'])
@@ -39,10 +39,10 @@ def export(config, workdir: str, output: str, step: int | None = None) -> int:
   """Exports the params of checkpoint `step` (default newest intact) of `workdir` to `output`; returns the step."""
   import orbax.checkpoint as ocp
 
-  from trainer import checkpoint
+  from trainer import checkpoint, storage
   from trainer import job as job_lib
   from trainer.errors import UserError
-  output_path = pathlib.Path(output).absolute()
+  output_path = storage.path(output)  # A local folder or a gs:// URL, like the workdir.
   if output_path.exists():
     raise UserError(f'--output={output} exists; choose a new folder (nothing is overwritten).')
   step, state = checkpoint.restore_for_tool(job_lib.build_job(config), workdir, step)

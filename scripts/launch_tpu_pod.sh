@@ -26,13 +26,12 @@ each worker's log to LOG_DIR/worker-N/. Needs the gcloud CLI, logged in.
                            v4 and older tpu-ubuntu2204-base
   --project=PROJECT        Google Cloud project; default: gcloud's configured one
   --config=FILE            experiment config inside this repo, e.g. configs/default.py (required)
-  --workdir=DIR            absolute path that EVERY worker sees as the same storage
-                           (required): checkpoints are written by all hosts together
-                           and read back on resume, so a disk local to each worker
-                           does not work. Use a bucket mounted with gcsfuse at the
-                           same path on all workers (e.g. /mnt/gcs/BUCKET/run1) or an
-                           NFS/Filestore mount. gs:// URLs are refused: launch.py
-                           writes the workdir through the local filesystem.
+  --workdir=DIR            storage that EVERY worker sees as the same (required):
+                           checkpoints are written by all hosts together and read
+                           back on resume, so a disk local to each worker does not
+                           work. A Cloud Storage URL (gs://BUCKET/run1: the workers
+                           get requirements-gcs.txt too) or an absolute path on an
+                           NFS/Filestore mount.
   --log_dir=DIR            local folder for the per-worker logs; default tpu_logs/TPU
   --config.KEY=VALUE       passed to launch.py as is (any number of them)
   --dry_run                print every command, run nothing
@@ -44,7 +43,7 @@ stops waiting and still collects the logs.
 
 Example:
   scripts/launch_tpu_pod.sh --name=my-pod --zone=us-east5-a --accelerator_type=v5p-32 \
-    --config=configs/default.py --workdir=/mnt/gcs/my-bucket/run1 --config.train.steps=2000
+    --config=configs/default.py --workdir=gs://my-bucket/run1 --config.train.steps=2000
 EOF
 }
 
@@ -72,7 +71,7 @@ require name "$NAME" 'the TPU VM to create or reuse, e.g. --name=my-pod'
 require zone "$ZONE" 'where the TPU lives, e.g. --zone=us-east5-a'
 require accelerator_type "$ACCELERATOR_TYPE" 'the slice, e.g. --accelerator_type=v5p-32'
 require config "$CONFIG" 'the experiment config, e.g. --config=configs/default.py'
-require workdir "$WORKDIR" 'storage every worker sees, e.g. --workdir=/mnt/gcs/my-bucket/run1'
+require workdir "$WORKDIR" 'storage every worker sees, e.g. --workdir=gs://my-bucket/run1'
 tpu_name='^[a-z]([-a-z0-9]*[a-z0-9])?$' slice_type='^v[0-9][a-z0-9]*-[0-9]+$'
 [[ $NAME =~ $tpu_name ]] ||
   die "--name=$NAME: TPU names are lowercase letters, digits and dashes, starting with a letter."
@@ -97,12 +96,12 @@ case $CONFIG_PATH in
 esac
 [[ -f $REPO/$(config_file "$CONFIG") ]] ||
   die "--config=$CONFIG: no file $REPO/$(config_file "$CONFIG") (give the path inside the repo, e.g. configs/default.py)."
+EXTRA_REQUIREMENTS=''
 case $WORKDIR in
-  gs://*) die "--workdir=$WORKDIR: launch.py writes the workdir through the local filesystem, so a gs:// URL would" \
-    "become a local folder named 'gs:' on each worker. Mount the bucket with gcsfuse at the same path on every" \
-    "worker and pass that path (e.g. --workdir=/mnt/gcs/BUCKET/run1)." ;;
+  gs://*) EXTRA_REQUIREMENTS=' -r ~/jax-launch/requirements-gcs.txt' ;;  # gcsfs: trainer/storage.py.
   /*) ;;
-  *) die "--workdir=$WORKDIR must be an absolute path on storage every worker mounts at the same place." ;;
+  *) die "--workdir=$WORKDIR must be a gs:// URL or an absolute path on storage every worker mounts at the same" \
+    "place." ;;
 esac
 
 # jax[tpu] at the jax version pinned in requirements.txt (0.10.2): its extra pulls
@@ -152,7 +151,7 @@ install="set -e; PY=python3; if ! python3 -c \"import sys; sys.exit(sys.version_
 sudo apt-get -o DPkg::Lock::Timeout=300 update -qq \
 && sudo DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq python3.11 python3.11-venv; \
 PY=python3.11; fi; [ -x ~/jax-launch-venv/bin/python ] || \$PY -m venv ~/jax-launch-venv; \
-~/jax-launch-venv/bin/pip install -q -r ~/jax-launch/requirements.txt \"jax[tpu]==$JAX_VERSION\""
+~/jax-launch-venv/bin/pip install -q -r ~/jax-launch/requirements.txt$EXTRA_REQUIREMENTS \"jax[tpu]==$JAX_VERSION\""
 run "${TPU_VM[@]}" ssh "$NAME" "${WHERE[@]}" --worker=all --command="$install"
 
 # 4. Train: the same command on every worker at once. Each tees its output to

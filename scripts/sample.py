@@ -24,7 +24,8 @@ from absl import app, flags, logging
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # One CPU device is all this needs; don't claim an accelerator.
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'The run folder: config.json and checkpoints/ from launch.py.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'The run folder (or gs:// URL): config.json and checkpoints/ from '
+                                'launch.py.')
 _PROMPT = flags.DEFINE_string('prompt', 'def ', 'Text to continue (token ids, space-separated, for non-byte runs).')
 _NUM_TOKENS = flags.DEFINE_integer('num_tokens', 200, 'Tokens to generate after the prompt.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.8, 'Softmax temperature of the sampling; 0 = greedy.')
@@ -40,7 +41,7 @@ def _tuples(value):
   return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def load_run_config(workdir: pathlib.Path):
+def load_run_config(workdir):
   """The ConfigDict the run in `workdir` was launched with."""
   from ml_collections import config_dict
 
@@ -59,7 +60,7 @@ def load_run_config(workdir: pathlib.Path):
   return config
 
 
-def restore_model(config, workdir: pathlib.Path, step: str):
+def restore_model(config, workdir, step: str):
   """(step, bind, params) of checkpoint `step` ('latest': the newest intact one), on one CPU device.
 
   `bind(params)` is the model: `bind(params)(tokens)` -> logits.
@@ -145,10 +146,11 @@ def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed:
   """The prompt and its continuation, as the bytes to print."""
   import jax
 
+  from trainer import storage
   from trainer.errors import UserError
   if num_tokens < 0 or temperature < 0:
     raise UserError(f'--num_tokens={num_tokens} and --temperature={temperature} must be >= 0.')
-  workdir = pathlib.Path(workdir).absolute()
+  workdir = storage.path(workdir)  # A local folder or gs://bucket/run.
   config = load_run_config(workdir)
   as_bytes = byte_level(config)
   tokens = encode_prompt(prompt, as_bytes, config.model.vocab_size)

@@ -33,14 +33,14 @@ def _error_line(result: subprocess.CompletedProcess) -> str:
   return lines[0]
 
 
-def test_a_url_workdir_is_refused_and_nothing_named_gs_is_created(tmp_path):
+def test_a_url_workdir_is_refused_and_nothing_named_s3_is_created(tmp_path):
   result = subprocess.run([sys.executable, str(REPO / 'launch.py'), f'--config={REPO}/configs/tiny.py',
-                           '--workdir=gs://bucket/run'],
+                           '--workdir=s3://bucket/run'],
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
   assert result.returncode == 2
-  assert _error_line(result) == ('launch.py: error: --workdir=gs://bucket/run: gs:// paths are not supported yet; use '
-                                 'a local folder, or mount the bucket (e.g. gcsfuse) and give the mounted path.')
-  assert not list(tmp_path.iterdir()) and not (REPO / 'gs:').exists()
+  assert _error_line(result) == ('launch.py: error: --workdir=s3://bucket/run: s3:// paths are not supported; use a '
+                                 'local folder or a Cloud Storage URL (gs://bucket/run).')
+  assert not list(tmp_path.iterdir()) and not (REPO / 's3:').exists()
 
 
 def test_a_workdir_that_is_a_file_is_refused(tmp_path):

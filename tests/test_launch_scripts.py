@@ -171,9 +171,20 @@ def test_tpu_failed_training_still_collects_logs_and_fails(tmp_path):
   assert sorted(p.name for p in log_dir.iterdir()) == [f'worker-{w}' for w in range(4)]
 
 
+def test_tpu_gs_workdir_installs_the_cloud_storage_requirements(tmp_path):
+  args = [a for a in TPU_ARGS if not a.startswith('--workdir=')] + ['--workdir=gs://my-bucket/run1']
+  result = _run('launch_tpu_pod.sh', *args, '--dry_run', env=_env(tmp_path))
+  assert result.returncode == 0, result.stderr
+  ssh = [shlex.split(c) for c in _commands(result.stdout) if ' tpu-vm ssh my-pod ' in c]
+  install = next(w for w in ssh[1] if w.startswith('--command='))
+  assert (f'pip install -q -r ~/jax-launch/requirements.txt -r ~/jax-launch/requirements-gcs.txt '
+          f'"jax[tpu]=={JAX_PIN}"') in install
+  train = shlex.split(next(w for w in ssh[2] if w.startswith('--command=')).removeprefix('--command='))
+  assert '--workdir=gs://my-bucket/run1' in train
+
+
 @pytest.mark.parametrize('bad,message', [
-    ('--workdir=gs://my-bucket/run1', 'Mount the bucket with gcsfuse'),
-    ('--workdir=runs/run1', 'must be an absolute path'),
+    ('--workdir=runs/run1', 'must be a gs:// URL or an absolute path'),
     ('--config=/etc/hostname', 'is outside this repo'),
     ('--config=configs/nope.py', 'no file'),
     ('--name=My_Pod', 'TPU names are lowercase'),

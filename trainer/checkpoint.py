@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from parallel import sharding
-from trainer import attention
+from trainer import attention, storage
 from trainer.errors import UserError
 from trainer.safety import damaged as damaged_lib
 from trainer.safety import disk
@@ -114,7 +114,7 @@ class Checkpointer:
   def __init__(self, workdir: str, ckpt_config, move_damaged: bool = True):
     """`move_damaged`: move unreadable steps aside once an older one is good; only for the run holding the workdir
     (tools reading a live run's workdir pass False)."""
-    self.directory = pathlib.Path(workdir).absolute() / 'checkpoints'
+    self.directory = storage.path(workdir) / 'checkpoints'
     self._move_damaged = move_damaged
     if not (isinstance(ckpt_config.keep_period, int) and ckpt_config.keep_period >= 0):
       raise UserError(f'ckpt.keep_period={ckpt_config.keep_period!r} must be an integer >= 0 (0 keeps none extra).')
@@ -141,10 +141,15 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
-  def incomplete_saves(self) -> list[pathlib.Path]:
-    """Tmp folders of saves that never finished (a process killed mid-save)."""
+  def incomplete_saves(self) -> list[storage.Path]:
+    """Saves that never finished (a process killed mid-save): Orbax's tmp folders on disk. In a bucket Orbax
+    writes `<step>/` in place and lists it only once its commit_success.txt is written, so there it is the step
+    folders Orbax does not list (saving that step again overwrites them)."""
     if not self.directory.exists():
       return []
+    if storage.is_cloud(self.directory):
+      listed = set(self.all_steps())
+      return sorted(p for p in self.directory.iterdir() if p.name.isdigit() and int(p.name) not in listed)
     return sorted(p for p in self.directory.iterdir() if _TMP_MARK in p.name)
 
   def read_manifest(self, step: int) -> dict[str, Any]:
@@ -312,22 +317,21 @@ def _short(error: Exception) -> str:
   return f'{type(error).__name__}: {text[:300]}'
 
 
-def start_over(workdir: str) -> pathlib.Path | None:
+def start_over(workdir: str) -> storage.Path | None:
   """`--start_over`: moves the previous run's checkpoints and logs into WORKDIR/previous_run_<UTC time>/.
 
   Nothing is deleted: the user can move them back. Process 0 moves, every
   process waits for it, so no process sees a half-moved workdir.
   """
   from jax.experimental import multihost_utils
-  workdir = pathlib.Path(workdir).absolute()
+  workdir = storage.path(workdir)
   names = ('checkpoints', 'metrics.jsonl', 'goodput.jsonl', 'tensorboard', 'plugins', 'memory_profiles',
            'config.json', 'sharding.txt', damaged_lib.FOLDER)
   found = [workdir / n for n in names if (workdir / n).exists()]
   target = workdir / time.strftime('previous_run_%Y%m%dT%H%M%SZ', time.gmtime()) if found else None
   if found and jax.process_index() == 0:
-    target.mkdir(parents=True)
     for path in found:
-      path.rename(target / path.name)
+      storage.move(path, target / path.name)
     logging.warning('--start_over: moved the previous run (%s) to %s; training starts from step 0.',
                     ', '.join(p.name for p in found), target)
   if jax.process_count() > 1:

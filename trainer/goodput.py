@@ -26,6 +26,8 @@ import time
 
 from absl import logging
 
+from trainer import storage
+
 CATEGORIES = ('startup_s', 'compile_s', 'data_wait_s', 'checkpoint_s', 'eval_s', 'profiling_s', 'lost_to_restarts_s',
               'other_s')
 _LABELS = {'productive_s': 'productive steps', 'startup_s': 'start-up', 'compile_s': 'compile',
@@ -78,7 +80,7 @@ class Goodput:
     self._compile_pending = None
     self.steps = 0
     self.lost_steps = 0
-    metrics_file = pathlib.Path(workdir) / 'metrics.jsonl'
+    metrics_file = storage.path(workdir) / 'metrics.jsonl'
     if resumed_step is not None and metrics_file.exists():
       records = []
       for line in metrics_file.read_text().splitlines():

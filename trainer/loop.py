@@ -6,7 +6,6 @@ logs, and never more than two steps are in flight.
 """
 
 import dataclasses
-import pathlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +17,7 @@ from absl import logging
 from parallel import sharding
 from trainer import checkpoint, compilation_cache, data, flops, guardrails, objectives, preemption
 from trainer import goodput as goodput_lib
-from trainer import profiling, progress
+from trainer import profiling, progress, storage
 from trainer import job as job_lib
 from trainer.memory import preflight, remat
 from trainer.models import contract
@@ -125,7 +124,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   writer = MetricsWriter(workdir, enabled=process_index == 0, total_steps=config.train.steps,
                          progress_bar=config.log.progress_bar, goodput=tracker)
   if process_index == 0:
-    (pathlib.Path(workdir) / 'config.json').write_text(config.to_json_best_effort(indent=2))
+    (storage.path(workdir) / 'config.json').write_text(config.to_json_best_effort(indent=2))
     writer.write_config(config)
   guard = guardrails.Guard(config.train.on_nonfinite, list(manifest['param_shapes']))
   preempt = preemption.PreemptionWatch()
@@ -166,8 +165,8 @@ def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
   table, _ = sharding.sharding_table(job.abstract, job.shardings, job.task.param_notes)
   if write:
     logging.info('Sharding (also in %s/sharding.txt):\n%s', workdir, table)
-    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
-    (pathlib.Path(workdir) / 'sharding.txt').write_text(table + '\n')
+    storage.path(workdir).mkdir(parents=True, exist_ok=True)
+    (storage.path(workdir) / 'sharding.txt').write_text(table + '\n')
 
 
 def _evaluate(eval_step, params, eval_set, objective) -> dict[str, float]:

@@ -1,7 +1,9 @@
 """Where metrics go: WORKDIR/metrics.jsonl, TensorBoard event files, a progress line and bar, the goodput.
 
 Only process 0 writes; on other processes every method is a no-op, so the loop
-never branches on the process index.
+never branches on the process index. In a bucket (gs://) both files are
+rewritten whole at each flush, so they are flushed every
+storage.CLOUD_FLUSH_EVERY_S seconds and at close rather than at every record.
 
 Every numeric key of a logged record reaches both metrics.jsonl and TensorBoard
 (keys starting 'eval_' under eval/, the rest under train/), so a new scalar in
@@ -11,7 +13,7 @@ which is said once in the log instead of logging zeros.
 """
 
 import json
-import pathlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +23,7 @@ from absl import logging
 from tensorboardX import summary as tb_summary
 
 from trainer import goodput as goodput_lib
-from trainer import progress
+from trainer import progress, storage
 
 _GIB = 2**30
 
@@ -72,10 +74,11 @@ class MetricsWriter:
     self._bar = progress.ProgressBar(total_steps, progress_bar if enabled else 'off')
     self._memory_reported = None  # Whether the backend reports device memory; asked once.
     self._last_step = 0
-    self._workdir = pathlib.Path(workdir)
+    self._workdir = storage.path(workdir)
+    self._tb_flush_every_s = storage.CLOUD_FLUSH_EVERY_S if storage.is_cloud(self._workdir) else 0.0
+    self._tb_flushed_at = float('-inf')
     if enabled:
-      self._workdir.mkdir(parents=True, exist_ok=True)
-      self._jsonl = (self._workdir / 'metrics.jsonl').open('a')
+      self._jsonl = storage.AppendLog(self._workdir / 'metrics.jsonl')
       self._tb = tensorboardX.SummaryWriter(str(self._workdir / 'tensorboard'))
 
   def step_done(self, step: int, loss: float, step_time_s: float, data_wait_s: float, tokens_per_step: int) -> None:
@@ -94,11 +97,12 @@ class MetricsWriter:
     record = {'step': step, **{k: float(v) for k, v in {**scalars, **extra, **self._memory()}.items()
                                if v is not None}}
     self._jsonl.write(json.dumps(record) + '\n')
-    self._jsonl.flush()
     for key, value in record.items():
       if key != 'step':
         self._tb.add_scalar(_tag(key), value, step)
-    self._tb.flush()
+    if time.monotonic() - self._tb_flushed_at >= self._tb_flush_every_s:
+      self._tb.flush()
+      self._tb_flushed_at = time.monotonic()
     self._last_step = step
     self._progress(record)
 
@@ -165,5 +169,6 @@ class MetricsWriter:
     for key, value in summary.items():
       self._tb.add_scalar(f'goodput/{key}', value, self._last_step)
     self._tb.add_text('goodput', f'```\n{table}\n```', self._last_step)
-    with (self._workdir / 'goodput.jsonl').open('a') as f:
-      f.write(json.dumps({'step': self._last_step, **summary}) + '\n')
+    log = storage.AppendLog(self._workdir / 'goodput.jsonl')
+    log.write(json.dumps({'step': self._last_step, **summary}) + '\n')
+    log.close()

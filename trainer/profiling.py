@@ -12,18 +12,24 @@ where TensorBoard's profile plugin (the `xprof` package) looks, so
   profile" button (or `xprof`'s) to pull a trace of a few seconds on demand.
 
 Every process traces itself; on a multi-host run each host writes its own file.
+With a gs:// workdir the trace is written to a local temporary folder and
+copied into the bucket when it stops: jax's own gs:// writer ignores an
+emulator's address (it asked www.googleapis.com with STORAGE_EMULATOR_HOST set).
 """
 
 import os
 import pathlib
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 
 import jax
 from absl import logging
 
+from trainer import storage
 from trainer.errors import UserError
 
 
@@ -73,7 +79,8 @@ class Profiler:
   def __init__(self, profile, workdir: str, first_step: int, total_steps: int, goodput=None):
     check_config(profile)
     self._goodput = goodput  # trainer.goodput.Goodput: time spent writing traces out is counted apart.
-    self._workdir = pathlib.Path(workdir)
+    self._workdir = storage.path(workdir)
+    self._staging = None  # With a gs:// workdir: the local folder the trace in progress is written to.
     self._num_steps = profile.num_steps
     self._memory_on_oom = profile.memory_on_oom
     self._requested = threading.Event()  # Set by SIGUSR1; read at the next step boundary.
@@ -110,7 +117,7 @@ class Profiler:
                  '' if port == wanted else f' ({wanted} was taken)', socket.gethostname(), port)
 
   @property
-  def trace_dir(self) -> pathlib.Path:
+  def trace_dir(self) -> storage.Path:
     return self._workdir / 'plugins' / 'profile'
 
   def _on_signal(self, signum, frame) -> None:
@@ -135,8 +142,11 @@ class Profiler:
     return spent
 
   def _start(self, first: int, last: int, why: str) -> None:
+    log_dir = self._workdir
+    if storage.is_cloud(self._workdir):
+      log_dir = self._staging = pathlib.Path(tempfile.mkdtemp(prefix='jax_launch_trace_'))
     try:
-      jax.profiler.start_trace(str(self._workdir))
+      jax.profiler.start_trace(str(log_dir))
     except RuntimeError as e:  # E.g. a capture from TensorBoard through the profiler server is running.
       logging.warning('Could not start profiling steps %d..%d (%s): %s', first, last, why, e)
       return
@@ -147,6 +157,10 @@ class Profiler:
     jax.block_until_ready(state)  # Steps run asynchronously: wait until the traced ones finished on device.
     start = time.perf_counter()
     jax.profiler.stop_trace()
+    if self._staging is not None:
+      storage.upload_folder(self._staging, self._workdir)
+      shutil.rmtree(self._staging, ignore_errors=True)
+      self._staging = None
     spent = time.perf_counter() - start
     logging.info('Trace written under %s in %.1fs: open it in TensorBoard > Profile (needs `pip install xprof`).',
                  self.trace_dir, spent)
@@ -171,12 +185,12 @@ class Profiler:
     if self._memory_on_oom and is_out_of_memory(error):
       self.save_memory_profile()
 
-  def save_memory_profile(self) -> pathlib.Path | None:
+  def save_memory_profile(self) -> storage.Path | None:
     """Writes WORKDIR/memory_profiles/oom-HOST-TIME.prof (pprof); None where the backend has no profile."""
     path = self._workdir / 'memory_profiles' / f'oom-{socket.gethostname()}-{time.strftime("%Y%m%d-%H%M%S")}.prof'
     try:
       path.parent.mkdir(parents=True, exist_ok=True)
-      jax.profiler.save_device_memory_profile(str(path))
+      path.write_bytes(jax.profiler.device_memory_profile())  # What save_device_memory_profile writes.
     except Exception as e:  # The run is already failing: report this, but keep the original error.
       logging.error('Out of memory; could not save a device memory profile: %s', e)
       return None

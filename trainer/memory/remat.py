@@ -24,14 +24,13 @@ A fit needs footprint.MARGIN free, the margin under which the pre-flight check w
 import dataclasses
 import hashlib
 import json
-import pathlib
 from collections.abc import Callable, Sequence
 
 import jax
 from absl import logging
 
 from parallel import mesh as mesh_lib
-from trainer import plan
+from trainer import plan, storage
 from trainer.errors import UserError
 from trainer.memory import footprint
 
@@ -98,7 +97,7 @@ def fingerprint(config, devices: Sequence[jax.Device], limit: footprint.Limit) -
 
 def previous_choice(workdir: str | None) -> dict | None:
   """The 'memory' entry of the newest checkpoint's manifest in `workdir` (read-only), if any."""
-  directory = pathlib.Path(workdir) / 'checkpoints' if workdir else None
+  directory = storage.path(workdir) / 'checkpoints' if workdir else None
   if directory is None or not directory.is_dir():
     return None
   for step in sorted((p for p in directory.iterdir() if p.name.isdigit()), key=lambda p: -int(p.name)):

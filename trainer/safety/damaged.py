@@ -9,16 +9,17 @@ step, and its retention (max_to_keep) deletes among those; a copy anywhere
 under checkpoints/ would be listed, restored from, or deleted.
 """
 
-import pathlib
 import time
 
 import jax
 from absl import logging
 
+from trainer import storage
+
 FOLDER = 'damaged_checkpoints'
 
 
-def move_aside(checkpoints: pathlib.Path, step: int, why: str) -> pathlib.Path:
+def move_aside(checkpoints: storage.Path, step: int, why: str) -> storage.Path:
   """Moves checkpoints/<step> to WORKDIR/damaged_checkpoints/<step>-<UTC time>/ (process 0); returns the target.
 
   Every process gets the same target; call it on all of them, then reload the
@@ -26,10 +27,9 @@ def move_aside(checkpoints: pathlib.Path, step: int, why: str) -> pathlib.Path:
   """
   target = checkpoints.parent / FOLDER / f'{step}-{time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())}'
   if jax.process_index() == 0:
-    target.parent.mkdir(parents=True, exist_ok=True)
     while target.exists():  # Two damaged copies of one step within a second: keep both.
       target = target.with_name(target.name + '+')
-    (checkpoints / str(step)).rename(target)
+    storage.move(checkpoints / str(step), target)
     logging.warning('Checkpoint %s is damaged (%s): moved to %s (kept, not deleted); step %d will be trained and '
                     'saved again.', checkpoints / str(step), why, target, step)
   if jax.process_count() > 1:

@@ -15,6 +15,7 @@ import pathlib
 import shutil
 import sys
 
+from trainer import storage
 from trainer.errors import UserError
 
 # errno values meaning "this folder cannot take the write", whoever asks.
@@ -47,6 +48,8 @@ def write_failure(error: BaseException | None) -> int | None:
 
 
 def _size(path: pathlib.Path) -> int:
+  if storage.is_cloud(path):
+    return 0  # A bucket is never full; a failed write there is about permission.
   return sum(p.stat().st_size for p in path.rglob('*') if p.is_file()) if path.exists() else 0
 
 

@@ -21,6 +21,16 @@ How the lock works, and how a stale one is told apart:
   (its pid may since belong to another program).
 In a multi-process run only process 0 takes the lock; the others learn its
 outcome through jax's key-value store and stop with the same line.
+
+In a bucket (gs://) there is no flock. The lock is the object itself, created
+only if absent (precondition ifGenerationMatch=0: the create is refused when the
+object exists), holding the same content; the holder rewrites it every
+HEARTBEAT_S seconds and deletes it when the run ends. An object found there is
+live unless its holder ran on this host and that pid is gone, or its last
+rewrite is older than STALE_AFTER_S (by the service's clock against this
+host's). A stale one is deleted only in the generation that was found stale
+(ifGenerationMatch again) and the create tried once more, so of two launches
+taking over at once, one gets the refusal.
 """
 
 import dataclasses
@@ -36,6 +46,7 @@ import time
 
 from absl import logging
 
+from trainer import storage
 from trainer.errors import UserError
 
 LOCK_NAME = 'launch.lock'
@@ -102,8 +113,15 @@ class WorkdirLock:
     self._fd = None
 
 
-def acquire(workdir: str | os.PathLike) -> WorkdirLock:
+def _me() -> Holder:
+  since = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
+  return Holder(socket.gethostname(), os.getpid(), since, ' '.join(sys.argv))
+
+
+def acquire(workdir: str | os.PathLike) -> 'WorkdirLock | ObjectLock':
   """Takes WORKDIR/launch.lock for this process, or raises UserError naming the launch that holds it."""
+  if storage.is_cloud(workdir):
+    return _acquire_object(workdir)
   path = pathlib.Path(workdir).absolute() / LOCK_NAME
   fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
   try:
@@ -120,8 +138,7 @@ def acquire(workdir: str | os.PathLike) -> WorkdirLock:
              f'it') if here else f'no heartbeat for {age_s:.0f}s'
       logging.warning('--workdir=%s: took over the lock of an earlier launch (%s; %s).', workdir, holder.describe(),
                       why)
-    since = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
-    me = Holder(socket.gethostname(), os.getpid(), since, ' '.join(sys.argv))
+    me = _me()
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(dataclasses.asdict(me)).encode(), 0)
     os.fsync(fd)
@@ -129,6 +146,76 @@ def acquire(workdir: str | os.PathLike) -> WorkdirLock:
     os.close(fd)  # Closing drops our flock, if we got it.
     raise
   return WorkdirLock(path, fd)
+
+
+class ObjectLock:
+  """The held lock object in a bucket; `release()` deletes it. Rewritten every HEARTBEAT_S while held."""
+
+  def __init__(self, fs, key: str, content: bytes):
+    self.path, self._fs, self._content = key, fs, content
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._heartbeat, daemon=True, name='workdir-lock-heartbeat')
+    self._thread.start()
+
+  def _still_ours(self) -> bool:
+    self._fs.invalidate_cache(self.path)
+    return self._fs.cat_file(self.path) == self._content
+
+  def _heartbeat(self) -> None:
+    while not self._stop.wait(HEARTBEAT_S):
+      try:
+        if not self._still_ours():  # Taken over (this host was stalled past STALE_AFTER_S): leave it be.
+          logging.warning('%s: the lock was taken over by another launch; no longer renewing it.', self.path)
+          return
+        self._fs.pipe_file(self.path, self._content)
+      except Exception:  # pylint: disable=broad-except  (a lost connection is reported by the checkpointer)
+        pass
+
+  def release(self) -> None:
+    if self._stop.is_set():
+      return
+    self._stop.set()
+    try:
+      if self._still_ours():
+        self._fs.rm_file(self.path)
+    except Exception:  # pylint: disable=broad-except  (left behind, it goes stale after STALE_AFTER_S)
+      pass
+
+
+def _acquire_object(workdir) -> ObjectLock:
+  key = os.fspath(storage.path(workdir) / LOCK_NAME)
+  fs = storage.filesystem()
+  content = json.dumps(dataclasses.asdict(_me())).encode()
+  for attempt in range(2):
+    try:
+      fs.pipe_file(key, content, mode='create')  # ifGenerationMatch=0: refused if the object exists.
+      return ObjectLock(fs, key, content)
+    except FileExistsError:
+      if attempt:
+        raise _in_use(workdir, None) from None
+    try:
+      fs.invalidate_cache(key)
+      info, text = fs.info(key), fs.cat_file(key)  # Read in this order: the text is of this generation or newer.
+    except FileNotFoundError:
+      continue  # Released meanwhile.
+    try:
+      holder = Holder(**json.loads(text))
+    except (ValueError, TypeError):
+      holder = None
+    age_s = time.time() - info['mtime'].timestamp()
+    gone = holder is not None and holder.host == socket.gethostname() and not _pid_alive(holder.pid)
+    if not gone and age_s < STALE_AFTER_S:
+      raise _in_use(workdir, holder, age_s)
+    logging.warning('--workdir=%s: took over the lock of an earlier launch (%s; %s).', workdir,
+                    holder.describe() if holder else 'unreadable', f'process {holder.pid} is gone' if gone else
+                    f'no heartbeat for {age_s:.0f}s')
+    try:
+      bucket_name, name = key[len(storage.SCHEME):].split('/', 1)
+      fs.call('DELETE', 'b/{}/o/{}', bucket_name, name, ifGenerationMatch=info['generation'])
+    except (FileNotFoundError, FileExistsError):  # Gone, or renewed or retaken since (412): the create decides.
+      pass
+    fs.invalidate_cache(key)
+  raise _in_use(workdir, None)
 
 
 def _in_use(workdir, holder: Holder | None, heartbeat_age_s: float | None = None) -> UserError:

