@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl import logging as absl_logging
 
 from configs import tiny
 from trainer import checkpoint, data
@@ -126,8 +127,10 @@ def test_padding_is_left_out_of_the_loss(model):
   assert float(loss) == pytest.approx(float(per_token[segments != 0].mean()), rel=1e-5)
 
 
-def test_data_wait_warning_names_the_knobs(caplog):
+def test_data_wait_warning_names_the_knobs(caplog, monkeypatch):
   caplog.set_level(logging.WARNING)
+  # absl logs it at most once per 300 s per call site: a run earlier in this test process may have used that up.
+  monkeypatch.setattr(absl_logging, '_log_timer_per_token', {})
   assert not data.warn_if_stalled(10, {'data_wait_s': 0.004, 'step_time_s': 0.1})
   assert not data.warn_if_stalled(1, {'data_wait_s': 0.05, 'step_time_s': 0.1})  # Step 1 starts the workers.
   assert data.warn_if_stalled(10, {'data_wait_s': 0.02, 'step_time_s': 0.1})
