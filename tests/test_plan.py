@@ -29,6 +29,7 @@ def test_plan_reports_mesh_memory_and_flops_of_the_compiled_step():
   text = '\n'.join(lines)
   assert result.mesh_shape == {'data': 4, 'fsdp': 2, 'tensor': 1}
   assert "mesh {'data': 4, 'fsdp': 2, 'tensor': 1} over 8 x cpu" in text
+  assert "Attention: attention kernel xla (model.attention='auto': " in text
   job = job_lib.build_job(config)
   _, totals = sharding.sharding_table(job.abstract, job.shardings)
   assert result.params_bytes == totals['params_bytes_per_device']
@@ -126,11 +127,11 @@ def test_topology_plan_runs_splash_attention_in_far_less_memory_than_xla(caplog)
   config = tiny.get_config()
   config.data.seq_len, config.train.batch_size = 2048, 8
   config.model.update(num_layers=1, d_model=256, num_heads=2, mlp_dim=512)  # Heads of 128, as on TPU pods.
-  temp_bytes = {}
+  temp_bytes, printed = {}, {'auto': [], 'xla': []}
   for setting in ('auto', 'xla'):
     config.model.attention = setting
     with caplog.at_level(logging.INFO):
-      temp_bytes[setting] = plan.run(config, topology='v5p:2x2x1', print_fn=lambda line: None).temp_bytes
+      temp_bytes[setting] = plan.run(config, topology='v5p:2x2x1', print_fn=printed[setting].append).temp_bytes
   logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith('Attention kernel')]
   assert logged == ["Attention kernel splash (model.attention='auto': the fastest kernel on tpu)",
                     "Attention kernel xla (model.attention='xla': named in the config)"]
@@ -138,6 +139,8 @@ def test_topology_plan_runs_splash_attention_in_far_less_memory_than_xla(caplog)
   # streams blocks through VMEM and keeps only (rows, heads, length) softmax statistics.
   assert temp_bytes['xla'] > 64 * 2**20
   assert temp_bytes['auto'] < temp_bytes['xla'] / 4
+  assert "Attention: attention kernel splash (model.attention='auto': the fastest kernel on tpu)" in '\n'.join(
+      printed['auto'])
 
 
 def test_compiler_refusal_is_the_same_verdict_with_fixes(monkeypatch):
@@ -194,5 +197,6 @@ def test_any_model_gets_its_traced_flops_and_the_step_times_they_imply():
   assert '1 while loop(s) counted for one iteration' in text and 'Analytic' not in text
   # 8e12 FLOPs over 8 chips of 459 TFLOP/s.
   assert f'v5p     459 TFLOP/s bf16:   {8e12 / 8 / 459e12 * 1e3:.3f} ms at 100% MFU' in text
+  assert "Attention: the model's own (not a built-in model)" in text
   uncounted = plan.report(dataclasses.replace(FAKE, flops=None), config)
   assert "FLOPs per step: not counted for model.name='tests.custom_models:MlpLM'" in uncounted

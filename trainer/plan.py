@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import jax
 
 from parallel import sharding
-from trainer import flops, traced_flops
+from trainer import attention, flops, traced_flops
 from trainer import job as job_lib
 from trainer.errors import UserError
 from trainer.memory import footprint
@@ -62,6 +62,7 @@ class Plan:
   code_bytes: int
   flops: flops.StepFlops | None  # The analytic counts: the built-in llama only.
   traced: traced_flops.Count | None = None  # Any model; None where the step does not trace without a mesh.
+  attention: str | None = None  # The kernel a built-in model's attention runs on this mesh, and why; None otherwise.
 
   @property
   def total_bytes(self) -> int:
@@ -115,7 +116,13 @@ def make_plan(config, devices: Sequence[jax.Device] | None = None) -> Plan:
       code_bytes=memory.generated_code_size_in_bytes,
       flops=(flops.step_flops(config.model, config.train.batch_size, config.data.seq_len)
              if config.model.name == 'llama' else None),
-      traced=flops.job_step_flops(job))
+      traced=flops.job_step_flops(job),
+      attention=_attention(config, job.mesh))
+
+
+def _attention(config, mesh) -> str | None:
+  choice = attention.check_config(config, mesh)  # For the mesh's platform: a --topology plan names TPU kernels.
+  return choice.describe() if choice else None
 
 
 _gib = footprint.gib
@@ -136,6 +143,7 @@ def report(plan: Plan, config) -> str:
       f'global batch {config.train.batch_size} x {config.data.seq_len} tokens'
       f'{f" in {config.train.grad_accum_steps} microbatches" if config.train.grad_accum_steps > 1 else ""}; '
       f'remat {config.train.remat_policy}; compute dtype {config.train.compute_dtype}',
+      f'Attention: {plan.attention}' if plan.attention else "Attention: the model's own (not a built-in model)",
       'Per device (compiled memory analysis):',
       f'  parameters          {_gib(plan.params_bytes)}',
       f'  optimizer state     {_gib(plan.opt_state_bytes)}',
