@@ -79,7 +79,8 @@ def _quiet(config, num_devices: int):
   config.train.eval_every_steps = 0
   config.ckpt.every_steps = 10**9
   config.log.every_steps = 10**9
-  return config
+  from trainer.memory import remat
+  return remat.resolve(config, jax.devices()[:num_devices], log_fn=print)[0]  # A preset's 'auto', as a launch does.
 
 
 def _host_batches(config, count=4):
