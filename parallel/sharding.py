@@ -29,7 +29,7 @@ def rules_from_config(parallel_config) -> tuple[tuple[str, object], ...]:
   """
   rules = []
   for key in ('extra_axis_rules', 'logical_axis_rules'):
-    for rule in parallel_config[key]:
+    for rule in parallel_config.get(key, ()):  # A run's config.json from before extra_axis_rules has none.
       axes = rule[1] if isinstance(rule, (tuple, list)) and len(rule) == 2 else ()
       axes = (axes,) if isinstance(axes, str) or axes is None else tuple(axes)
       if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)

@@ -84,7 +84,9 @@ def restore_model(config, workdir, step: str):
   config.train.grad_accum_steps = 1
   job = job_lib.build_job(config, devices=jax.devices('cpu')[:1])
   restored, state = checkpoint.restore_for_tool(job, str(workdir), None if step == 'latest' else int(step))
-  return restored, job.task.model.bind, state.params
+  task = job.task
+  # The model as the step runs it: in the compute dtype, inside the mesh context its own sharding constraints read.
+  return restored, lambda params: lambda tokens_BL: task.outputs(params, {'inputs': tokens_BL}), state.params
 
 
 def byte_level(config) -> bool:

@@ -16,6 +16,7 @@ from configs import tiny
 from parallel import mesh as mesh_lib
 from parallel import sharding
 from tests.third_party import glue
+from scripts import sample
 from trainer import data, job, loop
 from trainer import task as task_lib
 from trainer.errors import UserError
@@ -45,6 +46,9 @@ def test_trains_under_jit_on_a_2x2x2_mesh(builder, tmp_path):
   assert abs(losses[0] - np.log(256)) < 1.0, losses  # Near ln(vocab) at init: logits line up with targets.
   table = (tmp_path / 'sharding.txt').read_text()
   assert 'names' in table.splitlines()[0]
+  # Sampled from its checkpoint on one CPU device, inside the same context its constraints need.
+  tokens = sample.sample(str(tmp_path), '1 2 3', 4, 0.8, 0, 'latest').split()  # Synthetic data: token ids.
+  assert tokens[:3] == [b'1', b'2', b'3'] and len(tokens) == 7 and all(0 <= int(t) < 256 for t in tokens)
 
 
 def test_mesh_axis_names_map_onto_the_launchers_mesh_and_unnamed_norms_follow_the_default():

@@ -152,8 +152,8 @@ def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
   model = adapters.adapt(builder, config, objectives.example_inputs(objective), keywords, init_context)
   mesh_shape = dict(mesh.shape) if mesh is not None else {'fsdp': 1}
   foreign = param_names.names_foreign_mesh_axes(model.abstract_boxed)
-  boxed, notes = param_names.name_params(model.abstract_boxed, rules, mesh_shape, config.parallel.unnamed_params, name,
-                                         model.framework)
+  unnamed = config.parallel.get('unnamed_params', 'auto')  # A run's config.json from before the key has none.
+  boxed, notes = param_names.name_params(model.abstract_boxed, rules, mesh_shape, unnamed, name, model.framework)
   model = dataclasses.replace(model, abstract_boxed=boxed)
   return Task(objective, model, custom_loss=callable(getattr(model.module_class, 'loss', None)),
               mesh=mesh if under_jit and made_for is None else None, rules=tuple(rules), cast_params_to=cast_to,
