@@ -58,6 +58,9 @@ class Task:
   # the loss (float32 master weights and gradients stay in train.param_dtype); None when nothing is cast.
   cast_params_to: Any = None
   param_notes: dict[str, str] = dataclasses.field(default_factory=dict)  # How unnamed parameters were named.
+  # A Linen model naming mesh axes this mesh lacks (mapped by rules) gets the physical-mesh context (see
+  # physical_mesh_context): its bare PartitionSpecs work, its nn.with_logical_constraint calls do nothing.
+  physical_context: bool = False
 
   def bind(self, params):
     """The model bound to `params`, in the compute dtype (to be called inside `context()`)."""
@@ -65,10 +68,6 @@ class Task:
       dtype = self.cast_params_to
       params = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
     return self.model.bind(params)
-
-  # A Linen model naming mesh axes this mesh lacks (mapped by rules) gets the physical-mesh context (see
-  # physical_mesh_context): its bare PartitionSpecs work, its nn.with_logical_constraint calls do nothing.
-  physical_context: bool = False
 
   def context(self):
     """Where the model runs: the mesh and rules its own sharding constraints name, under 'jit'."""
