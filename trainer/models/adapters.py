@@ -31,6 +31,9 @@ from flax import nnx
 from trainer.errors import UserError
 
 Params = Any  # Nested dict of arrays.
+# What to do when a model does not take the packed-row keywords (here for Linen at init, contract.py for the rest).
+PACKING_FIX = ('data.packing=True calls the model with segment_ids= and positions=: take them in its __call__ (and '
+               'keep attention within a segment), or set --config.data.packing=False')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,9 +170,7 @@ def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> 
     packed = [k for k in example_inputs[1] if f"'{k}'" in str(e)]
     if not packed:
       raise
-    raise UserError(f'model.name={name!r} takes no {packed[0]}= keyword, and data.packing=True calls the model with '
-                    f'segment_ids= and positions=: take them in its __call__ (and keep attention within a segment), '
-                    f'or set --config.data.packing=False.') from e
+    raise UserError(f'model.name={name!r} takes no {packed[0]}= keyword, and {PACKING_FIX}.') from e
   others = sorted(set(variables) - {'params'})
   if others:
     raise UserError(f'model.name={name!r} creates variable collections {others} besides "params". The launcher '

@@ -25,6 +25,7 @@ from absl import logging
 from parallel import sharding
 from trainer import data
 from trainer.errors import UserError
+from trainer.models import adapters
 
 _CONSTRAINT_HINTS = ('mesh context', 'resource axis', 'with_sharding_constraint', 'sharding_constraint',
                      'not found in mesh', 'manual')
@@ -54,8 +55,7 @@ def check_strategy(job) -> None:
     cause = _first_line(e)
     lowered = cause.lower()
     if isinstance(e, TypeError) and any(f"'{k}'" in cause for k in data.PACKED_KEYS):
-      fix = ('data.packing=True calls the model with segment_ids= and positions=: take them in its __call__ (and '
-             'keep attention within a segment), or set --config.data.packing=False')
+      fix = adapters.PACKING_FIX
     elif strategy != 'jit' and any(h in lowered for h in _CONSTRAINT_HINTS):
       fix = (f"the model pins activation shardings, which only parallel.strategy='jit' can honour (under "
              f"{strategy!r} it runs on each device's shard); use --config.parallel.strategy=jit")
