@@ -85,6 +85,7 @@ def get_config() -> config_dict.ConfigDict:
   c.data.text_dir = config_dict.placeholder(str)  # Folder of text files; None = the running Python's stdlib.
   c.data.path = config_dict.placeholder(str)  # 'array_record': folder from scripts/prepare_data.py; 'arrays': .npz or folder of .npy.
   c.data.packing = False  # Pack documents into rows with segment_ids/positions (no attention or loss across documents).
+  c.data.max_documents_per_row = 64  # Packing: most documents in a row, checked before compile; sizes cuDNN's attention.
   c.data.worker_count = 0  # Grain worker processes per process; 0 reads in-process (threads only).
   c.data.prefetch = 2  # Batches read ahead of the train step (by a thread, or per worker); 0 = off.
   c.data.file_glob = '**/*.py'  # Files under text_dir to read, as a pathlib glob.

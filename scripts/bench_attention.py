@@ -9,9 +9,9 @@ packed (every row cut into --docs_per_row documents of random lengths, numbered 
 them). Per case and kernel: the relative error (|x - ref| / |ref|, Frobenius) of the output and of dq, dk, dv against
 XLA in float32 on the same inputs; for packed rows the leak (the largest change in any output outside the first
 document when the first document's queries, keys and values are replaced: 0 for a kernel that keeps documents
-apart); the median time of a jitted forward + backward. cuDNN's packed layout is also timed with its segment table
-sized to the documents a row holds (`--docs_per_row`) and to the sequence length, which is what trainer/attention
-gives it (a row of L tokens holds at most L documents).
+apart); the median time of a jitted forward + backward. cuDNN's packed layout is timed with its segment table
+sized M = the documents a row holds (`--docs_per_row`), M = the launcher's bound (data.max_documents_per_row's
+default, which trainer/models pass) and M = L (what trainer/attention takes when a model passes no bound).
 """
 
 import argparse
@@ -29,8 +29,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from configs import base  # noqa: E402
 from trainer import attention  # noqa: E402
-from trainer.attention import cudnn, xla  # noqa: E402
+from trainer.attention import xla  # noqa: E402
 
 # Case -> (batch, sequence length, query heads, kv heads, head dim), the bench rows' shapes (scripts/bench_gpu.py).
 CASES = {'gpt2': (32, 1024, 12, 12, 64), 'llama': (16, 2048, 32, 8, 64)}
@@ -48,13 +49,11 @@ def documents(batch: int, seq_len: int, docs_per_row: int, seed: int = 0) -> np.
 
 
 def kernel_fn(kernel: str, max_segments: int | None = None):
-  """fn(q, k, v, segment_ids) -> output, through trainer/attention's own dispatch (cuDNN direct when sized)."""
+  """fn(q, k, v, segment_ids) -> output, through trainer/attention's own dispatch."""
   if kernel == 'leaky':  # Ignores documents: what the leak check must catch (tests/test_bench_gpu.py).
     return lambda q, k, v, ids: xla.attention(q, k, v, causal=True)
-  if kernel == 'cudnn' and max_segments is not None:
-    return lambda q, k, v, ids: cudnn.attention(q, k, v, causal=True, segment_ids_BL=ids, max_segments=max_segments)
   return lambda q, k, v, ids: attention.dot_product_attention(q, k, v, causal=True, segment_ids_BL=ids,
-                                                              kernel=kernel)
+                                                              kernel=kernel, max_segments=max_segments)
 
 
 def forward_backward(fn, dtype):
@@ -130,12 +129,12 @@ def main(argv=None) -> list[dict]:
     shape = (args.batch or batch, args.seq_len or seq_len, *heads)
     for packed in (False, True):
       runs = [(kernel, None) for kernel in kernels]
-      if packed and 'cudnn' in kernels:
-        runs.append(('cudnn', args.docs_per_row))  # trainer/attention sizes the table L; this is the least.
+      if packed and 'cudnn' in kernels:  # M = L first (None), then the launcher's bound, then the least.
+        runs += [('cudnn', base.get_config().data.max_documents_per_row), ('cudnn', args.docs_per_row)]
       for kernel, max_segments in runs:
         row = measure(case, packed, kernel, shape, dtype, args.docs_per_row, args.repeats, max_segments)
         rows.append(row)
-        name = kernel + (f' (M={max_segments})' if max_segments else '')
+        name = kernel + (f' (M={max_segments or "L"})' if packed and kernel == 'cudnn' else '')
         leak = f"{row['leak']:.2g}" if packed else '-'
         print(f"| {case} | {row['shape']} | {packed} | {name} | {row['err_out']:.2g} | {row['err_dq']:.2g} | "
               f"{row['err_dk']:.2g} | {row['err_dv']:.2g} | {leak} | {row['ms']:.3g} |", flush=True)

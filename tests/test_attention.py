@@ -1,8 +1,9 @@
 """trainer/attention: the kernel choice per platform, its errors, log and manifest entry, and every kernel that runs
 on CPU (XLA; splash in Pallas interpret mode) against a float32 reference, packed rows included.
 
-cuDNN cannot be traced without a GPU ("cuDNN is not detected"): here its choice rules and the conversion of segment
-ids to its packed layout are tested; its numerics only on a GPU.
+cuDNN cannot run without a GPU: here its choice rules and the conversion of segment ids to its packed layout are
+tested, tests/test_cuda_lowering.py lowers the whole train step to its calls, and its numerics need a GPU
+(scripts/bench_attention.py).
 """
 
 import inspect
@@ -220,6 +221,17 @@ def test_a_token_never_sees_another_document_of_its_row(kernel):
     np.testing.assert_array_equal(np.asarray(g)[doc1], np.asarray(g2)[doc1])
     np.testing.assert_array_equal(np.asarray(g2)[~doc1], 0.0)  # Nothing flows into the other documents.
   assert not np.allclose(np.asarray(out)[~doc1], np.asarray(out2)[~doc1])  # The change was real.
+
+
+@pytest.mark.parametrize('policy, kernel_calls', [
+    (jax.checkpoint_policies.dots_saveable, 4),  # Forward, the forward again in the backward, dq, dk/dv.
+    (attention.dots_saveable, 3),  # The forward's output and statistics kept: no second forward.
+])
+def test_dots_saveable_keeps_the_splash_forward(policy, kernel_calls):
+  q, k, v = inputs()
+  attend = lambda q: attention.dot_product_attention(q, k, v, causal=True, kernel='splash').sum()
+  jaxpr = str(jax.make_jaxpr(jax.grad(jax.checkpoint(attend, policy=policy)))(q))
+  assert jaxpr.count('pallas_call') == kernel_calls
 
 
 def test_llama_on_splash_matches_xla_under_jit_on_a_2x2x2_mesh():

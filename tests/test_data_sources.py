@@ -79,6 +79,33 @@ def test_packed_rows_never_predict_across_documents(tmp_path, token_docs):
   assert seen == len(rows) * 16
 
 
+def test_most_documents_per_row_counts_what_the_rows_hold():
+  """From the index alone, equal to the segments the rows themselves carry; empty and one-token documents
+  (no next-token pair) take no room, and a document starting exactly at a row boundary opens that row."""
+  rng = np.random.default_rng(1)
+  lengths = np.concatenate([rng.integers(0, 4, size=300), rng.integers(2, 40, size=100), [17, 17]])
+  rng.shuffle(lengths)
+  tokens = np.arange(lengths.sum(), dtype=np.int32)
+  docs = data.documents.InMemoryDocuments(tokens, np.concatenate([[0], np.cumsum(lengths)[:-1]]), 'test')
+  for seq_len in (8, 16, 64):
+    rows = data.PackedRows(docs, seq_len)
+    counts = [len(np.unique(rows[i]['segment_ids'])) for i in range(len(rows))]
+    assert rows.most_documents_per_row() == (max(counts), counts.index(max(counts)))
+
+
+def test_rows_with_more_documents_than_the_bound_fail_before_compile_naming_the_setting(tmp_path, token_docs):
+  root = _prepare(tmp_path, token_docs)
+  config = _config(source='array_record', path=str(root), packing=True, seq_len=64, max_documents_per_row=2)
+  config.model.vocab_size = 300
+  most, row = data.PackedRows(token_shards.load_documents(root, 'train'), 64).most_documents_per_row()
+  assert most > 2
+  with pytest.raises(UserError, match=rf'data.max_documents_per_row=2, but packed row {row} of the train split holds '
+                                      rf'{most} documents. Set --config.data.max_documents_per_row={most} \(or more\)'):
+    data.load_sources(config)
+  config.data.max_documents_per_row = most
+  assert len(data.load_sources(config).train) == len(data.PackedRows(token_shards.load_documents(root, 'train'), 64))
+
+
 def test_array_record_source_trains_end_to_end_with_packing(tmp_path, launcher):
   text = {f'f{i}.txt': (f'document {i} ' * (40 + 9 * i)).encode() for i in range(20)}
   root = _prepare(tmp_path, text, '--glob=*.txt')

@@ -27,7 +27,7 @@ def validate_config(config) -> None:
   """Checks every value that can be judged without devices."""
   # Model sizes are checked by the model's builder (trainer/models/), which knows which keys it reads.
   for path in ('train.steps', 'train.batch_size', 'data.seq_len', 'log.every_steps', 'ckpt.every_steps',
-               'ckpt.max_to_keep', 'data.num_threads'):
+               'ckpt.max_to_keep', 'data.num_threads', 'data.max_documents_per_row'):
     _positive_int(config, path)
   _positive_int(config, 'train.grad_accum_steps')
   _require(config.train.z_loss_weight >= 0, f'train.z_loss_weight={config.train.z_loss_weight} must be >= 0.')

@@ -21,7 +21,7 @@ from trainer.attention.choice import KERNELS, Call, Choice, choose, log_once
 from trainer.precision import compute_dtype
 
 __all__ = ['KERNELS', 'Call', 'Choice', 'choose', 'dot_product_attention', 'check_config', 'platform_of',
-           'xla_for_counting']
+           'xla_for_counting', 'fused_forward_saveable', 'dots_saveable']
 
 _COUNTING = contextvars.ContextVar('attention_xla_for_counting', default=False)
 
@@ -35,6 +35,23 @@ def xla_for_counting():
     yield
   finally:
     _COUNTING.reset(token)
+
+
+def fused_forward_saveable(primitive, *_, **__) -> bool:
+  """A jax.checkpoint policy: keep what a fused attention kernel's forward returns for the backward pass.
+
+  cuDNN's and splash's forward are one opaque call each, returning the output and the softmax statistics its
+  backward reads; no dot-based or name-based policy saves them, so every remat policy recomputed the whole
+  attention forward inside the backward pass, even a policy whose point is to save the attention output
+  (tests/test_cuda_lowering.py counts the calls). Splash is a Pallas call: this saves any Pallas kernel's outputs,
+  which in the built-in models is attention alone.
+  """
+  return primitive is cudnn.FORWARD_PRIMITIVE or primitive.name == 'pallas_call'
+
+
+# 'dots_saveable': every matmul output, the fused attention kernels' (two matmuls and a softmax) included.
+dots_saveable = jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable,
+                                                                fused_forward_saveable)
 
 
 def platform_of(mesh: Mesh | None = None) -> tuple[str, float | None]:
@@ -56,7 +73,7 @@ def platform_of(mesh: Mesh | None = None) -> tuple[str, float | None]:
 
 
 def dot_product_attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_BL=None, kernel: str = 'auto',
-                          mesh: Mesh | None = None, rules=()):
+                          mesh: Mesh | None = None, rules=(), max_segments: int | None = None):
   """Softmax(q k^T / sqrt(K)) v, on the kernel `kernel` names ('auto': the fastest that fits the call).
 
   Args:
@@ -69,6 +86,11 @@ def dot_product_attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_B
     mesh, rules: the mesh and logical axis rules when the caller runs under jit with a mesh (the launcher's
       'jit' strategy gives them to models that take them); None under shard_map/pmap, where the model already
       sees its local shards. Splash needs them to shard itself; the other kernels are partitioned by XLA.
+    max_segments: with `segment_ids_BL`, the most segments (runs of equal ids) a row can hold; the launcher
+      passes data.max_documents_per_row. Only cuDNN reads it: it treats each segment as a sequence of its own
+      and keeps float32 softmax statistics of shape (B * max_segments, H, L) for the backward pass. None takes
+      L, always enough but twice the bytes of XLA's (B, H, L, L) bfloat16 scores: pass the real bound. A row with more
+      segments than this loses its last ones on cuDNN.
 
   Returns:
     (B, L, H, K) in the dtype of q.
@@ -84,7 +106,8 @@ def dot_product_attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_B
   choice = choose(call, kernel)
   log_once(choice)
   if choice.kernel == 'cudnn':
-    return cudnn.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL)
+    return cudnn.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL,
+                           max_segments=max_segments)
   if choice.kernel == 'splash':
     return splash.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL, mesh=mesh,
                             rules=rules, interpret=platform != 'tpu')

@@ -8,8 +8,15 @@ sequence lengths (padding), not segment ids, so packed rows use jax's lower-leve
 (jax._src.cudnn.fused_attention_stablehlo.dot_product_attention with q/kv_seqlen [B, M] and q/kv_offsets
 [B, M + 1]): each segment of a row is its own sequence to cuDNN, so attention never crosses documents. On an H100
 with jax 0.11.2 that layout matched a float32 reference under GQA and ran fwd+bwd 6.6x (MHA) to 9.6x (GQA) faster
-than XLA's masked attention (shared/GPU.md). Not run in this repository's tests: cuDNN cannot be traced without a
-GPU ("cuDNN is not detected").
+than XLA's masked attention (shared/GPU.md). cuDNN cannot run without a GPU, but jax lowers the whole train step
+for CUDA on a CPU host (jax.export): tests/test_cuda_lowering.py checks there that the step reaches cuDNN's fused
+calls and that no (L, L) scores are left.
+
+The packed layout costs memory by M, the table's segments per row: jax hands cuDNN B * M sequences and keeps their
+float32 softmax statistics, (B * M, H, L), for the backward pass. With M = L (the only bound that needs no knowledge
+of the data) that is twice the bytes of the (B, H, L, L) bf16 scores the fused kernel exists to avoid: 8 GiB per
+layer for llama_1b at batch 16 x 2048. So M comes from the data: data.max_documents_per_row, which trainer/data
+checks over the whole dataset before compile.
 """
 
 import re
@@ -23,6 +30,10 @@ from jax._src.cudnn import fused_attention_stablehlo as cudnn_lib
 # the wrong keys. Fixed upstream in 2026-07; jax 0.11.2 measured right (shared/GPU.md). Before that, GQA + packing
 # gets keys/values with each head repeated H/G times, so both strides are equal.
 _GQA_OFFSETS_FIXED = tuple(map(int, re.match(r'(\d+)\.(\d+)\.(\d+)', jax.__version__).groups())) >= (0, 11, 2)
+
+
+# The primitive of cuDNN's forward call as jax.checkpoint policies see it (both jax 0.10.2 and 0.11.2).
+FORWARD_PRIMITIVE = cudnn_lib._dot_product_attention_fwd_p_wrapper  # pylint: disable=protected-access
 
 
 def segments_to_packed(segment_ids_BL, max_segments: int):
@@ -51,7 +62,7 @@ def attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_BL=None, max_
   """Softmax(q k^T / sqrt(K)) v by cuDNN; within segments when `segment_ids_BL` is given.
 
   `max_segments` bounds the segments (runs of equal ids) per row; None takes L, which always holds (a row of L
-  tokens has at most L runs) and is what packed rows from trainer/data/documents.py can reach.
+  tokens has at most L runs) but costs (B * L, H, L) float32 statistics (module docstring).
   """
   if segment_ids_BL is None:
     return jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, is_causal=causal, implementation='cudnn')

@@ -115,8 +115,25 @@ def load_sources(config) -> Sources:
   cut = PackedRows if d.packing else StreamWindows
   train = cut(train_docs, d.seq_len)
   eval_ = cut(eval_docs, d.seq_len) if eval_docs is not None and eval_docs.num_tokens else None
+  if d.packing:
+    for split, rows in (('train', train), ('eval', eval_)):
+      if rows is not None:
+        _check_documents_per_row(rows, d, split)
   how = f'packed by document into rows of {d.seq_len}' if d.packing else f'windows of {d.seq_len} over the stream'
   return Sources(train, eval_, f'{where}; {how}')
+
+
+def _check_documents_per_row(rows: PackedRows, d, split: str) -> None:
+  """UserError when a packed row of `split` holds more documents than data.max_documents_per_row.
+
+  Checked on every platform, so that a config that packs on a laptop also packs on a GPU, where cuDNN's attention
+  is sized by that bound (trainer/attention/cudnn.py) and a row past it would lose its last documents.
+  """
+  most, row = rows.most_documents_per_row()
+  if most > d.max_documents_per_row:
+    raise UserError(f'data.max_documents_per_row={d.max_documents_per_row}, but packed row {row} of the {split} split '
+                    f'holds {most} documents. Set --config.data.max_documents_per_row={most} (or more), or lower '
+                    f'data.seq_len.')
 
 
 def _token_shards(config):

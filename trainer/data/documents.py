@@ -100,6 +100,21 @@ class PackedRows:
   def __len__(self) -> int:
     return self.num_pairs // self._seq_len
 
+  def most_documents_per_row(self) -> tuple[int, int]:
+    """(the most documents any row holds, the first row holding that many), from the index alone.
+
+    A row holds one document piece for its first token plus one per document that starts inside it; documents
+    with no pairs (one token or none) take no room and are not counted, as `__getitem__` skips them.
+    """
+    rows = len(self)
+    if not rows:
+      return 0, 0
+    starts = self._first_pair[:-1][self._pairs > 0]
+    inside = starts[starts % self._seq_len != 0] // self._seq_len
+    counts = np.bincount(inside[inside < rows], minlength=rows) + 1
+    row = int(np.argmax(counts))
+    return int(counts[row]), row
+
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     lo, hi = index * self._seq_len, (index + 1) * self._seq_len
     d = int(np.searchsorted(self._first_pair, lo, side='right')) - 1

@@ -30,6 +30,7 @@ import jax
 from absl import logging
 
 from parallel import mesh as mesh_lib
+from trainer import attention as attention_lib
 from trainer import checkpoint, plan
 from trainer.errors import UserError
 from trainer.memory import footprint
@@ -37,7 +38,8 @@ from trainer.memory import footprint
 RECOMPUTE_ORDER = ('none', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'save_qkv_proj',
                    'save_attention_and_mlp_hidden', 'full')
 # Config values that change the compiled step's memory: a resumed run re-chooses when any of them changed.
-_MEMORY_KEYS = ('model', 'mesh', 'parallel', 'data.seq_len', 'data.image_shape', 'data.packing', 'train.batch_size',
+_MEMORY_KEYS = ('model', 'mesh', 'parallel', 'data.seq_len', 'data.image_shape', 'data.packing',
+                'data.max_documents_per_row', 'train.batch_size',
                 'train.remat_policy', 'train.grad_accum_steps', 'train.compute_dtype', 'train.param_dtype',
                 'train.adam_mu_dtype', 'train.device_memory_gb')
 
@@ -60,7 +62,7 @@ class Choice:
 # own, by name; `checkpoint_policy(name)` is what to give `nn.remat` / `nnx.remat` / `jax.checkpoint` for each.
 GENERIC_POLICIES = {
     'full': None,  # Save nothing: the whole block is recomputed in the backward pass.
-    'dots_saveable': jax.checkpoint_policies.dots_saveable,
+    'dots_saveable': attention_lib.dots_saveable,
     'dots_with_no_batch_dims_saveable': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 

@@ -36,7 +36,7 @@ from trainer.precision import compute_dtype
 # What each block keeps for the backward pass; everything else is recomputed there.
 REMAT_POLICIES = {
     'full': None,  # Save nothing: recompute the whole block in the backward pass.
-    'dots_saveable': jax.checkpoint_policies.dots_saveable,  # Every matmul output.
+    'dots_saveable': attention_lib.dots_saveable,  # Every matmul output.
     # Matmul outputs without a batch dimension: in a transformer block that is almost none
     # (weights are applied to (B, L, ...) activations), so this sits close to 'full'.
     'dots_with_no_batch_dims_saveable': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -45,7 +45,11 @@ REMAT_POLICIES = {
     'save_qkv_proj': jax.checkpoint_policies.save_only_these_names('query_proj', 'key_proj', 'value_proj'),
     # Save by name: the attention output (before its out projection) and the MLP's down-projection
     # input, the two tensors whose recomputation costs the most (the attention core, the MLP's up/gate).
-    'save_attention_and_mlp_hidden': jax.checkpoint_policies.save_only_these_names('attention_out', 'mlp_hidden'),
+    # A fused kernel's forward returns the attention output with its softmax statistics: both are kept, or
+    # its backward would run the forward again.
+    'save_attention_and_mlp_hidden': jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.save_only_these_names('attention_out', 'mlp_hidden'),
+        attention_lib.fused_forward_saveable),
 }
 
 
@@ -65,6 +69,7 @@ class LlamaConfig:
   remat_policy: str = 'none'
   scan_layers: bool = True  # One scanned block over stacked parameters; False unrolls num_layers blocks.
   attention: str = 'auto'  # The attention kernel (model.attention): 'auto', 'xla', 'cudnn' or 'splash'.
+  max_segments: int | None = None  # Packed rows: the most documents a row holds (data.max_documents_per_row).
   mesh: Mesh | None = None  # Set to pin activation shardings under jit; None leaves them to the caller.
   rules: tuple = ()  # Logical axis rules for the activation constraints.
 
@@ -130,7 +135,8 @@ class Attention(nn.Module):
     v_BLGK = constrain(v_BLGK, kv_axes, cfg)
     # Packed rows: a token attends only to earlier tokens of its own document (segment), on every kernel.
     out_BLHK = attention_lib.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, causal=True, segment_ids_BL=segment_ids_BL,
-                                                   kernel=cfg.attention, mesh=cfg.mesh, rules=cfg.rules)
+                                                   kernel=cfg.attention, mesh=cfg.mesh, rules=cfg.rules,
+                                                   max_segments=cfg.max_segments)
     out_BLHK = checkpoint_name(out_BLHK, 'attention_out')
     return nn.DenseGeneral(
         cfg.d_model, axis=(-2, -1), use_bias=False, kernel_init=_init(('heads', 'head_dim', 'embed')),
@@ -288,5 +294,5 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
       vocab_size=m.vocab_size, num_kv_heads=m.num_kv_heads, tie_embeddings=m.tie_embeddings,
       rope_max_wavelength=m.rope_max_wavelength, norm_eps=m.norm_eps,
       dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
-      remat_policy=config.train.remat_policy, scan_layers=layer_scan.scans(m), attention=m.attention, mesh=mesh,
-      rules=tuple(rules)))
+      remat_policy=config.train.remat_policy, scan_layers=layer_scan.scans(m), attention=m.attention,
+      max_segments=config.data.max_documents_per_row if config.data.packing else None, mesh=mesh, rules=tuple(rules)))

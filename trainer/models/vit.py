@@ -29,7 +29,7 @@ from trainer.precision import compute_dtype
 # What each block keeps for the backward pass; everything else is recomputed there.
 REMAT_POLICIES = {
     'full': None,  # Save nothing: recompute the whole block.
-    'dots_saveable': jax.checkpoint_policies.dots_saveable,  # Every matmul output.
+    'dots_saveable': attention_lib.dots_saveable,  # Every matmul output.
     'dots_with_no_batch_dims_saveable': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 # Save-by-name policies keep activations the Llama blocks tag by name; this model tags none.
