@@ -154,3 +154,14 @@ def test_the_gpu_benchmark_rows_lower_to_cudnn_with_no_scores(cuda_host, row):
   assert custom_calls(module, FORWARD) and custom_calls(module, BACKWARD)
   call = attention.config_call(config)
   assert scores(module, call.seq_len, call.q_shape[2], call.kv_shape[2]) == []
+
+
+@pytest.mark.parametrize('bound, statistics', [(64, '1024x32x2048xf32'),  # 256 MiB a layer.
+                                               (2048, '32768x32x2048xf32')])  # M = L: 8 GiB a layer.
+def test_llama_1b_packed_statistics_grow_with_the_bound(cuda_host, bound, statistics):
+  """llama_1b at bench_gpu's 16 x 2048: cuDNN's float32 softmax statistics are (16 * bound, 32 heads, 2048)."""
+  config = bench_gpu.row_config('llama_b16_full', attention=None, smoke=False)
+  config.train.compute_dtype = 'bfloat16'
+  config.data.source, config.data.packing, config.data.max_documents_per_row = 'text', True, bound
+  forward = custom_calls(cuda_module(config), FORWARD)
+  assert forward and all(f'tensor<{statistics}>' in line for line in forward)
