@@ -22,7 +22,8 @@ _PLAN = flags.DEFINE_bool('plan', False, 'Compile the step ahead of time and pri
 _PLAN_MEMORY_GB = flags.DEFINE_float('plan_memory_gb', None, 'With --plan: fail unless the step fits in this many '
                                      'GiB per device, naming config changes that would fit.')
 _TOPOLOGY = flags.DEFINE_string('topology', None, 'With --plan: compile for a TPU slice such as v5p:4x4x4 '
-                                '(needs requirements-tpu-plan.txt).')
+                                '(needs requirements-tpu-plan.txt) or for GPUs such as h100:8, 8 H100s on one '
+                                'host (needs requirements-gpu-plan.txt).')
 # Multi-process runs; see parallel/distributed.py. Unset under SLURM or on a TPU pod, where jax detects them.
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'HOST:PORT of process 0, the same on every process.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the run, all hosts together.')
@@ -106,6 +107,8 @@ def main(argv):
     _fail('flag --workdir must have a value (a folder for checkpoints and logs); only --plan runs without one.')
   if _PLAN.value:  # XLA's error-level 'Constant folding / Very slow compile' alarms read as failures; plan mode
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')  # hides them (set before jax loads; see trainer/plan.py).
+  if _TOPOLOGY.value:  # jax's CUDA plugin, when installed, checks the local GPU driver as it loads and stays out on a
+    os.environ.setdefault('JAX_SKIP_CUDA_CONSTRAINTS_CHECK', '1')  # host without one; a GPU --topology needs it.
   from trainer.errors import UserError
   from trainer.safety import workdir as workdir_lib
   try:

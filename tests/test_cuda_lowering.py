@@ -6,6 +6,8 @@ version and the device for its compute capability first. `cuda_host` answers tho
 for the 'cuda' platform: the StableHLO an H100 would compile, with nothing compiled or run. What this proves is what
 the model hands the kernel (dtypes, layouts, GQA, segment tables, remat, the backward) and that no (L, L) scores
 are left anywhere in the step; numerics and speed need the GPU (scripts/bench_attention.py, scripts/bench_gpu.py).
+Compiling it for an H100 without one needs jax's CUDA plugin: plan mode does that (tests/test_plan.py, skipped
+without requirements-gpu-plan.txt).
 """
 
 import re

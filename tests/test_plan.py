@@ -1,4 +1,4 @@
-"""Plan mode: the compiled step's memory and FLOPs without training, the memory budget, and TPU topologies."""
+"""Plan mode: the compiled step's memory and FLOPs without training, the memory budget, and TPU and GPU topologies."""
 
 import dataclasses
 import importlib.util
@@ -9,7 +9,7 @@ import pytest
 
 from configs import tiny
 from parallel import sharding
-from trainer import flops, plan, traced_flops
+from trainer import attention, flops, gpu_targets, plan, traced_flops
 from trainer import job as job_lib
 from trainer.attention import choice
 from trainer.errors import UserError
@@ -200,3 +200,63 @@ def test_any_model_gets_its_traced_flops_and_the_step_times_they_imply():
   assert "Attention: the model's own (not a built-in model)" in text
   uncounted = plan.report(dataclasses.replace(FAKE, flops=None), config)
   assert "FLOPs per step: not counted for model.name='tests.custom_models:MlpLM'" in uncounted
+
+
+CUDA_PLUGIN = gpu_targets.cuda_plugin_installed()
+
+
+@pytest.mark.skipif(not CUDA_PLUGIN, reason="needs jax's CUDA plugin: pip install -r requirements-gpu-plan.txt")
+def test_gpu_topology_compiles_the_real_step_for_h100s_with_cudnn_attention(launcher):
+  result = launcher(TINY, '--plan', '--topology=h100:2', '--config.model.num_layers=1')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "mesh {'data': 2, 'fsdp': 1, 'tensor': 1} over 2 x NVIDIA H100 80GB HBM3" in result.stdout
+  assert 'compute dtype bfloat16' in result.stdout  # 'auto' read for the GPU, not for this CPU.
+  assert "Attention: attention kernel cudnn (model.attention='auto': the fastest kernel on gpu)" in result.stdout
+  assert "of 71.20 GiB per device" in result.stdout  # Judged against what a run allocates of one H100.
+  assert "90% (XLA_CLIENT_MEM_FRACTION) of one NVIDIA H100 80GB HBM3's 79.11 GiB)" in result.stdout
+
+
+@pytest.mark.skipif(CUDA_PLUGIN, reason="jax's CUDA plugin is installed here")
+def test_gpu_topology_without_the_cuda_plugin_names_the_optional_requirements_file(launcher):
+  result = launcher(TINY, '--plan', '--topology=h100:8')
+  assert result.returncode == 2
+  assert "--topology='h100:8' needs jax's CUDA plugin" in result.stderr
+  assert 'pip install -r requirements-gpu-plan.txt' in result.stderr
+
+
+@pytest.mark.parametrize('topology, is_gpu', [('h100', True), ('h100:8', True), ('H100:2x8', True),
+                                              ('v5p:2x2x1', False), ('h100:8x', False), ('a100:8', False)])
+def test_gpu_topologies_are_told_from_tpu_slices(topology, is_gpu):
+  assert gpu_targets.is_gpu_topology(topology) is is_gpu
+
+
+def test_a_gpu_topology_of_no_gpus_is_refused_before_jax_is_asked():
+  with pytest.raises(UserError, match="--topology='h100:0' names no GPU; write e.g. h100, h100:8"):
+    gpu_targets.devices('h100:0')
+
+
+def test_a_gpu_plan_is_judged_against_the_share_of_memory_a_run_allocates(monkeypatch):
+  h100 = type('CompileOnlyDevice', (), {'device_kind': 'NVIDIA H100 80GB HBM3'})()
+  monkeypatch.delenv('XLA_CLIENT_MEM_FRACTION', raising=False)
+  monkeypatch.delenv('XLA_PYTHON_CLIENT_MEM_FRACTION', raising=False)
+  assert gpu_targets.memory_limit(h100).bytes == int(0.90 * 84942979072)
+  monkeypatch.setenv('XLA_CLIENT_MEM_FRACTION', '0.5')
+  limit = gpu_targets.memory_limit(h100)
+  assert limit.bytes == 84942979072 // 2
+  assert limit.source == "50% (XLA_CLIENT_MEM_FRACTION) of one NVIDIA H100 80GB HBM3's 79.11 GiB"
+
+
+@pytest.mark.parametrize('packed, head_dim, refused', [
+    (False, 64, None),
+    (True, 64, 'cannot trace cuDNN attention over packed rows on this host'),
+    (False, 256, 'cannot trace cuDNN attention with head dim 256 on this host'),
+])
+def test_a_gpu_plan_off_a_gpu_refuses_what_jax_will_not_trace_before_compiling(packed, head_dim, refused):
+  """jax's cuDNN checks read this (CPU) host's architecture, so packed rows and head dims over 128 fail there."""
+  call = attention.Call('gpu', 'bfloat16', (8, 1024, 16, head_dim), (8, 1024, 4, head_dim), causal=True,
+                        packed=packed, gpu_capability=9.0)
+  if refused is None:
+    gpu_targets.check_traceable(call)
+  else:
+    with pytest.raises(UserError, match=refused):
+      gpu_targets.check_traceable(call)

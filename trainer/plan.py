@@ -4,7 +4,9 @@ Nothing is trained and no data is read. The step is lowered and compiled for
 the configured mesh, on this machine's devices (fake CPU devices work) or, with
 `--topology=v5p:4x4x4`, for a TPU pod slice this machine does not have: the
 optional `libtpu` wheel (requirements-tpu-plan.txt) describes the pod's chips,
-and XLA's TPU compiler gives the real per-chip memory use. Printed: the mesh,
+and XLA's TPU compiler gives the real per-chip memory use. `--topology=h100:8`
+does the same for NVIDIA GPUs with jax's CUDA plugin (requirements-gpu-plan.txt;
+trainer/gpu_targets.py). Printed: the mesh,
 per-device bytes (parameters, optimizer state, temporaries, from
 `compiled.memory_analysis()`), FLOPs per step (trainer/flops.py: counted from
 the traced step for any model; the built-in Llama's analytic conventions too)
@@ -37,7 +39,7 @@ from collections.abc import Sequence
 import jax
 
 from parallel import sharding
-from trainer import attention, flops, traced_flops
+from trainer import attention, flops, gpu_targets, traced_flops
 from trainer import job as job_lib
 from trainer.errors import UserError
 from trainer.memory import footprint
@@ -80,7 +82,9 @@ class Refused(UserError):
 
 
 def topology_devices(topology: str) -> list[jax.Device]:
-  """The compile-only devices of a TPU slice such as 'v5p:4x4x4', from the optional libtpu wheel."""
+  """The compile-only devices of a TPU slice such as 'v5p:4x4x4' (libtpu) or GPUs such as 'h100:8' (CUDA plugin)."""
+  if gpu_targets.is_gpu_topology(topology):
+    return gpu_targets.devices(topology)
   if importlib.util.find_spec('libtpu') is None:
     raise UserError(f'--topology={topology!r} needs the TPU compiler, an optional extra of about 600 MB: '
                     f'pip install -r requirements-tpu-plan.txt (or run --plan without --topology).')
@@ -94,7 +98,8 @@ def topology_devices(topology: str) -> list[jax.Device]:
   except Exception as e:  # pylint: disable=broad-except  (the TPU plugin raises its own runtime errors)
     text = ' '.join(str(e).split())[:300]
     raise UserError(f'--topology={topology!r} cannot be described ({text}); name a TPU generation and chip '
-                    f'grid, e.g. v4:2x2x2, v5p:4x4x4, v5e:16x16 or v6e:4x4.') from e
+                    f'grid, e.g. v4:2x2x2, v5p:4x4x4, v5e:16x16 or v6e:4x4, or GPUs: '
+                    f'{", ".join(gpu_targets.TARGETS)}[:[HOSTSx]GPUS], e.g. h100:8.') from e
 
 
 def make_plan(config, devices: Sequence[jax.Device] | None = None) -> Plan:
@@ -107,6 +112,10 @@ def make_plan(config, devices: Sequence[jax.Device] | None = None) -> Plan:
     memory = footprint.compile_step(job).memory_analysis()
   except footprint.CompilerRefused as e:
     raise Refused(e, dict(job.mesh.shape)) from e
+  except jax.errors.JaxRuntimeError as e:
+    if not gpu_targets.is_deviceless(job.mesh.devices.flat[0]):
+      raise
+    raise gpu_targets.compiler_failed(e) from e
   _, totals = sharding.sharding_table(job.abstract, job.shardings)
   return Plan(
       mesh_shape=dict(job.mesh.shape), device_kind=job.mesh.devices.flat[0].device_kind,
@@ -239,6 +248,8 @@ def _limit(config, memory_gb: float | None, devices) -> footprint.Limit:
   """--plan_memory_gb, else the --topology chip's HBM, else what the run's pre-flight check would use."""
   if memory_gb is not None:
     return footprint.Limit(int(memory_gb * GIB), f'--plan_memory_gb={memory_gb:g}')
+  if devices and devices[0].platform == 'gpu' and config.train.device_memory_gb is None:
+    return gpu_targets.memory_limit(devices[0])
   chip = flops.accelerator_name(devices[0]) if devices else None
   if chip in HBM_GIB and config.train.device_memory_gb is None:
     return footprint.Limit(HBM_GIB[chip] * GIB, f'the HBM of one {chip} chip')
@@ -255,8 +266,11 @@ def run(config, memory_gb: float | None = None, topology: str | None = None, pri
   devices = None
   if topology:
     devices = topology_devices(topology)
-    if config.train.compute_dtype == 'auto':  # 'auto' looks at this machine's backend; the target is a TPU.
+    if config.train.compute_dtype == 'auto':  # 'auto' looks at this machine's backend; the target is a TPU or GPU.
       config = with_overrides(config, {'train.compute_dtype': 'bfloat16'})
+    call = attention.config_call(config, jax.sharding.Mesh(devices[:1], ('device',)))
+    if devices[0].platform == 'gpu' and call and attention.choose(call, config.model.attention).kernel == 'cudnn':
+      gpu_targets.check_traceable(call)
   limit = _limit(config, memory_gb, devices)
   config, choice = remat.resolve(config, devices, limit=limit)
   if choice.summary:
