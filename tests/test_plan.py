@@ -206,10 +206,15 @@ CUDA_PLUGIN = gpu_targets.cuda_plugin_installed()
 
 
 @pytest.mark.skipif(not CUDA_PLUGIN, reason="needs jax's CUDA plugin: pip install -r requirements-gpu-plan.txt")
-def test_gpu_topology_compiles_the_real_step_for_h100s_with_cudnn_attention(launcher):
-  result = launcher(TINY, '--plan', '--topology=h100:2', '--config.model.num_layers=1')
+@pytest.mark.parametrize('topology, flags, mesh', [
+    ('h100:2', (), "{'data': 2, 'fsdp': 1, 'tensor': 1}"),
+    ('h100:8', ('--config.mesh.data=2', '--config.mesh.fsdp=2', '--config.mesh.tensor=2'),
+     "{'data': 2, 'fsdp': 2, 'tensor': 2}"),  # cuDNN's attention partitioned over heads and rows.
+])
+def test_gpu_topology_compiles_the_real_step_for_h100s_with_cudnn_attention(launcher, topology, flags, mesh):
+  result = launcher(TINY, '--plan', f'--topology={topology}', '--config.model.num_layers=1', *flags)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "mesh {'data': 2, 'fsdp': 1, 'tensor': 1} over 2 x NVIDIA H100 80GB HBM3" in result.stdout
+  assert f"mesh {mesh} over {topology[5:]} x NVIDIA H100 80GB HBM3" in result.stdout
   assert 'compute dtype bfloat16' in result.stdout  # 'auto' read for the GPU, not for this CPU.
   assert "Attention: attention kernel cudnn (model.attention='auto': the fastest kernel on gpu)" in result.stdout
   assert "of 71.20 GiB per device" in result.stdout  # Judged against what a run allocates of one H100.
