@@ -12,7 +12,8 @@ Each row builds the real Job (trainer/job.py) and inputs (trainer/data: the devi
 source) and drives trainer/loop.py's `_train` with checkpoints and evals off, so it measures what the launcher
 runs. Per row: tokens/s or images/s, TFLOP/s per device and MFU from the FLOPs counted in the traced step
 (trainer/flops.py), and for Llama rows MFU under the analytic 6N convention too (MFU only where the device's
-peak is known, so none on CPU), peak device memory (`memory_stats`) and the share of step
+peak is known, so none on CPU), peak device memory (`memory_stats`) beside the compiled step's own figure (what
+`launch.py --plan --topology=h100` reports without the GPU) and the share of step
 time spent waiting for data, all from the loop's own metrics over the timed steps. On a GPU each row runs in
 its own process, so peak memory is that row's and an out-of-memory row is reported without ending the others;
 --smoke runs in-process on shrunk models (CPU has no memory stats).
@@ -77,7 +78,7 @@ def measure(name: str, steps: int, warmup: int, attention: str | None, smoke: bo
   from trainer import attention as attention_lib
   from trainer import data, flops, goodput, guardrails, loop, preemption, profiling
   from trainer import job as job_lib
-  from trainer.memory import remat
+  from trainer.memory import footprint, remat
   from trainer.metrics import MetricsWriter
 
   config = row_config(name, attention, smoke)
@@ -120,6 +121,8 @@ def measure(name: str, steps: int, warmup: int, attention: str | None, smoke: bo
           'per_s': record[f'{unit}_per_s'], 'unit': unit, 'step_ms': 1e3 * record['step_time_s'],
           'tflops': record.get('tflops_per_device'), 'mfu': record.get('mfu'), 'mfu_6n': record.get('mfu_6n'),
           'peak_gib': stats['peak_bytes_in_use'] / 2**30 if 'peak_bytes_in_use' in stats else None,
+          # What plan mode reports for the same step (`--plan --topology=h100` on a host without the GPU).
+          'compiled_gib': footprint.compiled_bytes(compiled) / 2**30,
           'data_wait_pct': 100 * record['data_wait_s'] / record['step_time_s']}
 
 
@@ -149,17 +152,17 @@ def _fmt(value, pattern: str) -> str:
 
 def table(results: list[dict]) -> str:
   lines = ['| row | device | attention | per s | step (ms) | TFLOP/s per device | MFU | MFU 6N | peak GiB '
-           '| data wait |',
-           '|---|---|---|---|---|---|---|---|---|---|']
+           '| compiled GiB | data wait |',
+           '|---|---|---|---|---|---|---|---|---|---|---|']
   for r in results:
     if 'error' in r:
-      lines.append(f"| {r['row']} | failed: {r['error']} | | | | | | | | |")
+      lines.append(f"| {r['row']} | failed: {r['error']} | | | | | | | | | |")
       continue
     lines.append(f"| {r['row']} | {r['devices']} x {r['device']} | {_fmt(r['attention'], '{}')} | "
                  f"{r['per_s']:,.0f} {r['unit']}/s | "
                  f"{r['step_ms']:.1f} | {_fmt(r.get('tflops'), '{:.3g}')} | {_fmt(r['mfu'], '{:.1%}')} | "
                  f"{_fmt(r['mfu_6n'], '{:.1%}')} | "
-                 f"{_fmt(r['peak_gib'], '{:.2f}')} | {r['data_wait_pct']:.2f}% |")
+                 f"{_fmt(r['peak_gib'], '{:.2f}')} | {r['compiled_gib']:.2f} | {r['data_wait_pct']:.2f}% |")
   return '\n'.join(lines)
 
 

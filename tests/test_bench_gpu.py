@@ -24,11 +24,13 @@ def test_a_smoke_row_reports_throughput_and_data_wait_but_no_made_up_mfu_on_cpu(
   # CPU: no peak FLOP/s in trainer/flops.py's table, no memory stats; nothing is made up. TFLOP/s is measured.
   assert row['mfu'] is None and row['mfu_6n'] is None and row['peak_gib'] is None and row['tflops'] > 0
   assert 0 <= row['data_wait_pct'] < 100
+  assert 0 < row['compiled_gib'] < 1  # The compiled step's own figure, as plan mode prints it.
   out = capsys.readouterr().out
   assert row['attention'] == 'xla'  # What trainer/attention runs on CPU.
   assert ('| row | device | attention | per s | step (ms) | TFLOP/s per device | MFU | MFU 6N | peak GiB '
-          '| data wait |') in out
-  assert '| gpt2_b32 | 1 x cpu | xla |' in out and f"| {row['tflops']:.3g} | - | - | - |" in out
+          '| compiled GiB | data wait |') in out
+  assert '| gpt2_b32 | 1 x cpu | xla |' in out
+  assert f"| {row['tflops']:.3g} | - | - | - | {row['compiled_gib']:.2f} |" in out
 
 
 def test_every_row_builds_its_config_and_attention_is_passed(bench):
