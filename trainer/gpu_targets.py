@@ -124,10 +124,11 @@ def check_traceable(call) -> None:
   """UserError before compile when jax would refuse to trace cuDNN's attention for a GPU this host does not have.
 
   jax's own cuDNN checks (jax/_src/cudnn/fused_attention_stablehlo.py) read the architecture from this host's
-  default backend, not from the compile target: off a GPU they take it for pre-Hopper, which refuses packed rows
-  and head dims over 128 even for an H100 target. `call` is trainer.attention's Call of the model.
+  default backend, not from the compile target: off a Hopper GPU (a CPU host, an A100) they take it for pre-Hopper,
+  which refuses packed rows and head dims over 128 even for an H100 target. `call` is trainer.attention's Call.
   """
-  if jax.default_backend() == 'gpu':
+  local = jax.devices()[0]
+  if local.platform == 'gpu' and float(getattr(local, 'compute_capability', 0) or 0) >= 9.0:
     return
   if call.packed:
     raise UserError('--plan --topology for a GPU cannot trace cuDNN attention over packed rows on this host: jax '
