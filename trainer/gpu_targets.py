@@ -132,9 +132,9 @@ def check_traceable(call) -> None:
     return
   if call.packed:
     raise UserError('--plan --topology for a GPU cannot trace cuDNN attention over packed rows on this host: jax '
-                    'checks the local GPU for Hopper first. Plan it on a GPU host, or here with '
+                    'checks the local GPU for Hopper first. Plan it on a Hopper GPU host, or here with '
                     "--config.data.packing=False or --config.model.attention='xla'.")
   if call.head_dim > 128:
     raise UserError(f'--plan --topology for a GPU cannot trace cuDNN attention with head dim {call.head_dim} on this '
-                    'host: jax allows over 128 only after checking the local GPU for Hopper. Plan it on a GPU host, '
-                    "or here with --config.model.attention='xla'.")
+                    'host: jax allows over 128 only after checking the local GPU for Hopper. Plan it on a Hopper '
+                    "GPU host, or here with --config.model.attention='xla'.")
