@@ -6,7 +6,10 @@
 Rows: gpt2_b32, gpt2_b64 (configs/gpt2_124m.py at batch 32 / 64 x 1024, synthetic tokens);
 gpt2_b32_text and gpt2_b32_packed (the same on the stdlib's text, windows vs documents packed with
 data.packing=True); llama_b16_<policy> (configs/llama_1b.py at batch 16 x 2048, synthetic, one row per
-train.remat_policy); vit_b256 (configs/vit_base.py at batch 256, synthetic images).
+train.remat_policy); vit_b256 (configs/vit_base.py at batch 256, synthetic images). References:
+<row>_minimal for each synthetic-token row (gpt2_b64_minimal, llama_b16_full_minimal, ...): the same model,
+optimizer and shapes in a hand-written jit step on one resident batch (scripts/minimal_step.py), timed in the
+same run, so the launcher's cost over a minimal loop is a ratio of two rows measured side by side.
 
 Each row builds the real Job (trainer/job.py) and inputs (trainer/data: the device feed, the pooled synthetic
 source) and drives trainer/loop.py's `_train` with checkpoints and evals off, so it measures what the launcher
@@ -23,9 +26,11 @@ import argparse
 import importlib
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -43,6 +48,10 @@ ROWS = {
                                             'train.remat_policy': policy}) for policy in llama.REMAT_POLICIES},
     'vit_b256': ('vit_base', {'train.batch_size': 256, 'data.source': 'synthetic'}),
 }
+# '<row>_minimal': the same model, optimizer and shapes in a hand-written step (measure_minimal), for the
+# synthetic-token rows, where one resident batch is what the launcher's row feeds too.
+REFERENCES = {f'{name}_minimal': name for name, (preset, overrides) in ROWS.items()
+              if preset != 'vit_base' and overrides['data.source'] == 'synthetic'}
 # --smoke: every row's structure (tying, kv-head ratio, patch size, remat, packing) at toy sizes.
 SMOKE = {'model.num_layers': 1, 'model.d_model': 64, 'model.mlp_dim': 128, 'train.batch_size': 8,
          'data.seq_len': 32}
@@ -75,10 +84,9 @@ def row_config(name: str, attention: str | None, smoke: bool):
 def measure(name: str, steps: int, warmup: int, attention: str | None, smoke: bool) -> dict:
   """One row through the launcher's Job, data and loop; the loop's own metrics over the timed steps."""
   import jax
-  from trainer import attention as attention_lib
   from trainer import data, flops, goodput, guardrails, loop, preemption, profiling
   from trainer import job as job_lib
-  from trainer.memory import footprint, remat
+  from trainer.memory import remat
   from trainer.metrics import MetricsWriter
 
   config = row_config(name, attention, smoke)
@@ -105,25 +113,76 @@ def measure(name: str, steps: int, warmup: int, attention: str | None, smoke: bo
       profiler=profiling.Profiler(config.profile, workdir, first_step=1, total_steps=warmup + steps))
   state = job.init_state(config.train.seed)
   try:
-    config.train.steps = warmup
-    loop._train(context, state, start_step=0)  # Compile-free warm-up: the feed's thread and the pool start here.
-    config.train.steps = warmup + steps
-    loop._train(context, newest['state'], start_step=warmup)
+    try:
+      config.train.steps = warmup
+      loop._train(context, state, start_step=0)  # Compile-free warm-up: the feed's thread and the pool start here.
+      config.train.steps = warmup + steps
+      loop._train(context, newest['state'], start_step=warmup)
+    finally:
+      feed.close()
+      writer.close()
+    record = [json.loads(line) for line in (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines()][-1]
   finally:
-    feed.close()
-    writer.close()
-  record = [json.loads(line) for line in (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines()][-1]
+    shutil.rmtree(workdir, ignore_errors=True)  # Only metrics.jsonl was wanted: a row leaves nothing behind.
   unit = job.task.objective.unit
+  return _row(name, job, compiled, per_s=record[f'{unit}_per_s'], step_s=record['step_time_s'],
+              rates=record, data_wait_pct=100 * record['data_wait_s'] / record['step_time_s'])
+
+
+def measure_minimal(name: str, steps: int, warmup: int, attention: str | None, smoke: bool) -> dict:
+  """A row's model, optimizer and shapes in scripts/minimal_step.py's hand-written step, as a reference.
+
+  One batch of random tokens stays on the devices; no loop, metrics, guard or input pipeline. The launcher's row
+  over this one is what the launcher costs on that hardware, measured in the same run.
+  """
+  import jax
+  import numpy as np
+  from scripts import minimal_step
+  from trainer import flops
+  from trainer import job as job_lib
+  from trainer.memory import remat
+
+  config = row_config(REFERENCES[name], attention, smoke)
+  devices = jax.devices()[:1] if smoke else None
+  config, _ = remat.resolve(config, devices, log_fn=print)  # The same policy the launcher's row runs.
+  job = job_lib.build_job(config, devices)
+  tokens = np.random.default_rng(0).integers(0, config.model.vocab_size,
+                                             (config.train.batch_size, config.data.seq_len + 1), dtype=np.int32)
+  batch = jax.device_put({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}, job.batch_shardings)
+  state = job.init_state(config.train.seed)
+  params, opt_state = state.params, state.opt_state
+  compiled = minimal_step.build(job).lower(params, opt_state, batch).compile()
+  for _ in range(warmup):
+    params, opt_state, loss = compiled(params, opt_state, batch)
+  jax.block_until_ready(loss)
+  start = time.perf_counter()
+  for _ in range(steps):
+    params, opt_state, loss = compiled(params, opt_state, batch)
+  jax.block_until_ready((params, opt_state, loss))
+  step_s = (time.perf_counter() - start) / steps
+  throughput = flops.Throughput.for_job(job)  # The launcher's row counts the same traced FLOPs.
+  return _row(name, job, compiled, per_s=tokens[:, 1:].size / step_s, step_s=step_s,
+              rates=throughput.metrics(step_s) if throughput else {}, data_wait_pct=None)
+
+
+def _measure(name: str, *args, **kwargs) -> dict:
+  return (measure_minimal if name in REFERENCES else measure)(name, *args, **kwargs)
+
+
+def _row(name: str, job, compiled, *, per_s: float, step_s: float, rates: dict, data_wait_pct: float | None):
+  import jax
+  from trainer import attention as attention_lib
+  from trainer.memory import footprint
+
   stats = jax.devices()[0].memory_stats() or {}
-  choice = attention_lib.check_config(config, job.mesh)
+  choice = attention_lib.check_config(job.config, job.mesh)
   return {'row': name, 'devices': job.mesh.size, 'device': jax.devices()[0].device_kind,
           'attention': choice.kernel if choice else None,
-          'per_s': record[f'{unit}_per_s'], 'unit': unit, 'step_ms': 1e3 * record['step_time_s'],
-          'tflops': record.get('tflops_per_device'), 'mfu': record.get('mfu'), 'mfu_6n': record.get('mfu_6n'),
+          'per_s': per_s, 'unit': job.task.objective.unit, 'step_ms': 1e3 * step_s,
+          'tflops': rates.get('tflops_per_device'), 'mfu': rates.get('mfu'), 'mfu_6n': rates.get('mfu_6n'),
           'peak_gib': stats['peak_bytes_in_use'] / 2**30 if 'peak_bytes_in_use' in stats else None,
           # What plan mode reports for the same step (`--plan --topology=h100` on a host without the GPU).
-          'compiled_gib': footprint.compiled_bytes(compiled) / 2**30,
-          'data_wait_pct': 100 * record['data_wait_s'] / record['step_time_s']}
+          'compiled_gib': footprint.compiled_bytes(compiled) / 2**30, 'data_wait_pct': data_wait_pct}
 
 
 class _NoCheckpoints:
@@ -162,13 +221,14 @@ def table(results: list[dict]) -> str:
                  f"{r['per_s']:,.0f} {r['unit']}/s | "
                  f"{r['step_ms']:.1f} | {_fmt(r.get('tflops'), '{:.3g}')} | {_fmt(r['mfu'], '{:.1%}')} | "
                  f"{_fmt(r['mfu_6n'], '{:.1%}')} | "
-                 f"{_fmt(r['peak_gib'], '{:.2f}')} | {r['compiled_gib']:.2f} | {r['data_wait_pct']:.2f}% |")
+                 f"{_fmt(r['peak_gib'], '{:.2f}')} | {r['compiled_gib']:.2f} | {_fmt(r['data_wait_pct'], '{:.2f}%')} |")
   return '\n'.join(lines)
 
 
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--rows', default=','.join(ROWS), help=f'Comma-separated, from: {", ".join(ROWS)}.')
+  parser.add_argument('--rows', default=','.join(ROWS),
+                      help=f'Comma-separated, from: {", ".join(ROWS)}; references: {", ".join(REFERENCES)}.')
   parser.add_argument('--steps', type=int, default=20, help='Timed steps per row, after the warm-up.')
   parser.add_argument('--warmup', type=int, default=3)
   parser.add_argument('--attention', default=None, help="Sets model.attention ('auto', 'xla', 'cudnn', ...).")
@@ -177,15 +237,15 @@ def main(argv=None) -> list[dict]:
   parser.add_argument('--one_row', default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.one_row:
-    print(json.dumps(measure(args.one_row, args.steps, args.warmup, args.attention, smoke=False)))
+    print(json.dumps(_measure(args.one_row, args.steps, args.warmup, args.attention, smoke=False)))
     return []
   names = args.rows.split(',')
-  unknown = [n for n in names if n not in ROWS]
+  unknown = [n for n in names if n not in ROWS and n not in REFERENCES]
   if unknown:
-    raise SystemExit(f'bench_gpu.py: unknown --rows {unknown}; choose from {list(ROWS)}.')
+    raise SystemExit(f'bench_gpu.py: unknown --rows {unknown}; choose from {list(ROWS) + list(REFERENCES)}.')
   results = []
   for name in names:
-    results.append(measure(name, args.steps, args.warmup, args.attention, smoke=True) if args.smoke
+    results.append(_measure(name, args.steps, args.warmup, args.attention, smoke=True) if args.smoke
                    else _in_subprocess(name, args))
     print(table(results[-1:]).splitlines()[-1], flush=True)
   print(table(results))

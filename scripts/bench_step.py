@@ -26,6 +26,7 @@ import ast  # noqa: E402
 import copy  # noqa: E402
 import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -37,13 +38,13 @@ sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 from parallel import sharding  # noqa: E402
 from trainer import job as job_lib  # noqa: E402
 from trainer import data, goodput, guardrails, loop, preemption, profiling  # noqa: E402
 from trainer.metrics import MetricsWriter  # noqa: E402
 from trainer.models import llama  # noqa: E402
+from scripts import minimal_step  # noqa: E402
 
 
 class _NoCheckpoints:
@@ -89,23 +90,6 @@ def _host_batches(config, count=4):
   return [{'inputs': t[:, :-1].astype(np.int32), 'targets': t[:, 1:].astype(np.int32)} for t in tokens]
 
 
-def _minimal_step(job, schedule_free_tx):
-  """A hand-written train step: cross entropy, value_and_grad, the same optax update, donated, same shardings."""
-  bind = job.task.model.bind
-
-  def step(params, opt_state, batch):
-    def loss_fn(p):
-      logits = bind(p)(batch['inputs'])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets']).mean()
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = schedule_free_tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  s = job.shardings
-  return jax.jit(step, in_shardings=(s.params, s.opt_state, job.batch_shardings),
-                 out_shardings=(s.params, s.opt_state, sharding.replicated(job.mesh)), donate_argnums=(0, 1))
-
-
 def step_vs_minimal(base_config, num_devices: int, rounds: int, steps_per_round: int) -> dict:
   config = _quiet(base_config, num_devices)
   job = job_lib.build_job(config, jax.devices()[:num_devices])
@@ -115,7 +99,7 @@ def step_vs_minimal(base_config, num_devices: int, rounds: int, steps_per_round:
   unrolled = copy.deepcopy(config)
   unrolled.model.scan_layers = False
   hand_job = job_lib.build_job(unrolled, jax.devices()[:num_devices])
-  minimal = _minimal_step(hand_job, hand_job.tx)  # The launcher's optimizer, guard included, so its state fits.
+  minimal = minimal_step.build(hand_job)  # The launcher's optimizer, guard included, so its state fits.
   host = _host_batches(config)
   cycle = iter(lambda: host[0], None)  # An endless iterator of host batches, as Grain's would be.
   state = job.init_state(0)
@@ -150,6 +134,7 @@ def step_vs_minimal(base_config, num_devices: int, rounds: int, steps_per_round:
     if r >= 2:
       launcher.append(t_launch)
       hand.append(t_hand)
+  shutil.rmtree(workdir, ignore_errors=True)
   return {'devices': num_devices, 'launcher_ms': 1e3 * statistics.median(launcher),
           'minimal_ms': 1e3 * statistics.median(hand),
           'ratio': statistics.median(launcher) / statistics.median(hand), 'steps': rounds * steps_per_round}
@@ -176,13 +161,14 @@ def host_overhead(base_config, steps: int) -> float:
   state, metrics = job.compile_train_step()(job.init_state(0), batch)  # Real metrics; the free step returns them.
   jax.block_until_ready(metrics)
   cycle = iter(lambda: host[0], None)
-  context = _run_context(config, job, lambda s, b: (s, metrics), cycle, tempfile.mkdtemp())
-  config.train.steps = steps
-  loop._train(context, state, start_step=0)  # Warm-up.
-  config.train.steps = 2 * steps
-  t0 = time.perf_counter()
-  loop._train(context, state, start_step=steps)
-  return (time.perf_counter() - t0) / steps
+  with tempfile.TemporaryDirectory() as workdir:
+    context = _run_context(config, job, lambda s, b: (s, metrics), cycle, workdir)
+    config.train.steps = steps
+    loop._train(context, state, start_step=0)  # Warm-up.
+    config.train.steps = 2 * steps
+    t0 = time.perf_counter()
+    loop._train(context, state, start_step=steps)
+    return (time.perf_counter() - t0) / steps
 
 
 def remat_memory(base_config, num_layers: int = 8) -> list[dict]:

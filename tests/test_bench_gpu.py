@@ -2,6 +2,7 @@
 scripts/bench_attention.py checks kernels against float32 XLA and catches leaks across documents."""
 
 import importlib.util
+import tempfile
 
 import numpy as np
 import pytest
@@ -17,8 +18,11 @@ def bench():
   return module
 
 
-def test_a_smoke_row_reports_throughput_and_data_wait_but_no_made_up_mfu_on_cpu(bench, capsys):
-  (row,) = bench.main(['--smoke', '--rows=gpt2_b32', '--steps=3', '--warmup=1'])
+def test_a_smoke_row_reports_throughput_and_data_wait_but_no_made_up_mfu_on_cpu(bench, capsys, tmp_path,
+                                                                               monkeypatch):
+  monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))  # Where the row's workdir goes.
+  row, minimal = bench.main(['--smoke', '--rows=gpt2_b32,gpt2_b32_minimal', '--steps=3', '--warmup=1'])
+  assert not list(tmp_path.iterdir())  # The row's workdir is gone.
   assert row['row'] == 'gpt2_b32' and row['unit'] == 'tokens' and row['devices'] == 1
   assert row['per_s'] == pytest.approx(8 * 32 / (row['step_ms'] / 1e3), rel=1e-6)  # batch 8 x 32 tokens.
   # CPU: no peak FLOP/s in trainer/flops.py's table, no memory stats; nothing is made up. TFLOP/s is measured.
@@ -31,12 +35,23 @@ def test_a_smoke_row_reports_throughput_and_data_wait_but_no_made_up_mfu_on_cpu(
           '| compiled GiB | data wait |') in out
   assert '| gpt2_b32 | 1 x cpu | xla |' in out
   assert f"| {row['tflops']:.3g} | - | - | - | {row['compiled_gib']:.2f} |" in out
+  # The hand-written reference on the same model: the same FLOPs per step, so TFLOP/s scale with the step time.
+  assert minimal['row'] == 'gpt2_b32_minimal' and minimal['attention'] == 'xla' and minimal['data_wait_pct'] is None
+  assert minimal['per_s'] == pytest.approx(8 * 32 / (minimal['step_ms'] / 1e3), rel=1e-6)
+  assert minimal['tflops'] * minimal['step_ms'] == pytest.approx(row['tflops'] * row['step_ms'], rel=1e-6)
+  assert 0 < minimal['compiled_gib'] < 1 and minimal['mfu'] is None
+  assert f"| gpt2_b32_minimal | 1 x cpu | xla |" in out and out.rstrip().endswith('| - |')
 
 
 def test_every_row_builds_its_config_and_attention_is_passed(bench):
   for name in bench.ROWS:
     config = bench.row_config(name, None, smoke=False)
     assert config.ckpt.every_steps == 10**9 and config.train.eval_every_steps == 0
+  # References exist for the synthetic-token rows only; text and images have no hand-written twin.
+  assert set(bench.REFERENCES) == {'gpt2_b32_minimal', 'gpt2_b64_minimal'} | {
+      f'{name}_minimal' for name in bench.ROWS if name.startswith('llama_b16_')}
+  with pytest.raises(SystemExit, match=r"unknown --rows \['vit_b256_minimal'\]"):
+    bench.main(['--smoke', '--rows=vit_b256_minimal'])
   assert bench.row_config('gpt2_b32_packed', None, smoke=False).data.packing
   assert bench.row_config('llama_b16_save_qkv_proj', None, smoke=False).train.remat_policy == 'save_qkv_proj'
   assert bench.row_config('vit_b256', None, smoke=False).train.batch_size == 256
