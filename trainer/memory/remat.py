@@ -30,10 +30,10 @@ import jax
 from absl import logging
 
 from parallel import mesh as mesh_lib
-from trainer import attention as attention_lib
 from trainer import checkpoint, plan
 from trainer.errors import UserError
 from trainer.memory import footprint
+from trainer.models import checkpoint_policies
 
 RECOMPUTE_ORDER = ('none', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'save_qkv_proj',
                    'save_attention_and_mlp_hidden', 'full')
@@ -58,21 +58,16 @@ class Choice:
     return dataclasses.asdict(self)
 
 
-# The policies a brought model's builder may be handed as `remat_policy=` (README, "Bring your own model"): jax's
-# own, by name; `checkpoint_policy(name)` is what to give `nn.remat` / `nnx.remat` / `jax.checkpoint` for each.
-GENERIC_POLICIES = {
-    'full': None,  # Save nothing: the whole block is recomputed in the backward pass.
-    'dots_saveable': attention_lib.dots_saveable,
-    'dots_with_no_batch_dims_saveable': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
 def checkpoint_policy(name: str):
-  """The `jax.checkpoint` policy for a train.remat_policy name a brought model was given (not 'none')."""
-  if name not in GENERIC_POLICIES:
+  """The `jax.checkpoint` policy for a train.remat_policy name a brought model was given (not 'none').
+
+  A brought model's builder may be handed `remat_policy=` (README, "Bring your own model"); this is what to give
+  `nn.remat` / `nnx.remat` / `jax.checkpoint` for it.
+  """
+  if name not in checkpoint_policies.GENERIC:
     raise UserError(f'train.remat_policy={name!r}: a model of your own takes one of none, '
-                    f'{", ".join(GENERIC_POLICIES)}.')
-  return GENERIC_POLICIES[name]
+                    f'{", ".join(checkpoint_policies.GENERIC)}.')
+  return checkpoint_policies.GENERIC[name]
 
 
 def policies(model_name: str) -> tuple[str, ...] | None:
@@ -87,7 +82,7 @@ def policies(model_name: str) -> tuple[str, ...] | None:
     from trainer.models import adapters, registry
     if not adapters.takes_keyword(registry.resolve(model_name), 'remat_policy'):
       return None
-    known = GENERIC_POLICIES
+    known = checkpoint_policies.GENERIC
   return tuple(p for p in RECOMPUTE_ORDER if p == 'none' or p in known)
 
 

@@ -30,16 +30,12 @@ from jax.sharding import Mesh
 
 from trainer import attention as attention_lib
 from trainer.errors import UserError
-from trainer.models import layer_scan
+from trainer.models import checkpoint_policies, layer_scan
 from trainer.precision import compute_dtype
 
 # What each block keeps for the backward pass; everything else is recomputed there.
 REMAT_POLICIES = {
-    'full': None,  # Save nothing: recompute the whole block in the backward pass.
-    'dots_saveable': attention_lib.dots_saveable,  # Every matmul output.
-    # Matmul outputs without a batch dimension: in a transformer block that is almost none
-    # (weights are applied to (B, L, ...) activations), so this sits close to 'full'.
-    'dots_with_no_batch_dims_saveable': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    **checkpoint_policies.GENERIC,
     # Save by name: the q/k/v projections (tagged in Attention), so the backward pass
     # recomputes the MLP and the attention core but not the three input projections.
     'save_qkv_proj': jax.checkpoint_policies.save_only_these_names('query_proj', 'key_proj', 'value_proj'),

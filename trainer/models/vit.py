@@ -23,15 +23,11 @@ from jax.sharding import Mesh
 from trainer import attention as attention_lib
 from trainer.data import arrays
 from trainer.errors import UserError
-from trainer.models import layer_scan
+from trainer.models import checkpoint_policies, layer_scan
 from trainer.precision import compute_dtype
 
 # What each block keeps for the backward pass; everything else is recomputed there.
-REMAT_POLICIES = {
-    'full': None,  # Save nothing: recompute the whole block.
-    'dots_saveable': attention_lib.dots_saveable,  # Every matmul output.
-    'dots_with_no_batch_dims_saveable': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+REMAT_POLICIES = checkpoint_policies.GENERIC
 # Save-by-name policies keep activations the Llama blocks tag by name; this model tags none.
 LLAMA_ONLY_POLICIES = ('save_qkv_proj', 'save_attention_and_mlp_hidden')
 
