@@ -27,6 +27,7 @@ def get_config() -> config_dict.ConfigDict:
   c.train.adam_mu_dtype = 'float32'  # Storage dtype of Adam's first moment; 'bfloat16' halves it (the second moment stays float32).
   c.train.device_memory_gb = config_dict.placeholder(float)  # GiB one device may use (pre-flight check, remat 'auto'); None = the device's reported limit (CPU reports none).
   c.train.grad_accum_steps = 1  # Microbatches per step, run by lax.scan with gradients summed: the same update in less memory.
+  c.train.loss_chunks = 1  # > 1: the output head and loss run on this many slices of positions, so the (batch, seq_len, vocab) logits are never held whole (one more head matmul per token); must divide data.seq_len.
   c.train.z_loss_weight = 0.0  # Weight of the z-loss mean(logsumexp(logits)^2), which keeps logits from drifting; 0 disables it (PaLM used 1e-4).
   c.train.compilation_cache_dir = config_dict.placeholder(str)  # Persistent XLA compilation cache folder shared by runs; None disables it.
   c.train.eval_every_steps = 200  # Evaluate on held-out data every N steps and at the last step; 0 = only at the end.

@@ -121,3 +121,11 @@ def test_jit_checkpoint_resumes_under_every_strategy(tmp_path, caplog):
     difference = _max_relative_difference(resumed[strategy][4:], resumed['jit'][4:])
     print(f'{strategy} after resuming: max relative difference {difference:.2e}')
     assert difference <= RTOL
+
+
+@pytest.mark.parametrize('strategy,mesh', [('jit', (2, 2, 2)), ('shard_map', (8, 1, 1)), ('pmap', (8, 1, 1))])
+def test_chunked_loss_trains_the_same_numbers_under_every_strategy(strategy, mesh, data_parallel_jit, tmp_path):
+  """train.loss_chunks=4 (tests/test_chunked_loss.py): the reference's losses, gradient norms and eval loss."""
+  config = _config(strategy, mesh, evaluate=True)
+  config.train.loss_chunks = 4
+  _assert_same_numbers(_train(tmp_path, config), data_parallel_jit, evaluated=True)

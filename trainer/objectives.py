@@ -36,19 +36,53 @@ def token_weights(batch: Batch) -> jax.Array:
   return jnp.ones(batch['targets'].shape, jnp.float32)
 
 
+def _cross_entropy_sums(logits_BLV, targets_BL, weights_BL, with_z: bool) -> tuple[jax.Array, jax.Array]:
+  """Weighted sums over tokens of the cross entropy and (with_z) of logsumexp(logits)^2; float32 logits."""
+  ce = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL) * weights_BL)
+  if not with_z:
+    return ce, jnp.zeros((), jnp.float32)
+  return ce, jnp.sum(jnp.square(jax.nn.logsumexp(logits_BLV, axis=-1)) * weights_BL)
+
+
+def chunked_cross_entropy(x_BLD, head_DV, targets_BL, weights_BL, chunks: int,
+                          with_z: bool) -> tuple[jax.Array, jax.Array]:
+  """_cross_entropy_sums of the logits x @ head, made `chunks` slices of positions at a time.
+
+  Each slice's (B, L / chunks, V) logits are made, reduced and dropped inside a checkpointed scan step, and made
+  again in the backward pass: one more head matmul per token instead of holding the whole float32 logits and their
+  gradient (the vocabulary's share of a step's memory; BENCHMARKS "Chunked loss").
+  """
+  B, L, _ = x_BLD.shape
+
+  def split(a):  # (B, L, ...) -> (chunks, B, L / chunks, ...): the scan walks the first axis.
+    return jnp.moveaxis(a.reshape(B, chunks, L // chunks, *a.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def slice_sums(slice_):
+    x_BlD, targets_Bl, weights_Bl = slice_
+    logits_BlV = jnp.einsum('bld,dv->blv', x_BlD, head_DV).astype(jnp.float32)
+    return _cross_entropy_sums(logits_BlV, targets_Bl, weights_Bl, with_z)
+
+  # A map, not a scan with a running sum: a carry started from a constant would not match a shard_map body's
+  # device-varying sums.
+  ce_C, z_C = jax.lax.map(slice_sums, (split(x_BLD), split(targets_BL), split(weights_BL)))
+  return jnp.sum(ce_C), jnp.sum(z_C)
+
+
 @dataclasses.dataclass(frozen=True)
 class LanguageModeling:
   batch_size: int = 1  # Global batch, in rows.
   seq_len: int = 1
   keys: tuple[str, ...] = ('inputs', 'targets')  # + data.PACKED_KEYS when packing.
   z_loss_weight: float = 0.0  # Weight of mean(logsumexp(logits)^2) added to the loss; 0 = off.
+  loss_chunks: int = 1  # > 1: the head and loss run on this many slices of positions (chunked_cross_entropy).
   kind: ClassVar[str] = 'lm'
   unit: ClassVar[str] = 'tokens'  # Throughput is reported as tokens_per_s.
 
   @classmethod
   def from_config(cls, config) -> 'LanguageModeling':
     return cls(config.train.batch_size, config.data.seq_len, data.batch_keys(config.data),
-               float(config.train.z_loss_weight))
+               float(config.train.z_loss_weight), config.train.get('loss_chunks', 1))  # A run from before the key: 1.
 
   @property
   def units_per_step(self) -> int:
@@ -68,14 +102,19 @@ class LanguageModeling:
   def loss(self, model: Callable, batch: Batch) -> tuple[jax.Array, Metrics]:
     """Mean cross entropy over non-padding tokens; the 'loss' metric leaves the z-loss out, so runs compare."""
     args, kwargs = self.model_inputs(batch)
-    logits_BLV = model(*args, **kwargs).astype(jnp.float32)
     weights_BL = token_weights(batch)
     num_tokens = jnp.maximum(jnp.sum(weights_BL), 1.0)
-    loss = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch['targets']) * weights_BL)
+    if self.loss_chunks > 1:
+      x_BLD, head_DV = model(*args, hidden_and_head=True, **kwargs)
+      loss, z_loss = chunked_cross_entropy(x_BLD, head_DV, batch['targets'], weights_BL, self.loss_chunks,
+                                           with_z=bool(self.z_loss_weight))
+    else:
+      logits_BLV = model(*args, **kwargs).astype(jnp.float32)
+      loss, z_loss = _cross_entropy_sums(logits_BLV, batch['targets'], weights_BL, with_z=bool(self.z_loss_weight))
     loss = loss / num_tokens
     if not self.z_loss_weight:
       return loss, {'loss': loss}
-    z_loss = self.z_loss_weight * jnp.sum(jnp.square(jax.nn.logsumexp(logits_BLV, axis=-1)) * weights_BL) / num_tokens
+    z_loss = self.z_loss_weight * z_loss / num_tokens
     return loss + z_loss, {'loss': loss, 'z_loss': z_loss}
 
   def eval_summary(self, means: dict[str, float]) -> dict[str, float]:

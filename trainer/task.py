@@ -154,9 +154,26 @@ def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
   unnamed = config.parallel.get('unnamed_params', 'auto')  # A run's config.json from before the key has none.
   boxed, notes = param_names.name_params(model.abstract_boxed, rules, mesh_shape, unnamed, name, model.framework)
   model = dataclasses.replace(model, abstract_boxed=boxed)
-  return Task(objective, model, custom_loss=callable(getattr(model.module_class, 'loss', None)),
+  custom_loss = callable(getattr(model.module_class, 'loss', None))
+  _check_loss_chunks(config, model, custom_loss)
+  return Task(objective, model, custom_loss=custom_loss,
               mesh=mesh if under_jit and made_for is None else None, rules=tuple(rules), cast_params_to=cast_to,
               param_notes=notes, physical_context=foreign)
+
+
+def _check_loss_chunks(config, model: adapters.AdaptedModel, custom_loss: bool) -> None:
+  """train.loss_chunks > 1 needs the objective's loss and a model that can hand it hidden states and its head."""
+  chunks = config.train.get('loss_chunks', 1)
+  if chunks == 1:
+    return
+  if custom_loss:
+    raise UserError(f'train.loss_chunks={chunks} slices the objective\'s loss, but model.name={config.model.name!r} '
+                    f'computes its own (a `loss` method): set --config.train.loss_chunks=1 and chunk inside it.')
+  if not adapters.takes_keyword(model.module_class.__call__, 'hidden_and_head'):
+    raise UserError(f'train.loss_chunks={chunks} needs a model whose __call__ takes hidden_and_head=True and then '
+                    f'returns (hidden states (B, L, D), output head (D, V)); {model.class_name} '
+                    f'(model.name={config.model.name!r}) does not: set --config.train.loss_chunks=1 '
+                    f'(README, "Bring your own model").')
 
 
 def _brought_model_keywords(config, builder, keywords: dict) -> tuple[dict, Any]:

@@ -30,6 +30,7 @@ def validate_config(config) -> None:
                'ckpt.max_to_keep', 'data.num_threads', 'data.max_documents_per_row'):
     _positive_int(config, path)
   _positive_int(config, 'train.grad_accum_steps')
+  _check_loss_chunks(config)
   _require(config.train.z_loss_weight >= 0, f'train.z_loss_weight={config.train.z_loss_weight} must be >= 0.')
   _require(config.train.adam_mu_dtype in DTYPES,
            f'train.adam_mu_dtype={config.train.adam_mu_dtype!r}: choose float32 or bfloat16.')
@@ -55,6 +56,20 @@ def validate_config(config) -> None:
   _warn_if_warmup_exceeds_steps(config.train)
   layer_scan.check(config.model)
   _require(0 <= config.data.eval_percent < 100, f'data.eval_percent={config.data.eval_percent} must be in [0, 100).')
+
+
+def _check_loss_chunks(config) -> None:
+  _positive_int(config, 'train.loss_chunks')
+  chunks = config.train.loss_chunks
+  if chunks == 1:
+    return
+  _require(config.model.task == 'lm',
+           f"train.loss_chunks={chunks} slices a language model's logits; model.task={config.model.task!r} has none: "
+           f'set --config.train.loss_chunks=1.')
+  seq_len = config.data.seq_len
+  _require(seq_len % chunks == 0,
+           f'train.loss_chunks={chunks} must divide data.seq_len={seq_len}; choose one of '
+           f'{[n for n in range(2, min(seq_len, 64) + 1) if seq_len % n == 0][:8]}.')
 
 
 def _warn_if_warmup_exceeds_steps(train) -> None:

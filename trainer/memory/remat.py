@@ -39,7 +39,7 @@ RECOMPUTE_ORDER = ('none', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 
                    'save_attention_and_mlp_hidden', 'full')
 # Config values that change the compiled step's memory: a resumed run re-chooses when any of them changed.
 _MEMORY_KEYS = ('model', 'mesh', 'parallel', 'data.seq_len', 'data.image_shape', 'data.packing',
-                'data.max_documents_per_row', 'train.batch_size',
+                'data.max_documents_per_row', 'train.batch_size', 'train.loss_chunks',
                 'train.remat_policy', 'train.grad_accum_steps', 'train.compute_dtype', 'train.param_dtype',
                 'train.adam_mu_dtype', 'train.device_memory_gb')
 

@@ -217,21 +217,38 @@ class Embed(nn.Module):
     table_VD = constrain(self.embedding, (None, None), self.cfg)
     return jnp.take(table_VD, tokens_BL, axis=0).astype(self.cfg.dtype)
 
-  def attend(self, x_BLD):
-    """Logits in the compute dtype: x @ table.T, the table left in its ('vocab', 'embed') sharding."""
-    return jnp.einsum('bld,vd->blv', x_BLD, self.embedding.astype(self.cfg.dtype))
+  def head_DV(self):
+    """The tied output head in the compute dtype: the table transposed, left in its ('vocab', 'embed') sharding."""
+    return self.embedding.astype(self.cfg.dtype).T
+
+
+class Head(nn.Module):
+  """The untied output head: a (D, V) 'kernel' under 'head', the path and init nn.Dense(name='head') gives."""
+  cfg: LlamaConfig
+
+  def setup(self):
+    cfg = self.cfg
+    self.kernel = self.param('kernel', _init(('embed', 'vocab'), stddev=head_stddev(cfg)),
+                             (cfg.d_model, cfg.vocab_size), cfg.param_dtype)
+
+  def head_DV(self):
+    return self.kernel.astype(self.cfg.dtype)
 
 
 class Llama(nn.Module):
   """tokens (B, L) int32 -> logits (B, L, V) float32.
 
   Packed rows pass `segment_ids` (B, L) (attention stays within a segment) and
-  `positions` (B, L) (each token's offset in its document, for RoPE).
+  `positions` (B, L) (each token's offset in its document, for RoPE). With
+  `hidden_and_head=True` it returns the final hidden states (B, L, D) and the
+  output head (D, V), both in the compute dtype, instead of the logits: the
+  objective then computes the loss a chunk of positions at a time
+  (train.loss_chunks), never holding all (B, L, V) logits.
   """
   cfg: LlamaConfig
 
   @nn.compact
-  def __call__(self, tokens_BL, segment_ids=None, positions=None):
+  def __call__(self, tokens_BL, segment_ids=None, positions=None, hidden_and_head: bool = False):
     cfg = self.cfg
     positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape) if positions is None else positions
     embed = Embed(cfg, name='embed')
@@ -244,12 +261,10 @@ class Llama(nn.Module):
       for i in range(cfg.num_layers):
         x_BLD, _ = block(cfg, name=f'block_{i}')(x_BLD, positions_BL, segment_ids)
     x_BLD = RMSNorm(cfg, name='final_norm')(x_BLD)
-    if cfg.tie_embeddings:
-      logits_BLV = embed.attend(x_BLD)
-    else:
-      logits_BLV = nn.Dense(
-          cfg.vocab_size, use_bias=False, kernel_init=_init(('embed', 'vocab'), stddev=head_stddev(cfg)),
-          dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='head')(x_BLD)
+    head_DV = embed.head_DV() if cfg.tie_embeddings else Head(cfg, name='head').head_DV()
+    if hidden_and_head:
+      return x_BLD, head_DV
+    logits_BLV = jnp.einsum('bld,dv->blv', x_BLD, head_DV)
     return constrain(logits_BLV, ('batch', 'length', 'vocab'), cfg).astype(jnp.float32)
 
 
