@@ -82,10 +82,22 @@ def test_plan_candidates_that_the_mesh_cannot_take_are_reported_not_raised(monke
   monkeypatch.setattr(plan, 'make_plan', lambda config, devices=None: (
       job_lib.build_job(config), dataclasses.replace(FAKE, argument_bytes=plan.GIB))[1])
   lines = []
-  with pytest.raises(UserError, match='None of remat, more fsdp, accumulation or a smaller batch fits'):
+  with pytest.raises(UserError, match='None of remat, a chunked loss, more fsdp, accumulation or a smaller batch fits'):
     plan.run(tiny.get_config(), memory_gb=0.5, print_fn=lines.append)  # tiny: 1 sequence per device.
   assert any('--config.train.batch_size=4: not possible here (train.batch_size=4 does not divide' in l for l in lines)
   assert not any('grad_accum_steps' in l for l in lines)  # Never offered: it cannot split 1 sequence.
+
+
+def test_a_chunked_loss_is_proposed_where_the_logits_weigh_on_the_budget():
+  config = tiny.get_config()  # 8 rows x 32 positions x 256 vocab: 256 KiB of float32 logits, 1 row per device.
+  flags = lambda budget, mesh=(8, 1, 1): [f for f, _ in plan._candidates(config, dict(zip(('data', 'fsdp', 'tensor'),
+                                                                                         mesh)), budget)]
+  assert '--config.train.loss_chunks=8' in flags(budget=32 * 2**10 * 20)  # 32 KiB per device, at 5% of 640 KiB.
+  assert not any('loss_chunks' in f for f in flags(budget=32 * 2**10 * 21))
+  assert not any('loss_chunks' in f for f in flags(budget=32 * 2**10 * 20, mesh=(8, 1, 2)))  # Half the vocab each.
+  assert not any('loss_chunks' in f for f in flags(budget=None))
+  config.data.seq_len = 31  # A prime: no way to cut it.
+  assert not any('loss_chunks' in f for f in flags(budget=1))
 
 
 def test_launcher_plan_needs_no_workdir_and_topology_needs_plan(launcher):

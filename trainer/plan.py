@@ -186,13 +186,16 @@ def report(plan: Plan, config) -> str:
   return '\n'.join(lines)
 
 
-def _candidates(config, mesh_shape: dict[str, int]) -> list[tuple[str, dict[str, object]]]:
+def _candidates(config, mesh_shape: dict[str, int], budget: int | None = None) -> list[tuple[str, dict[str, object]]]:
   """Config changes that lower per-device memory, each as (flags, overrides)."""
   from trainer.memory import remat  # Here: remat imports this module.
   out = []
   if config.train.remat_policy != 'full' and remat.policies(config.model.name) is not None:  # Only where it applies.
     out.append({'train.remat_policy': 'full'})
   data, fsdp = mesh_shape['data'], mesh_shape['fsdp']
+  chunks = _loss_chunks_worth_trying(config, mesh_shape, budget)
+  if chunks:
+    out.append({'train.loss_chunks': chunks})
   if data % 2 == 0:
     out.append({'mesh.fsdp': config.mesh.fsdp * 2, 'mesh.data': -1})
   per_device_batch = config.train.batch_size // (data * fsdp)
@@ -204,6 +207,19 @@ def _candidates(config, mesh_shape: dict[str, int]) -> list[tuple[str, dict[str,
   if len(together) > 1 and len(out) > 2:
     out.append(together)
   return [(' '.join(f'--config.{k}={v}' for k, v in o.items()), o) for o in out]
+
+
+def _loss_chunks_worth_trying(config, mesh_shape: dict[str, int], budget: int | None) -> int | None:
+  """Slices for train.loss_chunks where one device's whole float32 logits are 5% of the budget or more.
+
+  Only the built-in Llama is offered it (a brought model must take hidden_and_head; its class is not known here).
+  """
+  if config.model.name != 'llama' or config.train.get('loss_chunks', 1) != 1 or budget is None:
+    return None
+  rows = config.train.batch_size // (mesh_shape['data'] * mesh_shape['fsdp'])
+  logits_bytes = 4 * rows * config.data.seq_len * config.model.vocab_size // mesh_shape['tensor']
+  divisors = [n for n in range(2, 9) if config.data.seq_len % n == 0]
+  return divisors[-1] if divisors and logits_bytes >= 0.05 * budget else None
 
 
 def with_overrides(config, overrides: dict[str, object]):
@@ -227,7 +243,7 @@ def total_or_refused(config, devices) -> tuple[int, Refused | None]:
 def fixes(config, mesh_shape: dict[str, int], budget: int, devices=None, print_fn=print) -> str:
   """Compiles each memory-lowering change of `config`; the sentence naming those that fit in `budget` bytes."""
   fitting = []
-  for flags_text, overrides in _candidates(config, mesh_shape):
+  for flags_text, overrides in _candidates(config, mesh_shape, budget):
     try:
       total, refused = total_or_refused(with_overrides(config, overrides), devices)
     except UserError as e:
@@ -240,8 +256,8 @@ def fixes(config, mesh_shape: dict[str, int], budget: int, devices=None, print_f
     if total <= budget:
       fitting.append(f'{flags_text} ({_gib(total)})')
   return (f'Changes that fit: {"; ".join(fitting)}.' if fitting else
-          'None of remat, more fsdp, accumulation or a smaller batch fits, alone or together; a smaller '
-          'model or more devices is needed.')
+          'None of remat, a chunked loss, more fsdp, accumulation or a smaller batch fits, alone or together; '
+          'a smaller model or more devices is needed.')
 
 
 def _limit(config, memory_gb: float | None, devices) -> footprint.Limit:
