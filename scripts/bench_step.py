@@ -1,7 +1,8 @@
 """Train-step figures for BENCHMARKS.md, on this machine's CPU (8 fake devices).
 
   python scripts/bench_step.py [--config=configs/default.py] [--rounds=10] [--steps_per_round=5]
-      [--parts=speed,host,remat,depth,cache] [--devices=1,8] [--override=model.scan_layers=True]
+      [--parts=speed,host,remat,depth,cache,chunks] [--devices=1,8] [--override=model.scan_layers=True]
+      [--loss_chunks=8]
 
 1. The launcher's compiled step driven by its own loop (trainer/loop.py's _train,
    with checkpoints, evals and logging switched off and batches already on the
@@ -14,6 +15,8 @@
    the compile time of scanned vs unrolled layers at 2 and 16 layers.
 4. Cold vs warm compile of the train step with the persistent compilation cache
    (two fresh processes sharing one cache folder).
+5. (--parts=chunks) The compiled step at train.loss_chunks=1 against --loss_chunks, alternating rounds on one
+   device: median step time and temporary memory.
 """
 
 import os
@@ -211,6 +214,29 @@ t0 = time.perf_counter(); j.compile_train_step(); print(time.perf_counter() - t0
 """
 
 
+def loss_chunks(base_config, chunks: int, rounds: int, steps_per_round: int) -> list[dict]:
+  """The compiled step (1 device) at train.loss_chunks=1 and =chunks, alternating rounds: median ms, temp bytes."""
+  batch, steps = None, {}
+  for n in (1, chunks):
+    config = _quiet(base_config, 1)
+    config.train.loss_chunks = n
+    job = job_lib.build_job(config, jax.devices()[:1])
+    compiled = job.compile_train_step()
+    batch = batch or jax.device_put(_host_batches(config)[0], job.batch_shardings)
+    steps[n] = {'compiled': compiled, 'state': job.init_state(0), 'times': [],
+                'temp_bytes': compiled.memory_analysis().temp_size_in_bytes}
+  for r in range(rounds + 1):  # The first round of each is a warm-up.
+    for n, entry in steps.items():
+      t0 = time.perf_counter()
+      for _ in range(steps_per_round):
+        entry['state'], metrics = entry['compiled'](entry['state'], batch)
+      jax.block_until_ready(metrics)
+      if r:
+        entry['times'].append((time.perf_counter() - t0) / steps_per_round)
+  return [{'loss_chunks': n, 'ms': 1e3 * statistics.median(e['times']), 'temp_bytes': e['temp_bytes']}
+          for n, e in steps.items()]
+
+
 def cold_warm_compile(config_path: str) -> tuple[float, float]:
   with tempfile.TemporaryDirectory() as cache:
     code = _COMPILE_SNIPPET.format(repo=str(REPO), config=str(pathlib.Path(config_path).absolute()), cache=cache)
@@ -228,6 +254,7 @@ def main():
   parser.add_argument('--steps_per_round', type=int, default=5)
   parser.add_argument('--parts', default='speed,host,remat,depth,cache', help='Comma-separated parts to run.')
   parser.add_argument('--devices', default='1,8', help="Device counts of the 'speed' part.")
+  parser.add_argument('--loss_chunks', type=int, default=8, help="The 'chunks' part: train.loss_chunks against 1.")
   parser.add_argument('--override', action='append', default=[], help='KEY=VALUE config override (Python literal).')
   args = parser.parse_args()
   parts = set(args.parts.split(','))
@@ -252,6 +279,12 @@ def main():
     for layers in sorted({r[0] for r in rows}):
       scanned, unrolled = (next(t for l, s, t in rows if l == layers and s == scan) for scan in (True, False))
       print(f'| {layers} | {scanned:.1f} | {unrolled:.1f} |')
+  if 'chunks' in parts:
+    rows = loss_chunks(config, args.loss_chunks, args.rounds, args.steps_per_round)
+    print('\n| train.loss_chunks (1 device) | step (ms, median) | temp bytes |')
+    print('|---|---|---|')
+    for r in rows:
+      print(f"| {r['loss_chunks']} | {r['ms']:.2f} | {r['temp_bytes']:,} |")
   if 'cache' in parts:
     cold, warm = cold_warm_compile(args.config)
     print(f'\nCompile of the train step, fresh process: cold cache {cold:.2f} s, warm cache {warm:.2f} s '
