@@ -167,3 +167,13 @@ def test_llama_1b_packed_statistics_grow_with_the_bound(cuda_host, bound, statis
   config.data.source, config.data.packing, config.data.max_documents_per_row = 'text', True, bound
   forward = custom_calls(cuda_module(config), FORWARD)
   assert forward and all(f'tensor<{statistics}>' in line for line in forward)
+
+
+def test_a_chunked_loss_keeps_no_whole_logits_in_the_cuda_step(cuda_host):
+  """train.loss_chunks=4: float32 logits exist only a quarter of the positions at a time, beside cuDNN attention."""
+  V = tiny.get_config().model.vocab_size
+  whole = cuda_module(llama_config(**{'model.attention': 'cudnn'}))
+  assert f'tensor<{B}x{L}x{V}xf32>' in whole  # So the check below can fail.
+  chunked = cuda_module(llama_config(**{'model.attention': 'cudnn', 'train.loss_chunks': 4}))
+  assert f'tensor<{B}x{L}x{V}xf32>' not in chunked and f'tensor<{B}x{L // 4}x{V}xf32>' in chunked
+  assert custom_calls(chunked, FORWARD) and custom_calls(chunked, BACKWARD)
