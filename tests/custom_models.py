@@ -67,6 +67,16 @@ class MlpLMWithOwnLoss(MlpLM):
     return loss, {'loss': loss, 'mean_logit': logits.mean()}
 
 
+class MlpLMWithHead(MlpLM):
+  """Offers train.loss_chunks its hidden states and head (README, "Bring your own model")."""
+
+  def __call__(self, tokens_BL, hidden_and_head: bool = False):
+    hidden_BLD = jnp.tanh(self.hidden(self.embed(tokens_BL)))
+    if hidden_and_head:
+      return hidden_BLD, self.out.kernel[...]
+    return self.out(hidden_BLD)
+
+
 class NnxWithoutNames(nnx.Module):
   def __init__(self, config, *, rngs: nnx.Rngs):
     self.embed = nnx.Embed(config.model.vocab_size, 8, rngs=rngs)

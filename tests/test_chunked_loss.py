@@ -59,6 +59,24 @@ def test_chunked_loss_and_gradients_equal_the_whole_logits_ones(tie, z_loss, pac
                                err_msg=jax.tree_util.keystr(path))
 
 
+def test_a_brought_nnx_model_offering_its_head_and_accumulated_microbatches_give_the_same_numbers():
+  from trainer import step as step_lib
+  whole = _config(1)
+  whole.model.name = 'tests.custom_models:MlpLMWithHead'
+  task = task_lib.build_task(whole)
+  params, batch = task.model.init(jax.random.key(1)), _batch(whole)
+  expected = _loss_metrics_grads(whole, params, batch)
+  chunked = _config(4)
+  chunked.model.name = whole.model.name
+  got = _loss_metrics_grads(chunked, params, batch)
+  assert float(got[0]) == pytest.approx(float(expected[0]), rel=1e-6)
+  accumulated, _ = jax.jit(lambda p, b: step_lib.grads_and_metrics(
+      p, b, task_lib.build_task(chunked), step_lib.StepOptions(grad_accum_steps=2)))(params, batch)
+  for want, have, summed in zip(*map(jax.tree.leaves, (expected[2], got[2], accumulated))):
+    np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(summed), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
 def test_chunked_loss_in_bfloat16_stays_within_bfloat16_of_the_whole_logits_one():
   whole = _config(1, tie=False, dtype='bfloat16')
   params = task_lib.build_task(whole).model.init(jax.random.key(1))
