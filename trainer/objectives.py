@@ -48,13 +48,13 @@ def chunked_cross_entropy(x_BLD, head_DV, targets_BL, weights_BL, chunks: int,
                           with_z: bool) -> tuple[jax.Array, jax.Array]:
   """_cross_entropy_sums of the logits x @ head, made `chunks` slices of positions at a time.
 
-  Each slice's (B, L / chunks, V) logits are made, reduced and dropped inside a checkpointed scan step, and made
-  again in the backward pass: one more head matmul per token instead of holding the whole float32 logits and their
+  Each slice's (B, L / chunks, V) logits are made, reduced and dropped inside a checkpointed lax.map step, and
+  made again in the backward pass: one more head matmul per token instead of holding the whole float32 logits and their
   gradient (the vocabulary's share of a step's memory; BENCHMARKS "Chunked loss").
   """
   B, L, _ = x_BLD.shape
 
-  def split(a):  # (B, L, ...) -> (chunks, B, L / chunks, ...): the scan walks the first axis.
+  def split(a):  # (B, L, ...) -> (chunks, B, L / chunks, ...): the map walks the first axis.
     return jnp.moveaxis(a.reshape(B, chunks, L // chunks, *a.shape[2:]), 1, 0)
 
   @jax.checkpoint

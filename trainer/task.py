@@ -155,13 +155,13 @@ def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
   boxed, notes = param_names.name_params(model.abstract_boxed, rules, mesh_shape, unnamed, name, model.framework)
   model = dataclasses.replace(model, abstract_boxed=boxed)
   custom_loss = callable(getattr(model.module_class, 'loss', None))
-  _check_loss_chunks(config, model, custom_loss)
+  _require_chunkable_model(config, model, custom_loss)
   return Task(objective, model, custom_loss=custom_loss,
               mesh=mesh if under_jit and made_for is None else None, rules=tuple(rules), cast_params_to=cast_to,
               param_notes=notes, physical_context=foreign)
 
 
-def _check_loss_chunks(config, model: adapters.AdaptedModel, custom_loss: bool) -> None:
+def _require_chunkable_model(config, model: adapters.AdaptedModel, custom_loss: bool) -> None:
   """train.loss_chunks > 1 needs the objective's loss and a model that can hand it hidden states and its head."""
   chunks = config.train.get('loss_chunks', 1)
   if chunks == 1:

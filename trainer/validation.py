@@ -59,6 +59,8 @@ def validate_config(config) -> None:
 
 
 def _check_loss_chunks(config) -> None:
+  if 'loss_chunks' not in config.train:  # A run's config.json from before the key: the whole logits, as then.
+    return
   _positive_int(config, 'train.loss_chunks')
   chunks = config.train.loss_chunks
   if chunks == 1:
