@@ -21,6 +21,7 @@ from trainer import profiling, progress, storage
 from trainer import job as job_lib
 from trainer.memory import preflight, remat
 from trainer.models import contract
+from trainer.supervision import attempt, faults, hang
 from trainer.metrics import MetricsWriter
 
 
@@ -69,6 +70,8 @@ class RunContext:
   preempt: preemption.PreemptionWatch
   throughput: flops.Throughput | None  # None where the step cannot be traced for its FLOPs (trainer/flops.py).
   profiler: profiling.Profiler
+  hang: hang.HangWatch
+  fault: faults.Fault | None  # A test's injected fault (trainer/supervision/faults.py); None in real runs.
 
 
 def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False) -> None:
@@ -77,6 +80,14 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   `devices` (default: every device of every process) is what the mesh is built
   over; tests pass a subset to run the same job on fewer devices.
   """
+  hang_watch = hang.HangWatch(config.train.hang_timeout_s, workdir, jax.process_index()).start()
+  try:
+    _run(config, workdir, devices, start_over, hang_watch)
+  finally:
+    hang_watch.close()
+
+
+def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangWatch) -> None:
   compilation_cache.enable(config.train.compilation_cache_dir)
   # 'auto' becomes a concrete policy before the Job exists; a resumed run reads its earlier choice back.
   config, memory_choice = remat.resolve(config, devices, workdir=None if start_over else workdir)
@@ -102,6 +113,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   # Compiled and checked against device memory before anything else touches the workdir: a refused launch, with
   # --start_over too, changes nothing.
   start = time.perf_counter()
+  hang_watch.phase('compile')
   compiled_step = preflight.compile_checked(job)
   compile_s = time.perf_counter() - start
   logging.info('Compiled the train step in %.1fs', compile_s)
@@ -114,6 +126,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   tracker.compiled(compile_s)
 
   latest = None
+  hang_watch.phase('restore')
   if resumable:
     latest, state = ckpt.restore_newest_intact(resumable, sharding.with_shardings(abstract, shardings), train_iter)
     logging.info('Resuming from checkpoint at step %d in %s (data iterator position restored)',
@@ -121,6 +134,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   else:
     state = job.init_state(config.train.seed)
 
+  attempt.note(process_index=process_index, resumed_step=latest or 0)
   writer = MetricsWriter(workdir, enabled=process_index == 0, total_steps=config.train.steps,
                          progress_bar=config.log.progress_bar, goodput=tracker)
   if process_index == 0:
@@ -134,7 +148,8 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
       config=config, objective=objective, compiled_step=compiled_step, eval_step=job.eval_step, eval_set=eval_set,
       train_iter=train_iter, ckpt=ckpt,
       manifest=manifest, writer=writer, guard=guard, preempt=preempt,
-      throughput=flops.Throughput.for_job(job), profiler=profiler)
+      throughput=flops.Throughput.for_job(job), profiler=profiler, hang=hang_watch,
+      fault=faults.for_process(process_index))
   try:
     while True:
       try:
@@ -192,9 +207,13 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
   for step in range(start_step + 1, total + 1):
     side_time += profiler.step(step, state)  # Writing a trace out is not step time.
     t0 = time.perf_counter()
+    run.hang.phase('data')
+    faults.inject(run.fault, step, 'data')
     guard.skip_offending_batch(step, train_iter)
     batch = next(train_iter)
     data_wait = time.perf_counter() - t0
+    run.hang.phase('step')
+    faults.inject(run.fault, step, 'step')
     with jax.profiler.StepTraceAnnotation('train', step_num=step):  # Step markers for the profile's step view.
       state, metrics = run.compiled_step(state, batch)
     if pending is not None:  # Fetch step-1's metrics while step runs: the one sync point per step.
@@ -203,16 +222,19 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
 
     t_side = time.perf_counter()
     if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
+      run.hang.phase('eval')
       evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
     preempted = preempt.reached(step)
     t_ckpt = time.perf_counter()
     if step % config.ckpt.every_steps == 0 or step == total or preempted:
       guard.check(step, metrics)  # Metrics come a step late; a state is checked before it is ever saved.
+      run.hang.phase('checkpoint')
       ckpt.save(step, state, train_iter, run.manifest, force=True)
     run.writer.goodput.record_side(eval_s=t_ckpt - t_side, checkpoint_s=time.perf_counter() - t_ckpt)
     side_time += time.perf_counter() - t_side
     if preempted:
       ckpt.wait_until_finished()
+      attempt.note(stopped='preempted', last_step=step)
       logging.warning('%s received: saved step %d to %s and stopped. Relaunch the same command to continue.',
                       preempt.describe(), step, ckpt.directory)
       break
@@ -233,7 +255,9 @@ def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_
   window.step_times.append(max(now - last_fetch - side_time, 1e-9))
   window.data_waits.append(data_wait)
   writer.step_done(step, window.losses[-1], window.step_times[-1], data_wait, objective.units_per_step)
+  run.hang.step_done(step, window.step_times[-1])
   if is_log_step(step):
+    attempt.note(last_step=step)
     summary = window.summary(metrics, objective.units_per_step, objective.unit, run.throughput)
     if not window.first:
       data.warn_if_stalled(step, summary)
