@@ -34,6 +34,7 @@ def get_config() -> config_dict.ConfigDict:
   c.train.eval_batches = 8  # Global batches per evaluation (fewer if the held-out set is smaller).
   # Hang watch (issue 29; trainer/supervision/hang.py)
   c.train.hang_timeout_s = config_dict.placeholder(float)  # No progress this long ends the attempt with every thread's stack written; None = 30 min before the first step, then max(10 x median step, 10 min); 0 = off.
+  c.train.straggler_warn_fraction = 0.2  # Warn when one process's host time per step exceeds the others' median by this fraction of the step, 3 log intervals in a row.
   c.train.on_nonfinite = 'stop'  # Non-finite loss/gradient: 'stop' (exit 3, last good checkpoint kept), 'skip' (drop the update) or 'rollback' (reload the last checkpoint, skip the batch).
 
   c.mesh = config_dict.ConfigDict()

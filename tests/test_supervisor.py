@@ -186,3 +186,19 @@ def test_two_processes_restart_together_after_one_is_killed(uninterrupted, text_
   losses = _losses(tmp_path)
   for step in range(1, STEPS + 1):
     assert losses[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
+
+
+def test_a_slowed_process_is_named_the_straggler_with_its_lag(text_dir, tmp_path):
+  delay = 0.3
+  args = [sys.executable, str(REPO / 'scripts' / 'launch_local.py'), '--num_processes=2',
+          '--devices_per_process=4', '--timeout_s=280',
+          # Windows of 4 steps, no checkpoint before the end: each comparison is a mean over 4 plain steps.
+          *_args(tmp_path, text_dir, '--max_restarts=0', '--config.train.steps=20', '--config.log.every_steps=4',
+                 '--config.ckpt.every_steps=100')]
+  result = _launch(None, fault=f'slow@1,process=1,seconds={delay}', command=args)
+  assert result.returncode == 0, result.stderr[-4000:]
+  records = [r for r in read_metrics(tmp_path) if 'straggler_lag_s' in r]
+  assert records and all(r['straggler_process'] == 1 for r in records), records
+  lag = sorted(r['straggler_lag_s'] for r in records)[len(records) // 2]
+  assert lag == pytest.approx(delay, rel=0.2)
+  assert 'process 1 is a straggler' in result.stderr

@@ -21,7 +21,7 @@ from trainer import profiling, progress, storage
 from trainer import job as job_lib
 from trainer.memory import preflight, remat
 from trainer.models import contract
-from trainer.supervision import attempt, faults, hang
+from trainer.supervision import attempt, faults, hang, stragglers
 from trainer.metrics import MetricsWriter
 
 
@@ -35,6 +35,7 @@ class Window:
   losses: list[float] = dataclasses.field(default_factory=list)
   step_times: list[float] = dataclasses.field(default_factory=list)
   data_waits: list[float] = dataclasses.field(default_factory=list)
+  device_waits: list[float] = dataclasses.field(default_factory=list)  # Blocked on the devices (see stragglers.py).
   # The first window after a start, resume or rollback includes the input threads starting: never a stall.
   first: bool = False
 
@@ -72,6 +73,7 @@ class RunContext:
   profiler: profiling.Profiler
   hang: hang.HangWatch
   fault: faults.Fault | None  # A test's injected fault (trainer/supervision/faults.py); None in real runs.
+  stragglers: stragglers.StragglerWatch
 
 
 def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False) -> None:
@@ -149,7 +151,8 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
       train_iter=train_iter, ckpt=ckpt,
       manifest=manifest, writer=writer, guard=guard, preempt=preempt,
       throughput=flops.Throughput.for_job(job), profiler=profiler, hang=hang_watch,
-      fault=faults.for_process(process_index))
+      fault=faults.for_process(process_index),
+      stragglers=stragglers.StragglerWatch(process_index, process_count, config.train.straggler_warn_fraction))
   try:
     while True:
       try:
@@ -215,9 +218,11 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     run.hang.phase('step')
     faults.inject(run.fault, step, 'step')
     with jax.profiler.StepTraceAnnotation('train', step_num=step):  # Step markers for the profile's step view.
+      t_dispatch = time.perf_counter()
       state, metrics = run.compiled_step(state, batch)
+      dispatch_s = time.perf_counter() - t_dispatch  # Blocks while the devices are still busy with earlier steps.
     if pending is not None:  # Fetch step-1's metrics while step runs: the one sync point per step.
-      last_fetch, side_time = _finish(run, pending, window, last_fetch, side_time, evals, is_log_step)
+      last_fetch, side_time = _finish(run, pending, window, last_fetch, side_time, evals, is_log_step, dispatch_s)
     pending = (step, metrics, data_wait)
 
     t_side = time.perf_counter()
@@ -243,10 +248,12 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
 
 
 def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_time: float,
-            evals: dict[int, dict[str, float]], is_log_step) -> tuple[float, float]:
+            evals: dict[int, dict[str, float]], is_log_step, dispatch_s: float = 0.0) -> tuple[float, float]:
   """Fetches one step's metrics (once, for the guardrails and the log), adds them to the window, logs if due."""
   step, metrics, data_wait = pending
+  t_fetch = time.perf_counter()
   metrics = jax.device_get(metrics)
+  window.device_waits.append(dispatch_s + time.perf_counter() - t_fetch)
   run.guard.check(step, metrics)
   objective, writer = run.objective, run.writer
   now = time.perf_counter()
@@ -261,6 +268,8 @@ def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_
     summary = window.summary(metrics, objective.units_per_step, objective.unit, run.throughput)
     if not window.first:
       data.warn_if_stalled(step, summary)
+    busy = float(np.mean(np.subtract(window.step_times, window.device_waits)))
+    summary.update(run.stragglers.at_log(step, busy, summary['data_wait_s'], summary['step_time_s']))
     writer.write(step, {**summary, **evals.pop(step, {})})
     window.__init__()
   return now, 0.0
