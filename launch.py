@@ -127,7 +127,8 @@ def main(argv):
   if not _PLAN.value and _MAX_RESTARTS.value > 0 and not attempt.supervised():
     from trainer.supervision import supervisor
     sys.exit(supervisor.Supervisor([sys.executable, *sys.argv], _WORKDIR.value, _MAX_RESTARTS.value,
-                                   _RESTART_BACKOFF_S.value, writes_record=_PROCESS_ID.value in (None, 0)).run())
+                                   _RESTART_BACKOFF_S.value, writes_record=_PROCESS_ID.value in (None, 0),
+                                   preemption_signals=tuple(_CONFIG.value.train.preemption_signals)).run())
   from parallel import distributed, watchdog  # After flag parsing, so --help does not wait for jax.
   from trainer import console, loop, preemption
   from trainer.safety import disk, lock

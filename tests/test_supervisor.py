@@ -202,3 +202,40 @@ def test_a_slowed_process_is_named_the_straggler_with_its_lag(text_dir, tmp_path
   lag = sorted(r['straggler_lag_s'] for r in records)[len(records) // 2]
   assert lag == pytest.approx(delay, rel=0.2)
   assert 'process 1 is a straggler' in result.stderr
+
+
+def test_a_notice_file_saves_and_stops_the_run(text_dir, tmp_path):
+  notice = tmp_path / 'drain'
+
+  def on_line(proc, line):
+    if 'step 3/' in line:
+      notice.touch()
+
+  workdir = tmp_path / 'run'
+  result = _launch(_args(workdir, text_dir, '--max_restarts=0', '--config.train.steps=100000',
+                         f'--config.train.preemption_notice_file={notice}'), on_line=on_line)
+  assert result.returncode == 0, result.stderr[-3000:]
+  line = next(l for l in result.stderr.splitlines() if f'notice file {notice}' in l)
+  saved = int(line.split('saved step ')[1].split()[0])
+  assert saved % 10 == 0 and (workdir / 'checkpoints' / str(saved)).is_dir()  # Polled every 10 steps.
+  assert 'the save took' in line
+
+
+def test_a_configured_signal_is_a_preemption_notice_and_the_supervisor_does_not_restart_it(text_dir, tmp_path):
+  def on_line(proc, line):
+    if 'step 3/' in line:
+      os.kill(proc.pid, signal.SIGUSR2)
+
+  result = _launch(_args(tmp_path, text_dir, '--config.train.steps=100000',
+                         "--config.train.preemption_signals=('SIGTERM', 'SIGUSR2')"), on_line=on_line)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'SIGUSR2 (' in result.stderr and 'restarting' not in result.stderr
+  assert [a['cause'] for a in _attempts(tmp_path)] == ['stopped by SIGUSR2 (preempted (saved))']
+
+
+def test_a_signal_that_cannot_be_a_notice_is_refused_in_one_line(launcher, tmp_path):
+  result = launcher('--config=configs/tiny.py', f'--workdir={tmp_path}',
+                    "--config.train.preemption_signals=('SIGTERM', 'SIGUSR1')")
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      'launch.py: error: train.preemption_signals: SIGUSR1 cannot be a preemption notice')

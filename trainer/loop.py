@@ -21,7 +21,7 @@ from trainer import profiling, progress, storage
 from trainer import job as job_lib
 from trainer.memory import preflight, remat
 from trainer.models import contract
-from trainer.supervision import attempt, faults, hang, stragglers
+from trainer.supervision import attempt, faults, hang, notices, stragglers
 from trainer.metrics import MetricsWriter
 
 
@@ -74,6 +74,7 @@ class RunContext:
   hang: hang.HangWatch
   fault: faults.Fault | None  # A test's injected fault (trainer/supervision/faults.py); None in real runs.
   stragglers: stragglers.StragglerWatch
+  notices: notices.Notices  # Preemption notices other than SIGTERM (a file, another signal).
 
 
 def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False) -> None:
@@ -144,6 +145,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
     writer.write_config(config)
   guard = guardrails.Guard(config.train.on_nonfinite, list(manifest['param_shapes']))
   preempt = preemption.PreemptionWatch()
+  notice = notices.Notices(tuple(config.train.preemption_signals), config.train.preemption_notice_file)
   profiler = profiling.Profiler(config.profile, workdir, first_step=(latest or 0) + 1, total_steps=config.train.steps,
                                 goodput=tracker)
   run_context = RunContext(
@@ -152,7 +154,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
       manifest=manifest, writer=writer, guard=guard, preempt=preempt,
       throughput=flops.Throughput.for_job(job), profiler=profiler, hang=hang_watch,
       fault=faults.for_process(process_index),
-      stragglers=stragglers.StragglerWatch(process_index, process_count, config.train.straggler_warn_fraction))
+      notices=notice, stragglers=stragglers.StragglerWatch(process_index, process_count, config.train.straggler_warn_fraction))
   try:
     while True:
       try:
@@ -167,6 +169,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
     train_iter.close()
     profiler.close()
     preempt.close()
+    notice.close()
     t_close = time.perf_counter()
     ckpt.close()  # Waits for an async save in flight: a finished run never leaves a half-written checkpoint.
     tracker.record_side(checkpoint_s=time.perf_counter() - t_close)
@@ -229,7 +232,8 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
       run.hang.phase('eval')
       evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
-    preempted = preempt.reached(step)
+    noticed = run.notices.reached(step)
+    preempted = preempt.reached(step) or noticed
     t_ckpt = time.perf_counter()
     if step % config.ckpt.every_steps == 0 or step == total or preempted:
       guard.check(step, metrics)  # Metrics come a step late; a state is checked before it is ever saved.
@@ -240,8 +244,9 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     if preempted:
       ckpt.wait_until_finished()
       attempt.note(stopped='preempted', last_step=step)
-      logging.warning('%s received: saved step %d to %s and stopped. Relaunch the same command to continue.',
-                      preempt.describe(), step, ckpt.directory)
+      logging.warning('%s received: saved step %d to %s and stopped (the save took %.1fs). Relaunch the same '
+                      'command to continue.', run.notices.describe() if noticed else preempt.describe(), step,
+                      ckpt.directory, time.perf_counter() - t_ckpt)
       break
   _finish(run, pending, window, last_fetch, side_time, evals, is_log_step)
   profiler.close(state)  # A trace window reaching the last step ends here, once its steps finished.

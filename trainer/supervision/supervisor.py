@@ -78,7 +78,7 @@ class Supervisor:
   """Runs `command` (a launch.py command line) until it ends for good; `run()` returns the exit code to use."""
 
   def __init__(self, command: list[str], workdir: str, max_restarts: int, backoff_s: float,
-               writes_record: bool):
+               writes_record: bool, preemption_signals: tuple[str, ...] = ()):
     self.command, self.workdir = command, workdir
     self.max_restarts, self.backoff_s = max_restarts, backoff_s
     self.writes_record = writes_record
@@ -86,16 +86,20 @@ class Supervisor:
     self._child: subprocess.Popen | None = None
     self._stop = threading.Event()
     self._stop_signal = None
+    # The run's own preemption notices (train.preemption_signals, e.g. SLURM's --signal=USR2@120) stop it too.
+    self._stops = set(_STOP_SIGNALS) | {signal.Signals[name] for name in preemption_signals
+                                        if name in signal.Signals.__members__}
+    self._forwarded = tuple(self._stops | set(_FORWARDED))
 
   def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
-    if signum in _STOP_SIGNALS:
+    if signum in self._stops:
       self._stop_signal = signal.Signals(signum).name
       self._stop.set()
     if self._child is not None and self._child.poll() is None:
       os.kill(self._child.pid, signum)
 
   def run(self) -> int:
-    previous = {s: signal.signal(s, self._on_signal) for s in _FORWARDED}
+    previous = {s: signal.signal(s, self._on_signal) for s in self._forwarded}
     try:
       return self._attempts()
     finally:
