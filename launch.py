@@ -29,6 +29,13 @@ _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'HOST:PORT of pr
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the run, all hosts together.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, "This process's index, 0 .. num_processes-1.")
 _TIMEOUT = flags.DEFINE_integer('distributed_timeout_s', 300, 'Seconds to wait for every process to join.')
+# The supervisor; see trainer/supervision/supervisor.py.
+_MAX_RESTARTS = flags.DEFINE_integer('max_restarts', int(os.environ.get('LAUNCH_MAX_RESTARTS', '3')),
+                                     'Restarts after a retryable failure (lost peer, crash, hang, saved preemption) '
+                                     'before the run stops; 0 runs training in this process, unsupervised. Default: '
+                                     '$LAUNCH_MAX_RESTARTS, else 3.')
+_RESTART_BACKOFF_S = flags.DEFINE_float('restart_backoff_s', 10.0, 'Seconds before a restart, doubling while '
+                                        'attempts keep failing at the same step (at most 300).')
 _START_OVER = flags.DEFINE_bool('start_over', False, 'Train from step 0 in a --workdir that holds a run: its '
                                 'checkpoints and logs are moved to WORKDIR/previous_run_<time>/, never deleted.')
 
@@ -116,6 +123,12 @@ def main(argv):
       workdir_lib.check(_WORKDIR.value)  # Before jax is imported: a bad --workdir fails in a second.
   except UserError as e:
     _fail(str(e))
+  from trainer.supervision import attempt
+  if not _PLAN.value and _MAX_RESTARTS.value > 0 and not attempt.supervised():
+    from trainer.supervision import supervisor
+    sys.exit(supervisor.Supervisor([sys.executable, *sys.argv], _WORKDIR.value, _MAX_RESTARTS.value,
+                                   _RESTART_BACKOFF_S.value, writes_record=_PROCESS_ID.value in (None, 0),
+                                   preemption_signals=tuple(_CONFIG.value.train.preemption_signals)).run())
   from parallel import distributed, watchdog  # After flag parsing, so --help does not wait for jax.
   from trainer import console, loop, preemption
   from trainer.safety import disk, lock

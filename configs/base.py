@@ -32,6 +32,11 @@ def get_config() -> config_dict.ConfigDict:
   c.train.compilation_cache_dir = config_dict.placeholder(str)  # Persistent XLA compilation cache folder shared by runs; None disables it.
   c.train.eval_every_steps = 200  # Evaluate on held-out data every N steps and at the last step; 0 = only at the end.
   c.train.eval_batches = 8  # Global batches per evaluation (fewer if the held-out set is smaller).
+  # Hang watch (issue 29; trainer/supervision/hang.py)
+  c.train.hang_timeout_s = config_dict.placeholder(float)  # No progress this long ends the attempt with every thread's stack written; None = 30 min before the first step, then max(10 x median step, 10 min); 0 = off.
+  c.train.straggler_warn_fraction = 0.2  # Warn when one process's host time per step exceeds the others' median by this fraction of the step, 3 log intervals in a row.
+  c.train.preemption_signals = ('SIGTERM',)  # Signals that make the run save at the next step and stop (e.g. add 'SIGUSR2' for sbatch --signal=USR2@120); SIGTERM is always one.
+  c.train.preemption_notice_file = config_dict.placeholder(str)  # A file whose appearance (or change) during the run means the same, checked every 10 steps (e.g. touched by a GKE preStop hook); None = none.
   c.train.on_nonfinite = 'stop'  # Non-finite loss/gradient: 'stop' (exit 3, last good checkpoint kept), 'skip' (drop the update) or 'rollback' (reload the last checkpoint, skip the batch).
 
   c.mesh = config_dict.ConfigDict()

@@ -43,6 +43,21 @@ PEER_LOST_EXIT_CODE = 75
 _exiting = threading.Lock()
 _watching = threading.Event()
 GRACE_S = 5
+# The same connections carry reports to process 0 (trainer/supervision/stragglers.py): `stat ...` lines.
+_to_coordinator: list['_Line'] = []
+_on_report = None
+
+
+def report(line: str) -> None:
+  """Processes 1..N-1: sends one line to process 0's report callback; a no-op where no peers are watched."""
+  for line_to_0 in _to_coordinator:
+    line_to_0.send(line)
+
+
+def on_report(callback) -> None:
+  """Process 0: `callback(process, line)` receives each line other processes `report()`."""
+  global _on_report
+  _on_report = callback
 
 
 def grace() -> None:
@@ -116,7 +131,9 @@ def serve(server: socket.socket, num_processes: int, timeout_s: float) -> None:
   lines: dict[int, _Line] = {}
 
   def on_message(line: _Line, message: str) -> None:
-    if message.startswith('lost '):
+    if message.startswith('stat ') and _on_report is not None:
+      _on_report(line.peer, message)
+    elif message.startswith('lost '):
       for other in lines.values():
         if other is not line:
           other.send(f'peer {line.peer} {message[len("lost "):]}')
@@ -146,7 +163,8 @@ def join(host: str, port: int, process_id: int, num_processes: int, timeout_s: f
     elif message.startswith('lost '):
       _die(_lost(0, num_processes, message[len('lost '):]))
 
-  _say_bye_at_exit([_Line(conn, 0, num_processes, on_message)])
+  _to_coordinator.append(_Line(conn, 0, num_processes, on_message))
+  _say_bye_at_exit(_to_coordinator)
 
 
 def _say_bye_at_exit(lines) -> None:

@@ -22,6 +22,10 @@ Runs `python launch.py` once, on all (or the chosen) GPUs of this machine.
                      (pip install "jax[cuda12]==<jax pin in requirements.txt>");
                      default: .venv/bin/python of this repo if present, else python3
   --config.KEY=VALUE passed to launch.py as is (any number of them)
+  --max_restarts=N   restarts after a crash, lost peer, hang or saved preemption, per
+                     process (launch.py's supervisor; default 3, 0 = none)
+  --restart_backoff_s=S
+                     seconds before a restart (default 10, doubling in a crash loop)
   --dry_run          print the exports and the command, run nothing
   -h, --help         this text
 
@@ -45,6 +49,7 @@ while (($#)); do
     --config=*) CONFIG=${1#*=} ;;
     --workdir=*) WORKDIR=${1#*=} ;;
     --python=*) PYTHON=${1#*=} ;;
+    --max_restarts=*|--restart_backoff_s=*) OVERRIDES+=("$1") ;;  # The supervisor's, passed to launch.py.
     --config.*=*) OVERRIDES+=("$1") ;;
     *) bad_argument "$1" ;;
   esac

@@ -36,6 +36,10 @@ login node, from a folder on storage the compute nodes share.
   --log_dir=DIR        default WORKDIR/logs: JOB_NAME-JOBID.out for the batch script,
                        JOB_NAME-JOBID-NODE-taskN.log for each process
   --config.KEY=VALUE   passed to launch.py as is (any number of them)
+  --max_restarts=N     restarts after a crash, lost peer, hang or saved preemption, per
+                       process (launch.py's supervisor; default 3, 0 = none)
+  --restart_backoff_s=S
+                       seconds before a restart (default 10, doubling in a crash loop)
   --dry_run            print the filled-in script and the sbatch command, submit nothing
   -h, --help           this text
 
@@ -63,6 +67,7 @@ while (($#)); do
     --workdir=*) WORKDIR=${1#*=} ;;
     --python=*) PYTHON=${1#*=} ;;
     --log_dir=*) LOG_DIR=${1#*=} ;;
+    --max_restarts=*|--restart_backoff_s=*) OVERRIDES+=("$1") ;;  # The supervisor's, passed to launch.py.
     --config.*=*) OVERRIDES+=("$1") ;;
     *) bad_argument "$1" ;;
   esac

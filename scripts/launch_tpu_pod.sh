@@ -34,6 +34,10 @@ each worker's log to LOG_DIR/worker-N/. Needs the gcloud CLI, logged in.
                            NFS/Filestore mount.
   --log_dir=DIR            local folder for the per-worker logs; default tpu_logs/TPU
   --config.KEY=VALUE       passed to launch.py as is (any number of them)
+  --max_restarts=N         restarts after a crash, lost peer, hang or saved preemption, per
+                           process (launch.py's supervisor; default 3, 0 = none)
+  --restart_backoff_s=S
+                           seconds before a restart (default 10, doubling in a crash loop)
   --dry_run                print every command, run nothing
   -h, --help               this text
 
@@ -61,6 +65,7 @@ while (($#)); do
     --config=*) CONFIG=${1#*=} ;;
     --workdir=*) WORKDIR=${1#*=} ;;
     --log_dir=*) LOG_DIR=${1#*=} ;;
+    --max_restarts=*|--restart_backoff_s=*) OVERRIDES+=("$1") ;;  # The supervisor's, passed to launch.py.
     --config.*=*) OVERRIDES+=("$1") ;;
     *) bad_argument "$1" ;;
   esac

@@ -17,6 +17,9 @@ TEST_XLA_FLAGS = '--xla_backend_optimization_level=0'
 os.environ['XLA_FLAGS'] = ' '.join([*(f for f in os.environ.get('XLA_FLAGS', '').split() if f != TEST_XLA_FLAGS),
                                     TEST_XLA_FLAGS, '--xla_force_host_platform_device_count=8'])
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# Launcher subprocesses train in the process the test started, unsupervised, as they did before the supervisor; the
+# supervisor's own tests (tests/test_supervisor.py) pass --max_restarts.
+os.environ['LAUNCH_MAX_RESTARTS'] = '0'
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:

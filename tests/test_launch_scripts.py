@@ -419,3 +419,12 @@ def test_shellcheck_passes_on_every_script():
   result = subprocess.run([shellcheck, '--external-sources', *files], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
   assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize('script, args', [('launch_gpu_node.sh', GPU_ARGS), ('launch_slurm.sh', SLURM_ARGS),
+                                          ('launch_tpu_pod.sh', (*TPU_ARGS, '--project=my-proj'))])
+def test_the_supervisor_options_reach_launch_py(tmp_path, script, args):
+  result = _run(script, *args, '--max_restarts=5', '--restart_backoff_s=30', '--dry_run', env=_env(tmp_path))
+  assert result.returncode == 0, result.stderr
+  launch_lines = [line for line in result.stdout.splitlines() if 'launch.py' in line or 'TRAIN_ARGS=(' in line]
+  assert any('--max_restarts=5' in line and '--restart_backoff_s=30' in line for line in launch_lines), result.stdout

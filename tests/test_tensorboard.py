@@ -129,7 +129,7 @@ def test_goodput_summary_printed_logged_and_consistent(finished_run):
   assert summary['step'] == 8 and summary['steps'] == 8 and summary['lost_steps'] == 0
   assert 0 < summary['goodput'] < 1
   parts = ('productive_s', 'startup_s', 'compile_s', 'data_wait_s', 'checkpoint_s', 'eval_s', 'profiling_s',
-           'lost_to_restarts_s', 'other_s')
+           'lost_to_restarts_s', 'restart_s', 'other_s')
   assert sum(summary[k] for k in parts) == pytest.approx(summary['total_s'], rel=1e-6)
   assert summary['compile_s'] > 0 and summary['checkpoint_s'] > 0 and summary['eval_s'] > 0
   assert summary['profiling_s'] == 0

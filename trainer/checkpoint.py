@@ -162,7 +162,8 @@ class Checkpointer:
 
     Reports (and skips) interrupted saves and checkpoints whose manifest cannot
     be read. Raises UserError for a different model, or when checkpoints exist
-    but none is readable: the launcher never starts from scratch on its own.
+    but none is readable: the launcher never starts from scratch over a saved one
+    (a first save that never completed is not one).
     """
     for path in self.incomplete_saves():
       logging.warning('Checkpoint %s is an incomplete save (the run was killed while writing it): skipped, '
@@ -183,7 +184,13 @@ class Checkpointer:
                      len(changes), '; '.join(changes))
       self._set_aside(damaged, 'manifest unreadable')
       return [s for s in steps if s <= step and s not in damaged]
-    if steps or self.incomplete_saves():
+    if not steps and self.incomplete_saves():
+      # The run was killed while writing its first checkpoint: nothing complete was ever saved, so step 0 is the only
+      # place to resume from (a supervised restart lands here after a crash early in a run).
+      logging.warning('No complete checkpoint in %s yet (only the incomplete save(s) above, left on disk): training '
+                      'from step 0.', self.directory)
+      return []
+    if steps:
       raise UserError(f'{self.directory} holds no intact checkpoint (damaged: {damaged[::-1] or "none"}; incomplete '
                       f'saves: {[p.name for p in self.incomplete_saves()] or "none"}). Nothing was changed. Use a '
                       f'fresh --workdir, or relaunch with --start_over to move them aside and train from step 0.')

@@ -16,6 +16,8 @@ attempt spent on steps that this attempt has to redo. The rest is broken down:
 - lost to restarts: steps an earlier attempt logged beyond the checkpoint this
   one resumed from, timed from its metrics.jsonl (steps it ran but never logged
   are not known, so this is a lower bound);
+- restart: the time between the previous attempt's end and this process's start
+  (the supervisor's back-off; trainer/supervision/supervisor.py);
 - other: whatever is left (logging, metric fetches).
 """
 
@@ -27,12 +29,15 @@ import time
 from absl import logging
 
 from trainer import storage
+from trainer.supervision import attempt
 
 CATEGORIES = ('startup_s', 'compile_s', 'data_wait_s', 'checkpoint_s', 'eval_s', 'profiling_s', 'lost_to_restarts_s',
-              'other_s')
+              'restart_s', 'other_s')
+_BEFORE_WALL = ('lost_to_restarts_s', 'restart_s')  # Spent before this process started: added to its wall time.
 _LABELS = {'productive_s': 'productive steps', 'startup_s': 'start-up', 'compile_s': 'compile',
            'data_wait_s': 'data wait', 'checkpoint_s': 'checkpoint blocking', 'eval_s': 'eval',
-           'profiling_s': 'profiling', 'lost_to_restarts_s': 'lost to restarts', 'other_s': 'other'}
+           'profiling_s': 'profiling', 'lost_to_restarts_s': 'lost to restarts', 'restart_s': 'restart back-off',
+           'other_s': 'other'}
 
 
 def process_start_time() -> float:
@@ -75,6 +80,7 @@ class Goodput:
   def __init__(self, workdir: str, resumed_step: int | None, started: float | None = None):
     self._started = process_start_time() if started is None else started
     self._totals = dict.fromkeys(('productive_s', *CATEGORIES), 0.0)
+    self._totals['restart_s'] = attempt.restart_gap_s()
     self._window = {'checkpoint_blocking_s': 0.0, 'evaluation_time_s': 0.0}
     self._first_step_at = None
     self._compile_pending = None
@@ -130,9 +136,9 @@ class Goodput:
     wall = now - self._started
     first_step_at = self._first_step_at if self._first_step_at is not None else now
     totals['startup_s'] = max(first_step_at - self._started - totals['compile_s'], 0.0)
-    accounted = sum(v for k, v in totals.items() if k not in ('lost_to_restarts_s', 'other_s'))
+    accounted = sum(v for k, v in totals.items() if k not in (*_BEFORE_WALL, 'other_s'))
     totals['other_s'] = max(wall - accounted, 0.0)
-    total = wall + totals['lost_to_restarts_s']
+    total = wall + sum(totals[k] for k in _BEFORE_WALL)
     return {'goodput': totals['productive_s'] / total if total > 0 else 0.0, 'wall_s': wall, 'total_s': total,
             'steps': float(self.steps), 'lost_steps': float(self.lost_steps), **totals}
 
@@ -143,7 +149,9 @@ def format_summary(summary: dict[str, float]) -> str:
   lines = [f'Goodput {summary["goodput"]:.1%}: productive step time over {summary["total_s"]:.1f}s '
            f'({summary["wall_s"]:.1f}s wall since the process started'
            + (f' + {summary["lost_to_restarts_s"]:.1f}s of an earlier attempt\'s steps redone' if
-              summary['lost_steps'] else '') + f'; {int(summary["steps"])} steps)']
+              summary['lost_steps'] else '')
+           + (f' + {summary["restart_s"]:.1f}s between attempts' if summary.get('restart_s') else '')
+           + f'; {int(summary["steps"])} steps)']
   for key in ('productive_s', *CATEGORIES):
     lines.append(f'  {_LABELS[key]:<20} {summary[key]:9.1f}s {summary[key] / total:7.1%}')
   return '\n'.join(lines)

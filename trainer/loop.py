@@ -21,6 +21,7 @@ from trainer import profiling, progress, storage
 from trainer import job as job_lib
 from trainer.memory import preflight, remat
 from trainer.models import contract
+from trainer.supervision import attempt, faults, hang, notices, stragglers
 from trainer.metrics import MetricsWriter
 
 
@@ -34,6 +35,7 @@ class Window:
   losses: list[float] = dataclasses.field(default_factory=list)
   step_times: list[float] = dataclasses.field(default_factory=list)
   data_waits: list[float] = dataclasses.field(default_factory=list)
+  device_waits: list[float] = dataclasses.field(default_factory=list)  # Blocked on the devices (see stragglers.py).
   # The first window after a start, resume or rollback includes the input threads starting: never a stall.
   first: bool = False
 
@@ -69,6 +71,10 @@ class RunContext:
   preempt: preemption.PreemptionWatch
   throughput: flops.Throughput | None  # None where the step cannot be traced for its FLOPs (trainer/flops.py).
   profiler: profiling.Profiler
+  hang: hang.HangWatch
+  fault: faults.Fault | None  # A test's injected fault (trainer/supervision/faults.py); None in real runs.
+  stragglers: stragglers.StragglerWatch
+  notices: notices.Notices  # Preemption notices other than SIGTERM (a file, another signal).
 
 
 def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False) -> None:
@@ -77,6 +83,14 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   `devices` (default: every device of every process) is what the mesh is built
   over; tests pass a subset to run the same job on fewer devices.
   """
+  hang_watch = hang.HangWatch(config.train.hang_timeout_s, workdir, jax.process_index()).start()
+  try:
+    _run(config, workdir, devices, start_over, hang_watch)
+  finally:
+    hang_watch.close()
+
+
+def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangWatch) -> None:
   compilation_cache.enable(config.train.compilation_cache_dir)
   # 'auto' becomes a concrete policy before the Job exists; a resumed run reads its earlier choice back.
   config, memory_choice = remat.resolve(config, devices, workdir=None if start_over else workdir)
@@ -102,6 +116,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   # Compiled and checked against device memory before anything else touches the workdir: a refused launch, with
   # --start_over too, changes nothing.
   start = time.perf_counter()
+  hang_watch.phase('compile')
   compiled_step = preflight.compile_checked(job)
   compile_s = time.perf_counter() - start
   logging.info('Compiled the train step in %.1fs', compile_s)
@@ -114,6 +129,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   tracker.compiled(compile_s)
 
   latest = None
+  hang_watch.phase('restore')
   if resumable:
     latest, state = ckpt.restore_newest_intact(resumable, sharding.with_shardings(abstract, shardings), train_iter)
     logging.info('Resuming from checkpoint at step %d in %s (data iterator position restored)',
@@ -121,6 +137,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   else:
     state = job.init_state(config.train.seed)
 
+  attempt.note(process_index=process_index, resumed_step=latest or 0)
   writer = MetricsWriter(workdir, enabled=process_index == 0, total_steps=config.train.steps,
                          progress_bar=config.log.progress_bar, goodput=tracker)
   if process_index == 0:
@@ -128,13 +145,16 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
     writer.write_config(config)
   guard = guardrails.Guard(config.train.on_nonfinite, list(manifest['param_shapes']))
   preempt = preemption.PreemptionWatch()
+  notice = notices.Notices(tuple(config.train.preemption_signals), config.train.preemption_notice_file)
   profiler = profiling.Profiler(config.profile, workdir, first_step=(latest or 0) + 1, total_steps=config.train.steps,
                                 goodput=tracker)
   run_context = RunContext(
       config=config, objective=objective, compiled_step=compiled_step, eval_step=job.eval_step, eval_set=eval_set,
       train_iter=train_iter, ckpt=ckpt,
       manifest=manifest, writer=writer, guard=guard, preempt=preempt,
-      throughput=flops.Throughput.for_job(job), profiler=profiler)
+      throughput=flops.Throughput.for_job(job), profiler=profiler, hang=hang_watch,
+      fault=faults.for_process(process_index),
+      notices=notice, stragglers=stragglers.StragglerWatch(process_index, process_count, config.train.straggler_warn_fraction))
   try:
     while True:
       try:
@@ -149,6 +169,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
     train_iter.close()
     profiler.close()
     preempt.close()
+    notice.close()
     t_close = time.perf_counter()
     ckpt.close()  # Waits for an async save in flight: a finished run never leaves a half-written checkpoint.
     tracker.record_side(checkpoint_s=time.perf_counter() - t_close)
@@ -192,39 +213,52 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
   for step in range(start_step + 1, total + 1):
     side_time += profiler.step(step, state)  # Writing a trace out is not step time.
     t0 = time.perf_counter()
+    run.hang.phase('data')
+    faults.inject(run.fault, step, 'data')
     guard.skip_offending_batch(step, train_iter)
     batch = next(train_iter)
     data_wait = time.perf_counter() - t0
+    run.hang.phase('step')
+    faults.inject(run.fault, step, 'step')
     with jax.profiler.StepTraceAnnotation('train', step_num=step):  # Step markers for the profile's step view.
+      t_dispatch = time.perf_counter()
       state, metrics = run.compiled_step(state, batch)
+      dispatch_s = time.perf_counter() - t_dispatch  # Blocks while the devices are still busy with earlier steps.
     if pending is not None:  # Fetch step-1's metrics while step runs: the one sync point per step.
-      last_fetch, side_time = _finish(run, pending, window, last_fetch, side_time, evals, is_log_step)
+      last_fetch, side_time = _finish(run, pending, window, last_fetch, side_time, evals, is_log_step, dispatch_s)
     pending = (step, metrics, data_wait)
 
     t_side = time.perf_counter()
     if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
+      run.hang.phase('eval')
       evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
-    preempted = preempt.reached(step)
+    noticed = run.notices.reached(step)
+    preempted = preempt.reached(step) or noticed
     t_ckpt = time.perf_counter()
     if step % config.ckpt.every_steps == 0 or step == total or preempted:
       guard.check(step, metrics)  # Metrics come a step late; a state is checked before it is ever saved.
+      run.hang.phase('checkpoint')
       ckpt.save(step, state, train_iter, run.manifest, force=True)
     run.writer.goodput.record_side(eval_s=t_ckpt - t_side, checkpoint_s=time.perf_counter() - t_ckpt)
     side_time += time.perf_counter() - t_side
     if preempted:
       ckpt.wait_until_finished()
-      logging.warning('%s received: saved step %d to %s and stopped. Relaunch the same command to continue.',
-                      preempt.describe(), step, ckpt.directory)
+      attempt.note(stopped='preempted', last_step=step)
+      logging.warning('%s received: saved step %d to %s and stopped (the save took %.1fs). Relaunch the same '
+                      'command to continue.', run.notices.describe() if noticed else preempt.describe(), step,
+                      ckpt.directory, time.perf_counter() - t_ckpt)
       break
   _finish(run, pending, window, last_fetch, side_time, evals, is_log_step)
   profiler.close(state)  # A trace window reaching the last step ends here, once its steps finished.
 
 
 def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_time: float,
-            evals: dict[int, dict[str, float]], is_log_step) -> tuple[float, float]:
+            evals: dict[int, dict[str, float]], is_log_step, dispatch_s: float = 0.0) -> tuple[float, float]:
   """Fetches one step's metrics (once, for the guardrails and the log), adds them to the window, logs if due."""
   step, metrics, data_wait = pending
+  t_fetch = time.perf_counter()
   metrics = jax.device_get(metrics)
+  window.device_waits.append(dispatch_s + time.perf_counter() - t_fetch)
   run.guard.check(step, metrics)
   objective, writer = run.objective, run.writer
   now = time.perf_counter()
@@ -233,10 +267,14 @@ def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_
   window.step_times.append(max(now - last_fetch - side_time, 1e-9))
   window.data_waits.append(data_wait)
   writer.step_done(step, window.losses[-1], window.step_times[-1], data_wait, objective.units_per_step)
+  run.hang.step_done(step, window.step_times[-1])
   if is_log_step(step):
+    attempt.note(last_step=step)
     summary = window.summary(metrics, objective.units_per_step, objective.unit, run.throughput)
     if not window.first:
       data.warn_if_stalled(step, summary)
+    busy = float(np.mean(np.subtract(window.step_times, window.device_waits)))
+    summary.update(run.stragglers.at_log(step, busy, summary['data_wait_s'], summary['step_time_s']))
     writer.write(step, {**summary, **evals.pop(step, {})})
     window.__init__()
   return now, 0.0

@@ -7,6 +7,7 @@ from parallel import strategy
 from trainer import data
 from trainer.errors import UserError
 from trainer.models import layer_scan
+from trainer.supervision import notices
 
 DTYPES = ('float32', 'bfloat16')
 
@@ -53,6 +54,7 @@ def validate_config(config) -> None:
   _require(gb is None or (isinstance(gb, (int, float)) and not isinstance(gb, bool) and gb > 0),
            f'train.device_memory_gb={gb!r} must be a number of GiB > 0, or None for the device\'s own limit.')
   data.check_config(config.data)
+  notices.check_config(config.train)
   _warn_if_warmup_exceeds_steps(config.train)
   layer_scan.check(config.model)
   _require(0 <= config.data.eval_percent < 100, f'data.eval_percent={config.data.eval_percent} must be in [0, 100).')

@@ -1,0 +1,241 @@
+"""The supervisor (trainer/supervision/): restarts what is worth restarting, never what is not, and records each attempt.
+
+Real processes with injected faults (LAUNCH_TEST_FAULT, trainer/supervision/faults.py): a SIGKILL mid-run, a crash
+at the same step every attempt, a stalled step, a stalled input pipeline, a user error, an outside SIGTERM.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from conftest import REPO, free_port, launcher_env, make_text_dir, read_metrics
+from trainer.supervision import supervisor
+
+TIMEOUT_S = 300
+STEPS = 10
+
+
+@pytest.fixture(scope='module')
+def text_dir(tmp_path_factory):
+  return make_text_dir(tmp_path_factory.mktemp('text'))
+
+
+def _args(workdir, text_dir, *extra):
+  return ['--config=configs/tiny.py', f'--workdir={workdir}', f'--config.train.steps={STEPS}',
+          # Synchronous saves: checkpoint 4 is complete before step 5 starts, so a fault at step 6 resumes from it.
+          '--config.ckpt.every_steps=4', '--config.ckpt.async_save=False', '--config.log.every_steps=1',
+          f'--config.data.text_dir={text_dir}',
+          '--restart_backoff_s=0', *extra]
+
+
+def _launch(args, fault: str | None = None, on_line=None, command=None) -> subprocess.CompletedProcess:
+  """Runs launch.py (supervised unless args say otherwise); `on_line(proc, line)` sees each stderr line."""
+  env = launcher_env(LAUNCH_MAX_RESTARTS='2')
+  if fault:
+    env['LAUNCH_TEST_FAULT'] = fault
+  proc = subprocess.Popen(command or [sys.executable, str(REPO / 'launch.py'), *args], cwd=REPO, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+  timer = threading.Timer(TIMEOUT_S, lambda: os.killpg(proc.pid, signal.SIGKILL))
+  timer.start()
+  lines = []
+  try:
+    for line in proc.stderr:
+      lines.append(line)
+      if on_line:
+        on_line(proc, line)
+    proc.wait()
+  finally:
+    timed_out = not timer.is_alive()
+    timer.cancel()
+  assert not timed_out, f'ran past {TIMEOUT_S}s:\n{"".join(lines)[-4000:]}'
+  return subprocess.CompletedProcess(args, proc.returncode, '', ''.join(lines))
+
+
+def _attempts(workdir) -> list[dict]:
+  return [json.loads(line) for line in (pathlib.Path(workdir) / 'attempts.jsonl').read_text().splitlines()]
+
+
+def _losses(workdir) -> dict[int, float]:
+  return {r['step']: r['loss'] for r in read_metrics(workdir) if 'loss' in r}
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory, text_dir):
+  workdir = tmp_path_factory.mktemp('uninterrupted')
+  result = _launch(_args(workdir, text_dir))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert [a['cause'] for a in _attempts(workdir)] == ['finished']
+  return _losses(workdir)
+
+
+def test_exit_codes_are_sorted_into_retried_and_final():
+  retried = {code: supervisor.classify(code, {})[0] for code in (0, 1, 2, 3, 75, 124, 130, 134, -9)}
+  assert retried == {0: False, 1: True, 2: False, 3: False, 75: True, 124: True, 130: False, 134: True, -9: True}
+  assert supervisor.classify(0, {'stopped': 'preempted'}) == (True, 'preempted (saved)')
+  assert supervisor.classify(124, {'stopped': 'data stall'}) == (True, 'data stall')
+  assert supervisor.classify(-9, {})[1] == 'killed by SIGKILL'
+
+
+def test_a_killed_process_is_restarted_and_finishes_with_the_uninterrupted_losses(uninterrupted, text_dir, tmp_path):
+  result = _launch(_args(tmp_path, text_dir, '--restart_backoff_s=1'), fault='kill@7,attempt=1')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert ('attempt 1 ended with killed by SIGKILL (exit -9); restarting from the newest intact checkpoint in 1s '
+          '(attempt 2, restart 1 of --max_restarts=2)') in result.stderr
+  first, second = _attempts(tmp_path)
+  assert (first['cause'], first['resumed_step'], first['retried']) == ('killed by SIGKILL', 0, True)
+  assert (second['cause'], second['resumed_step'], second['exit_code']) == ('finished', 4, 0)
+  assert second['steps_redone'] == first['last_step'] - 4 == 1  # Step 5 was logged (metrics come a step late), then redone.
+  losses = _losses(tmp_path)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  for step in range(1, STEPS + 1):
+    assert losses[step] == pytest.approx(uninterrupted[step], rel=1e-6), step
+  goodput = json.loads((tmp_path / 'goodput.jsonl').read_text().splitlines()[-1])
+  assert goodput['restart_s'] >= 1 and goodput['lost_steps'] == 1  # The back-off is in the goodput table.
+  assert 'between attempts' in result.stderr
+
+
+def test_a_crash_at_the_same_step_every_attempt_stops_as_a_crash_loop(text_dir, tmp_path):
+  result = _launch(_args(tmp_path, text_dir, '--max_restarts=5'), fault='crash@2')
+  assert result.returncode == 1
+  errors = [line for line in result.stderr.splitlines() if line.startswith('launch.py: error:')]
+  assert errors[-1].startswith('launch.py: error: 3 attempts in a row failed before saving past step 0 '
+                               '(the last: crash (exit 1)): a crash loop, not restarted again.'), errors
+  attempts = _attempts(tmp_path)
+  assert [a['attempt'] for a in attempts] == [1, 2, 3] and [a['retried'] for a in attempts] == [True, True, False]
+
+
+def test_restarts_stop_at_max_restarts_with_one_line(text_dir, tmp_path):
+  result = _launch(_args(tmp_path, text_dir, '--max_restarts=1'), fault='crash@2')
+  assert result.returncode == 1
+  assert ('launch.py: error: attempt 2 ended with crash (exit 1) (exit 1) and --max_restarts=1 restarts are used up; '
+          'stopped.') in result.stderr
+  assert len(_attempts(tmp_path)) == 2
+
+
+def test_a_user_error_is_not_restarted(text_dir, tmp_path):
+  result = _launch(_args(tmp_path, text_dir, '--config.mesh.data=3'))
+  assert result.returncode == 2
+  assert 'restarting' not in result.stderr
+  assert [(a['cause'], a['retried']) for a in _attempts(tmp_path)] == [('user error', False)]
+
+
+def test_a_stalled_input_pipeline_is_named_stacks_written_and_the_run_restarted(text_dir, tmp_path):
+  result = _launch(_args(tmp_path, text_dir, '--config.train.hang_timeout_s=20'),
+                   fault='stall_data@3,attempt=1')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'the input pipeline stalled: no batch for' in result.stderr and 'after step 1' in result.stderr  # Step 2's metrics are fetched with step 3's.
+  first, second = _attempts(tmp_path)
+  assert (first['cause'], first['exit_code'], first['phase']) == ('data stall', 124, 'data')
+  assert second['cause'] == 'finished'
+  stacks = (tmp_path / 'hangs' / 'attempt-1-process-0.txt').read_text()
+  assert 'faults.py' in stacks and 'in inject' in stacks  # The main thread, caught where it sleeps.
+
+
+def test_sigterm_to_the_supervisor_saves_once_and_is_not_restarted(text_dir, tmp_path):
+  def on_line(proc, line):
+    if 'step 3/' in line:
+      os.kill(proc.pid, signal.SIGTERM)
+
+  result = _launch(_args(tmp_path, text_dir, f'--config.train.steps=100000'), on_line=on_line)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'SIGTERM received: saved step' in result.stderr and 'restarting' not in result.stderr
+  [only] = _attempts(tmp_path)
+  assert only['cause'] == 'stopped by SIGTERM (preempted (saved))' and not only['retried']
+
+
+HANG_SCRIPT = textwrap.dedent('''
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    from trainer.supervision import hang
+    watch = hang.HangWatch({timeout}, {workdir!r}, 0).start()
+    watch.step_done(7, 0.1)
+    watch.phase({phase!r})
+    def wedged_collective():
+      time.sleep(60)
+    wedged_collective()
+''')
+
+
+@pytest.mark.parametrize('phase, line', [
+    ('step', 'hang: no progress for 1s after step 7, in the step phase (limit train.hang_timeout_s=1)'),
+    ('data', 'the input pipeline stalled: no batch for 1s after step 7 (data wait, not a device hang'),
+])
+def test_the_hang_watch_ends_the_process_with_the_stuck_stack(tmp_path, phase, line):
+  script = HANG_SCRIPT.format(repo=str(REPO), timeout=1.0, workdir=str(tmp_path), phase=phase)
+  result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=60)
+  assert result.returncode == 124
+  assert line in result.stderr, result.stderr
+  assert 'wedged_collective' in (tmp_path / 'hangs' / 'attempt-1-process-0.txt').read_text()
+
+
+def test_two_processes_restart_together_after_one_is_killed(uninterrupted, text_dir, tmp_path):
+  args = [sys.executable, str(REPO / 'scripts' / 'launch_local.py'), '--num_processes=2',
+          '--devices_per_process=4', '--timeout_s=280', *_args(tmp_path, text_dir)]
+  result = _launch(None, fault='kill@7,process=1,attempt=1', command=args)
+  assert result.returncode == 0, result.stderr[-4000:]
+  first, second = _attempts(tmp_path)
+  assert first['cause'] == 'lost peer' and second['cause'] == 'finished' and second['resumed_step'] == 4
+  assert '[1] launch.py: restarting: attempt 1 ended with killed by SIGKILL' in result.stderr
+  losses = _losses(tmp_path)
+  for step in range(1, STEPS + 1):
+    assert losses[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
+
+
+def test_a_slowed_process_is_named_the_straggler_with_its_lag(text_dir, tmp_path):
+  delay = 0.3
+  args = [sys.executable, str(REPO / 'scripts' / 'launch_local.py'), '--num_processes=2',
+          '--devices_per_process=4', '--timeout_s=280',
+          # Windows of 4 steps, no checkpoint before the end: each comparison is a mean over 4 plain steps.
+          *_args(tmp_path, text_dir, '--max_restarts=0', '--config.train.steps=20', '--config.log.every_steps=4',
+                 '--config.ckpt.every_steps=100')]
+  result = _launch(None, fault=f'slow@1,process=1,seconds={delay}', command=args)
+  assert result.returncode == 0, result.stderr[-4000:]
+  records = [r for r in read_metrics(tmp_path) if 'straggler_lag_s' in r]
+  assert records and all(r['straggler_process'] == 1 for r in records), records
+  lag = sorted(r['straggler_lag_s'] for r in records)[len(records) // 2]
+  assert lag == pytest.approx(delay, rel=0.2)
+  assert 'process 1 is a straggler' in result.stderr
+
+
+def test_a_notice_file_saves_and_stops_the_run(text_dir, tmp_path):
+  notice = tmp_path / 'drain'
+
+  def on_line(proc, line):
+    if 'step 3/' in line:
+      notice.touch()
+
+  workdir = tmp_path / 'run'
+  result = _launch(_args(workdir, text_dir, '--max_restarts=0', '--config.train.steps=100000',
+                         f'--config.train.preemption_notice_file={notice}'), on_line=on_line)
+  assert result.returncode == 0, result.stderr[-3000:]
+  line = next(l for l in result.stderr.splitlines() if f'notice file {notice}' in l)
+  saved = int(line.split('saved step ')[1].split()[0])
+  assert saved % 10 == 0 and (workdir / 'checkpoints' / str(saved)).is_dir()  # Polled every 10 steps.
+  assert 'the save took' in line
+
+
+def test_a_configured_signal_is_a_preemption_notice_and_the_supervisor_does_not_restart_it(text_dir, tmp_path):
+  def on_line(proc, line):
+    if 'step 3/' in line:
+      os.kill(proc.pid, signal.SIGUSR2)
+
+  result = _launch(_args(tmp_path, text_dir, '--config.train.steps=100000',
+                         "--config.train.preemption_signals=('SIGTERM', 'SIGUSR2')"), on_line=on_line)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'SIGUSR2 (' in result.stderr and 'restarting' not in result.stderr
+  assert [a['cause'] for a in _attempts(tmp_path)] == ['stopped by SIGUSR2 (preempted (saved))']
+
+
+def test_a_signal_that_cannot_be_a_notice_is_refused_in_one_line(launcher, tmp_path):
+  result = launcher('--config=configs/tiny.py', f'--workdir={tmp_path}',
+                    "--config.train.preemption_signals=('SIGTERM', 'SIGUSR1')")
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      'launch.py: error: train.preemption_signals: SIGUSR1 cannot be a preemption notice')

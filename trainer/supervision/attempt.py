@@ -1,0 +1,56 @@
+"""The training process's side of the supervisor contract: which attempt this is, and a status it keeps current.
+
+The supervisor (trainer/supervision/supervisor.py) starts each attempt with
+LAUNCH_ATTEMPT (1, 2, ...) and LAUNCH_STATUS_FILE (a local file) in its
+environment. The child rewrites that file, whole and atomically, when it knows
+something the supervisor needs after it is gone (a kill -9 leaves no chance to say
+it at exit): the step it resumed from, the last step it logged, what it was doing
+when a watch ended it, and how it stopped. It is written at start, at each log step
+and at the end, never per step. Without a supervisor every call here is a no-op.
+"""
+
+import json
+import os
+import time
+
+_ATTEMPT_ENV = 'LAUNCH_ATTEMPT'
+_STATUS_ENV = 'LAUNCH_STATUS_FILE'
+_RESTART_GAP_ENV = 'LAUNCH_RESTART_GAP_S'
+_status: dict = {}
+
+
+def number() -> int:
+  """This attempt's number (1 for the first, or when no supervisor started this process)."""
+  return int(os.environ.get(_ATTEMPT_ENV, '1'))
+
+
+def supervised() -> bool:
+  return _ATTEMPT_ENV in os.environ
+
+
+def restart_gap_s() -> float:
+  """Seconds between the previous attempt's end and this process's start (back-off included); 0 on attempt 1."""
+  return float(os.environ.get(_RESTART_GAP_ENV, '0'))
+
+
+def note(**fields) -> None:
+  """Merges `fields` into the status and rewrites the status file (atomically: write, then rename)."""
+  path = os.environ.get(_STATUS_ENV)
+  if not path:
+    return
+  _status.update(fields, updated=time.time())
+  try:
+    with open(path + '.tmp', 'w') as f:
+      json.dump(_status, f)
+    os.replace(path + '.tmp', path)
+  except OSError:
+    pass  # The supervisor then knows less about this attempt; training is not stopped for it.
+
+
+def read(path: str) -> dict:
+  """The status a child left in `path` ({} if it wrote none)."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}

@@ -1,0 +1,209 @@
+"""The supervisor: launch.py's parent side, which runs training as a child and restarts it when that is worth it.
+
+Why a parent process inside launch.py rather than a loop in the cluster scripts:
+the same restart rules then hold everywhere a user starts a run (a laptop, a
+hand-started pair, SLURM, a TPU pod, GKE), the scripts stay thin, and the parent
+can read what the child left behind (its status file, trainer/supervision/attempt.py)
+even when the child was killed without a word. The parent imports no jax and holds
+no device; a child that loses its parent is killed with it (PR_SET_PDEATHSIG), so
+`kill -9` on launch.py still ends the whole run.
+
+What is retried: a lost peer (exit 75), a hang or stalled input (124, from the hang
+watch), a crash (a traceback, an abort, a kill by a signal not sent through this
+parent), and a stop after a saved preemption notice that reached the child alone.
+What never is: success, a user error (2), a non-finite stop (3), Ctrl-C (130),
+and any run this parent was itself asked to stop (SIGTERM, SIGINT, SIGHUP are
+forwarded to the child, which saves, and the run ends there: the machine is being
+taken away). It stops after --max_restarts restarts, or when CRASH_LOOP attempts in
+a row failed without saving past the same checkpoint (a crash loop), with one line.
+
+On a multi-process run every host's launch.py supervises its own child. A failure
+on one host ends the others too (the peer watchdog, exit 75), so every supervisor
+restarts together and the new children join the coordinator as on the first
+launch; a host that does not come back makes the others' join time out with the
+existing one-line error (exit 2), which is not retried. Process 0's supervisor
+writes WORKDIR/attempts.jsonl, one line per attempt.
+"""
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from trainer import storage
+from trainer.supervision import attempt
+
+CRASH_LOOP = 3  # Failed attempts in a row resumed from the same step before the supervisor gives up.
+_MAX_BACKOFF_S = 300.0
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_FORWARDED = _STOP_SIGNALS + (signal.SIGUSR1, signal.SIGUSR2)
+_NOT_RETRIED = {0: 'finished', 2: 'user error', 3: 'non-finite loss', 130: 'interrupted (Ctrl-C)'}
+
+
+def _say(message: str, kind: str = 'error') -> None:
+  print(f'launch.py: {kind}: {message}', file=sys.stderr, flush=True)
+
+
+def classify(returncode: int, status: dict) -> tuple[bool, str]:
+  """(retry?, cause) for a child that ended with `returncode`, having left `status`."""
+  if returncode == 0 and status.get('stopped') == 'preempted':
+    return True, 'preempted (saved)'
+  if returncode in _NOT_RETRIED:
+    return False, _NOT_RETRIED[returncode]
+  if returncode == 75:
+    return True, 'lost peer'
+  if returncode == 124:
+    return True, status.get('stopped', 'hang')
+  if returncode < 0:
+    return True, f'killed by {signal.Signals(-returncode).name}'
+  if returncode in (134, 139):
+    return True, f'crash ({"abort" if returncode == 134 else "segfault"}, exit {returncode})'
+  return True, f'crash (exit {returncode})'
+
+
+def _die_with_parent() -> None:
+  """In the child before exec: SIGKILL when the supervisor dies, as if both were one process."""
+  try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG (Linux only).
+  except (OSError, AttributeError):
+    pass
+
+
+class Supervisor:
+  """Runs `command` (a launch.py command line) until it ends for good; `run()` returns the exit code to use."""
+
+  def __init__(self, command: list[str], workdir: str, max_restarts: int, backoff_s: float,
+               writes_record: bool, preemption_signals: tuple[str, ...] = ()):
+    self.command, self.workdir = command, workdir
+    self.max_restarts, self.backoff_s = max_restarts, backoff_s
+    self.writes_record = writes_record
+    self.records: list[dict] = []
+    self._child: subprocess.Popen | None = None
+    self._stop = threading.Event()
+    self._stop_signal = None
+    # The run's own preemption notices (train.preemption_signals, e.g. SLURM's --signal=USR2@120) stop it too.
+    self._stops = set(_STOP_SIGNALS) | {signal.Signals[name] for name in preemption_signals
+                                        if name in signal.Signals.__members__}
+    self._forwarded = tuple(self._stops | set(_FORWARDED))
+
+  def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+    if signum in self._stops:
+      self._stop_signal = signal.Signals(signum).name
+      self._stop.set()
+    if self._child is not None and self._child.poll() is None:
+      os.kill(self._child.pid, signum)
+
+  def run(self) -> int:
+    previous = {s: signal.signal(s, self._on_signal) for s in self._forwarded}
+    try:
+      return self._attempts()
+    finally:
+      for s, handler in previous.items():
+        signal.signal(s, handler)
+
+  def _attempts(self) -> int:
+    gap = 0.0
+    n = 0
+    while True:
+      n += 1
+      returncode, record = self._one(n, gap)
+      ended = time.monotonic()
+      if self._stop.is_set():
+        return _exit_code(returncode)  # Asked to stop from outside: the child has saved; nothing to retry.
+      if not record['retried']:
+        return _exit_code(returncode)
+      failures = [r for r in self.records if r['retried']]
+      streak = _same_step_streak(failures)
+      if streak >= CRASH_LOOP:
+        self._finish_record(record, False)
+        _say(f'{streak} attempts in a row failed before saving past step {record["resumed_step"] or 0} (the last: '
+             f'{record["cause"]}): a crash loop, not restarted again. Each attempt is a line in '
+             f'{self.workdir}/attempts.jsonl; the output above shows the failure.')
+        return _exit_code(returncode)
+      if n > self.max_restarts:
+        self._finish_record(record, False)
+        _say(f'attempt {n} ended with {record["cause"]} (exit {returncode}) and --max_restarts={self.max_restarts} '
+             f'restarts are used up; stopped. Relaunch the same command to resume from the newest intact checkpoint '
+             f'(attempts in {self.workdir}/attempts.jsonl).')
+        return _exit_code(returncode)
+      wait = min(self.backoff_s * 2 ** (streak - 1), _MAX_BACKOFF_S) if streak else self.backoff_s
+      _say(f'attempt {n} ended with {record["cause"]} (exit {returncode}); restarting from the newest intact '
+           f'checkpoint in {wait:g}s (attempt {n + 1}, restart {n} of --max_restarts={self.max_restarts}).',
+           'restarting')
+      if self._stop.wait(wait):
+        return _exit_code(returncode)
+      gap = time.monotonic() - ended
+
+  def _one(self, n: int, gap: float) -> tuple[int, dict]:
+    fd, status_file = tempfile.mkstemp(prefix='launch-attempt-', suffix='.json')
+    os.close(fd)
+    env = {**os.environ, 'LAUNCH_ATTEMPT': str(n), 'LAUNCH_STATUS_FILE': status_file,
+           'LAUNCH_RESTART_GAP_S': f'{gap:.3f}'}
+    started = time.time()
+    try:
+      # Its own process group: a terminal's Ctrl-C reaches this parent alone, which forwards it once.
+      self._child = subprocess.Popen(self.command, env=env, process_group=0, preexec_fn=_die_with_parent)
+      returncode = self._child.wait()
+      status = attempt.read(status_file)
+    finally:
+      os.unlink(status_file)
+    retried, cause = classify(returncode, status)
+    if self._stop.is_set():
+      retried, cause = False, f'stopped by {self._stop_signal} ({cause})'
+    record = {'attempt': n, 'start': round(started, 3), 'end': round(time.time(), 3), 'exit_code': returncode,
+              'cause': cause, 'resumed_step': status.get('resumed_step'), 'last_step': status.get('last_step'),
+              'steps_redone': _redone(self.records, status.get('resumed_step')), 'retried': retried}
+    if 'phase' in status:
+      record['phase'] = status['phase']
+    self.records.append(record)
+    if status.get('process_index', 0) == 0 and self.writes_record:
+      self._append(record)
+    return returncode, record
+
+  def _finish_record(self, record: dict, retried: bool) -> None:
+    """Rewrites the last line of attempts.jsonl: the attempt that was to be retried is not, after all."""
+    record['retried'] = retried
+    if not self.writes_record:
+      return
+    path = storage.path(self.workdir) / 'attempts.jsonl'
+    try:
+      lines = path.read_text().splitlines()[:-1] + [json.dumps(record)]
+      path.write_text('\n'.join(lines) + '\n')
+    except OSError:
+      pass
+
+  def _append(self, record: dict) -> None:
+    path = storage.path(self.workdir) / 'attempts.jsonl'
+    try:
+      before = path.read_text() if path.exists() else ''
+      if before and not before.endswith('\n'):
+        before = before[:before.rfind('\n') + 1]  # A line torn by a kill is dropped, not glued to the next.
+      path.write_text(before + json.dumps(record) + '\n')
+    except OSError as e:
+      _say(f'could not write {path} ({e}); the run goes on.', 'warning')
+
+
+def _redone(records: list[dict], resumed_step: int | None) -> int:
+  """Steps the previous attempt logged beyond the step this one resumed from."""
+  if not records or resumed_step is None or records[-1].get('last_step') is None:
+    return 0
+  return max(records[-1]['last_step'] - resumed_step, 0)
+
+
+def _same_step_streak(failures: list[dict]) -> int:
+  """How many of the latest failed attempts in a row resumed from the same step as the last one."""
+  streak = 0
+  for record in reversed(failures):
+    if record['resumed_step'] != failures[-1]['resumed_step']:
+      break
+    streak += 1
+  return streak
+
+
+def _exit_code(returncode: int) -> int:
+  return returncode if returncode >= 0 else 128 - returncode  # A signal's negative code as a shell shows it.
