@@ -68,8 +68,8 @@ def main() -> None:
   env.pop('LAUNCH_TEST_FAULT', None)
   times = {0: [], 3: []}
   root = pathlib.Path(tempfile.mkdtemp(prefix='bench_supervisor_'))
-  for _ in range(args.rounds):
-    for restarts in (0, 3):
+  for i in range(args.rounds):
+    for restarts in ((0, 3) if i % 2 == 0 else (3, 0)):  # Alternating which goes first: no order effect.
       workdir = str(root / f'r{restarts}')
       shutil.rmtree(workdir, ignore_errors=True)
       _run(_command(args, workdir, restarts, args.override), env)

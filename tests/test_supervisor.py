@@ -91,7 +91,7 @@ def test_a_killed_process_is_restarted_and_finishes_with_the_uninterrupted_losse
   first, second = _attempts(tmp_path)
   assert (first['cause'], first['resumed_step'], first['retried']) == ('killed by SIGKILL', 0, True)
   assert (second['cause'], second['resumed_step'], second['exit_code']) == ('finished', 4, 0)
-  assert second['steps_redone'] == first['last_step'] - 4 == 1  # Step 5 was logged (metrics come a step late), then redone.
+  assert second['steps_redone'] == 1  # Step 5 was logged (metrics come a step late), then redone.
   losses = _losses(tmp_path)
   assert sorted(losses) == list(range(1, STEPS + 1))
   for step in range(1, STEPS + 1):

@@ -137,7 +137,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   else:
     state = job.init_state(config.train.seed)
 
-  attempt.note(process_index=process_index, resumed_step=latest or 0)
+  attempt.note(process_index=process_index, resumed_step=latest or 0, steps_redone=tracker.lost_steps)
   writer = MetricsWriter(workdir, enabled=process_index == 0, total_steps=config.train.steps,
                          progress_bar=config.log.progress_bar, goodput=tracker)
   if process_index == 0:
@@ -269,7 +269,7 @@ def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_
   writer.step_done(step, window.losses[-1], window.step_times[-1], data_wait, objective.units_per_step)
   run.hang.step_done(step, window.step_times[-1])
   if is_log_step(step):
-    attempt.note(last_step=step)
+    attempt.progress(step)
     summary = window.summary(metrics, objective.units_per_step, objective.unit, run.throughput)
     if not window.first:
       data.warn_if_stalled(step, summary)

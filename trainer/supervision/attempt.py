@@ -5,8 +5,10 @@ LAUNCH_ATTEMPT (1, 2, ...) and LAUNCH_STATUS_FILE (a local file) in its
 environment. The child rewrites that file, whole and atomically, when it knows
 something the supervisor needs after it is gone (a kill -9 leaves no chance to say
 it at exit): the step it resumed from, the last step it logged, what it was doing
-when a watch ended it, and how it stopped. It is written at start, at each log step
-and at the end, never per step. Without a supervisor every call here is a no-op.
+when a watch ended it, and how it stopped. It is written at start and at the end,
+and the last logged step at most every _PROGRESS_EVERY_S seconds, so a run logging
+every step does no file I/O per step for it. Without a supervisor every call here is
+a no-op.
 """
 
 import json
@@ -16,7 +18,9 @@ import time
 _ATTEMPT_ENV = 'LAUNCH_ATTEMPT'
 _STATUS_ENV = 'LAUNCH_STATUS_FILE'
 _RESTART_GAP_ENV = 'LAUNCH_RESTART_GAP_S'
+_PROGRESS_EVERY_S = 1.0
 _status: dict = {}
+_written_at = [0.0]
 
 
 def number() -> int:
@@ -33,11 +37,19 @@ def restart_gap_s() -> float:
   return float(os.environ.get(_RESTART_GAP_ENV, '0'))
 
 
+def progress(last_step: int) -> None:
+  """The last logged step, written at most every _PROGRESS_EVERY_S seconds (it only sizes the steps redone)."""
+  _status['last_step'] = last_step
+  if time.monotonic() - _written_at[0] >= _PROGRESS_EVERY_S:
+    note()
+
+
 def note(**fields) -> None:
   """Merges `fields` into the status and rewrites the status file (atomically: write, then rename)."""
   path = os.environ.get(_STATUS_ENV)
   if not path:
     return
+  _written_at[0] = time.monotonic()
   _status.update(fields, updated=time.time())
   try:
     with open(path + '.tmp', 'w') as f:

@@ -22,7 +22,10 @@ on one host ends the others too (the peer watchdog, exit 75), so every superviso
 restarts together and the new children join the coordinator as on the first
 launch; a host that does not come back makes the others' join time out with the
 existing one-line error (exit 2), which is not retried. Process 0's supervisor
-writes WORKDIR/attempts.jsonl, one line per attempt.
+writes WORKDIR/attempts.jsonl, one line per attempt: `last_step` is the last logged
+step the child had reported (at most a second stale for one killed without a word),
+`steps_redone` the steps an earlier attempt logged beyond this one's resumed step
+(trainer/goodput.py reads them from metrics.jsonl).
 """
 
 import ctypes
@@ -157,7 +160,7 @@ class Supervisor:
       retried, cause = False, f'stopped by {self._stop_signal} ({cause})'
     record = {'attempt': n, 'start': round(started, 3), 'end': round(time.time(), 3), 'exit_code': returncode,
               'cause': cause, 'resumed_step': status.get('resumed_step'), 'last_step': status.get('last_step'),
-              'steps_redone': _redone(self.records, status.get('resumed_step')), 'retried': retried}
+              'steps_redone': status.get('steps_redone', 0), 'retried': retried}
     if 'phase' in status:
       record['phase'] = status['phase']
     self.records.append(record)
@@ -186,13 +189,6 @@ class Supervisor:
       path.write_text(before + json.dumps(record) + '\n')
     except OSError as e:
       _say(f'could not write {path} ({e}); the run goes on.', 'warning')
-
-
-def _redone(records: list[dict], resumed_step: int | None) -> int:
-  """Steps the previous attempt logged beyond the step this one resumed from."""
-  if not records or resumed_step is None or records[-1].get('last_step') is None:
-    return 0
-  return max(records[-1]['last_step'] - resumed_step, 0)
 
 
 def _same_step_streak(failures: list[dict]) -> int:
