@@ -83,6 +83,12 @@ def test_exit_codes_are_sorted_into_retried_and_final():
   assert supervisor.classify(-9, {})[1] == 'killed by SIGKILL'
 
 
+def test_a_restart_never_starts_over_again():
+  run = supervisor.Supervisor(['launch.py', '--start_over'], '/tmp/w', max_restarts=1, backoff_s=0, writes_record=False)
+  assert run.command_for(1) == ['launch.py', '--start_over']
+  assert run.command_for(2) == ['launch.py', '--start_over', '--nostart_over']  # absl: the last one wins.
+
+
 def test_a_killed_process_is_restarted_and_finishes_with_the_uninterrupted_losses(uninterrupted, text_dir, tmp_path):
   result = _launch(_args(tmp_path, text_dir, '--restart_backoff_s=1'), fault='kill@7,attempt=1')
   assert result.returncode == 0, result.stderr[-3000:]

@@ -150,7 +150,7 @@ class Supervisor:
     started = time.time()
     try:
       # Its own process group: a terminal's Ctrl-C reaches this parent alone, which forwards it once.
-      self._child = subprocess.Popen(self.command, env=env, process_group=0, preexec_fn=_die_with_parent)
+      self._child = subprocess.Popen(self.command_for(n), env=env, process_group=0, preexec_fn=_die_with_parent)
       returncode = self._child.wait()
       status = attempt.read(status_file)
     finally:
@@ -167,6 +167,10 @@ class Supervisor:
     if status.get('process_index', 0) == 0 and self.writes_record:
       self._append(record)
     return returncode, record
+
+  def command_for(self, n: int) -> list[str]:
+    """Attempt n's command line: a restart resumes, so a --start_over given for the first attempt is not repeated."""
+    return self.command if n == 1 else [*self.command, '--nostart_over']
 
   def _finish_record(self, record: dict, retried: bool) -> None:
     """Rewrites the last line of attempts.jsonl: the attempt that was to be retried is not, after all."""
