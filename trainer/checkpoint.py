@@ -356,7 +356,7 @@ def start_over(workdir: str) -> storage.Path | None:
   from jax.experimental import multihost_utils
   workdir = storage.path(workdir)
   names = ('checkpoints', 'metrics.jsonl', 'goodput.jsonl', 'tensorboard', 'plugins', 'memory_profiles',
-           'config.json', 'sharding.txt', damaged_lib.FOLDER)
+           'config.json', 'sharding.txt', 'attempts.jsonl', 'hangs', damaged_lib.FOLDER)
   found = [workdir / n for n in names if (workdir / n).exists()]
   target = workdir / time.strftime('previous_run_%Y%m%dT%H%M%SZ', time.gmtime()) if found else None
   if found and jax.process_index() == 0:
