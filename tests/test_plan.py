@@ -197,7 +197,12 @@ def test_one_chip_is_singular_and_the_tied_table_is_not_counted():
   assert 'on 1 chip of each kind' in text
   m = config.model
   untied = flops.step_flops(plan.with_overrides(config, {'model.tie_embeddings': False}).model, 8, 32)
-  assert f'N = {untied.non_embedding_params - m.d_model * m.vocab_size:,} non-embedding parameters' in text
+  # 6N's N names what it counts: tied, the head's matmul is still done, so N is what the untied model counts.
+  head = m.d_model * m.vocab_size
+  assert (f'N = {untied.non_embedding_params:,} parameters used ({untied.non_embedding_params - head:,} '
+          f"non-embedding and the tied output head's {head:,}") in text
+  assert 'N = ' + f'{untied.non_embedding_params:,} non-embedding' in plan.report(
+      dataclasses.replace(one, flops=untied), config)
 
 
 def test_any_model_gets_its_traced_flops_and_the_step_times_they_imply():
@@ -277,3 +282,15 @@ def test_a_gpu_plan_off_a_gpu_refuses_what_jax_will_not_trace_before_compiling(p
   else:
     with pytest.raises(UserError, match=refused):
       gpu_targets.check_traceable(call)
+
+
+def test_plan_says_remat_auto_and_the_flops_once(caplog):
+  """remat 'auto' compiles several candidates: the choice and the FLOPs count are still said once each."""
+  caplog.set_level(logging.INFO)
+  config = tiny.get_config()
+  config.train.remat_policy = 'auto'
+  lines = []
+  plan.run(config, memory_gb=1, print_fn=lines.append)
+  said = lines + [r.getMessage() for r in caplog.records]
+  assert sum("remat 'auto': 'none'" in s for s in said) == 1, said
+  assert sum('FLOPs per step' in s for s in said) == 1, said

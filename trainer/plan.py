@@ -125,7 +125,7 @@ def make_plan(config, devices: Sequence[jax.Device] | None = None) -> Plan:
       code_bytes=memory.generated_code_size_in_bytes,
       flops=(flops.step_flops(config.model, config.train.batch_size, config.data.seq_len)
              if config.model.name == 'llama' else None),
-      traced=flops.job_step_flops(job),
+      traced=flops.job_step_flops(job, log=False),  # report() prints it, once, not once per candidate.
       attention=_attention(config, job.mesh))
 
 
@@ -135,6 +135,15 @@ def _attention(config, mesh) -> str | None:
 
 
 _gib = footprint.gib
+
+
+def _six_n_params(counts: flops.StepFlops) -> str:
+  """What N of the 6N figure counts: the non-embedding parameters, and a tied head when one is added."""
+  extra = counts.six_n_params - counts.non_embedding_params
+  if not extra:
+    return f'{counts.six_n_params:,} non-embedding parameters'
+  return (f'{counts.six_n_params:,} parameters used ({counts.non_embedding_params:,} non-embedding and the tied '
+          f'output head\'s {extra:,}, whose matmul is done every token)')
 
 
 def _duration(seconds: float) -> str:
@@ -169,7 +178,7 @@ def report(plan: Plan, config) -> str:
     lines.append(
         f'{"  Analytic" if plan.traced else "FLOPs per step"}: {plan.flops.matmul:.4g} (matmul count, causal '
         f'attention halved; MaxText), {plan.flops.six_n:.4g} (6N + 12*layers*heads*head_dim*seq_len per token; '
-        f'nanoGPT), N = {plan.flops.non_embedding_params:,} non-embedding parameters')
+        f'nanoGPT) with N = {_six_n_params(plan.flops)}')
   step_flops = plan.traced.flops if plan.traced else plan.flops.matmul if plan.flops else 0
   if not step_flops:
     lines.append(f'FLOPs per step: not counted for model.name={config.model.name!r} (its step does not trace '
@@ -288,9 +297,7 @@ def run(config, memory_gb: float | None = None, topology: str | None = None, pri
     if devices[0].platform == 'gpu' and call and attention.choose(call, config.model.attention).kernel == 'cudnn':
       gpu_targets.check_traceable(call)
   limit = _limit(config, memory_gb, devices)
-  config, choice = remat.resolve(config, devices, limit=limit)
-  if choice.summary:
-    print_fn(choice.summary)
+  config, choice = remat.resolve(config, devices, limit=limit, log_fn=print_fn)  # Says its choice, once.
   try:
     plan = make_plan(config, devices)
   except Refused as e:
