@@ -123,6 +123,16 @@ def test_topology_compiles_the_real_step_for_a_tpu_slice():
   assert 'Fits:' in text and 'of 95.00 GiB per device' in text  # Judged against one v5p chip's HBM.
 
 
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
+                    reason='needs the optional TPU compiler: pip install -r requirements-tpu-plan.txt')
+def test_a_tpu_plan_prints_no_libtpu_complaints_about_the_missing_tpu(launcher):
+  result = launcher(TINY, '--plan', '--topology=v5p:2x2x1')
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'Fits:' in result.stdout
+  assert not [line for line in result.stderr.splitlines() if line.startswith(('E0000', 'WARNING', 'Failed'))], \
+      result.stderr
+
+
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is not None, reason='libtpu is installed here')
 def test_topology_without_libtpu_names_the_optional_requirements_file(launcher):
   result = launcher(TINY, '--plan', '--topology=v5p:2x2x2')
