@@ -82,7 +82,7 @@ def test_block_runs(page, index, line, needs, code, tmp_path):
   env = {**os.environ, **CACHE_ENV}
   try:
     result = subprocess.run(['bash', '-euo', 'pipefail', '-c', script], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=BLOCK_TIMEOUT_S)
+                            text=True, errors='replace', timeout=BLOCK_TIMEOUT_S)  # A tiny LM samples any bytes.
   except subprocess.TimeoutExpired as e:
     pytest.fail(f'{page} block {index} (line {line}) ran over {BLOCK_TIMEOUT_S}s:\n{code}\n{e.stderr or ""}')
   assert result.returncode == 0, (f'{page} block {index} (line {line}) exited {result.returncode}:\n{code}\n'

@@ -83,7 +83,7 @@ def devices(topology: str) -> list[jax.Device]:
                       'loads only when JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 is set before jax starts (launch.py sets '
                       'it for --topology).') from e
     raise UserError(f"--topology={topology!r} needs jax's CUDA plugin and NVIDIA's libraries, an optional extra of "
-                    f'about 3 GB: pip install -r requirements-gpu-plan.txt (or run --plan without --topology).') from e
+                    f'several GB: pip install -r requirements-gpu-plan.txt (or run --plan without --topology).') from e
   return list(described.devices)
 
 
