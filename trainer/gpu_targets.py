@@ -110,7 +110,7 @@ def is_deviceless(device: jax.Device) -> bool:
 
 
 def compiler_failed(error: Exception) -> UserError:
-  """XLA's GPU compiler failing without a GPU, as one line: it depends on the jaxlib (see the README).
+  """XLA's GPU compiler failing without a GPU, as one line: it depends on the jaxlib (docs/performance.md, "Plan mode").
 
   Seen: jax 0.10.2 refused vit_base's step with XLA attention ("Couldn't find output tile sizes that satisfy hlo"),
   which jax 0.11.2 compiled.
