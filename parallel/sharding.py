@@ -102,6 +102,16 @@ def sharding_table(abstract_state, shardings, notes: dict[str, str] | None = Non
   return '\n'.join(lines), totals
 
 
+def summary(abstract_state, shardings, totals: dict[str, int]) -> str:
+  """One line for the log: how many parameter arrays are split across devices, and the bytes per device."""
+  leaves, named = jax.tree.leaves(abstract_state.params), jax.tree.leaves(shardings.params)
+  split = sum(tuple(n.shard_shape(a.shape)) != tuple(a.shape) for a, n in zip(leaves, named))
+  mib = lambda n: f'{n / 2**20:,.2f} MiB'
+  return (f'{split} of {len(leaves)} parameter arrays split across devices, {len(leaves) - split} whole on each; per '
+          f'device {mib(totals["params_bytes_per_device"])} of parameters (of {mib(totals["params_bytes_total"])}) and '
+          f'{mib(totals["opt_state_bytes_per_device"])} of optimizer state (of {mib(totals["opt_state_bytes_total"])})')
+
+
 def check_divisible(abstract_boxed_params, mesh: Mesh, rules: Rules) -> None:
   """Every parameter dimension the rules split over mesh axes divides by their size; else one UserError."""
   is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)

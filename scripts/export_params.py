@@ -55,7 +55,9 @@ def export(config, workdir: str, output: str, step: int | None = None) -> int:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  from trainer import console
   from trainer.errors import UserError
+  console.quiet_library_info()  # Orbax's dozens of INFO lines per save and restore; --verbosity=1 shows them.
   try:
     export(_CONFIG.value, _WORKDIR.value, _OUTPUT.value, _STEP.value)
   except UserError as e:

@@ -48,8 +48,17 @@ def commands(num_processes: int, port: int, launch_args: list[str]) -> list[list
            f'--num_processes={num_processes}', f'--process_id={i}'] for i in range(num_processes)]
 
 
+# Gloo (the CPU collectives) prints one line per device and collective group as its peers connect: 16 lines for two
+# processes of 4 devices, interleaved with the log. Only a shortfall (fewer peers than expected) is news.
+_GLOO_CONNECTED = re.compile(r'\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. '
+                             r'Expected number of connected peer ranks is : (\d+)\s*$')
+
+
 def _relay(stream, sink, prefix: str) -> None:
   for line in stream:
+    gloo = _GLOO_CONNECTED.match(line)
+    if gloo and gloo.group(1) == gloo.group(2):
+      continue
     sink.write(prefix + line)
     sink.flush()
 

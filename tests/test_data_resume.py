@@ -133,6 +133,9 @@ def test_data_wait_warning_names_the_knobs(caplog, monkeypatch):
   monkeypatch.setattr(absl_logging, '_log_timer_per_token', {})
   assert not data.warn_if_stalled(10, {'data_wait_s': 0.004, 'step_time_s': 0.1})
   assert not data.warn_if_stalled(1, {'data_wait_s': 0.05, 'step_time_s': 0.1})  # Step 1 starts the workers.
+  # A toy's step: 5% of 10.1 ms, but half a millisecond no data.* knob wins back; 3 ms of 10 ms is a stall.
+  assert not data.warn_if_stalled(10, {'data_wait_s': 0.0005, 'step_time_s': 0.0101})
+  assert not data.warn_if_stalled(10, {'data_wait_s': 0.0015, 'step_time_s': 0.01})
   assert data.warn_if_stalled(10, {'data_wait_s': 0.02, 'step_time_s': 0.1})
   [message] = [r.getMessage() for r in caplog.records if 'waiting for input' in r.getMessage()]
   assert 'took 20% of the step time' in message

@@ -1,6 +1,7 @@
 """scripts/export_params.py: a parameters-only checkpoint that plain Orbax reads without this project."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -52,6 +53,10 @@ def test_export_writes_params_only_readable_by_plain_orbax(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=180, env=launcher_env())
   assert export.returncode == 0, export.stderr[-3000:]
   assert 'Exported the parameters of step 6' in export.stderr
+  # Only this project's INFO lines (Orbax logs dozens per restore and save): each names a file of this repository.
+  own = {p.name for part in ('trainer', 'parallel', 'scripts', 'configs') for p in (REPO / part).glob('**/*.py')}
+  info = re.findall(r'^I\d{4} [^\]]* (\S+?):\d+\]', export.stderr, re.M)
+  assert info and set(info) <= own, sorted(set(info) - own)
 
   # -I: no PYTHONPATH, no user site; cwd outside the repo: only the installed packages (orbax, jax, numpy).
   env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'XLA_FLAGS')}

@@ -1,11 +1,12 @@
 """End to end through `python launch.py`: it learns, logs, checkpoints, resumes, and fails clearly."""
 
 import math
+import re
 import shutil
 
 import pytest
 
-from conftest import read_metrics
+from conftest import REPO, read_metrics
 from tensorboard.backend.event_processing import event_accumulator
 
 TINY = '--config=configs/tiny.py'
@@ -37,6 +38,26 @@ def test_loss_falls_and_metrics_are_written(finished_run):
   assert 'eval_loss' in records[-1]
   assert 'Mesh {\'data\': 8, \'fsdp\': 1, \'tensor\': 1} over 8 devices' in first.stderr
   assert 'step 8/8 | loss' in first.stderr
+
+
+def test_a_default_launch_says_nothing_a_user_reads_as_a_fault(finished_run):
+  """No warning or error lines from libraries (absl's W/E prefix, libtpu's E0000), and the sharding table goes to
+  sharding.txt with one line on the console, on a fresh start and on a resume alike."""
+  workdir, first, second, _ = finished_run
+  # The launcher's own warnings (a stall on a loaded machine, say) are its business; a library's are noise.
+  own = {p.name for part in ('trainer', 'parallel', 'configs') for p in (REPO / part).glob('**/*.py')} | {'launch.py'}
+  for launch in (first, second):
+    faults = [line for line in launch.stderr.splitlines()
+              if re.match(r'[WEF]\d{4} ', line) and re.match(r'\S+ \S+ +\d+ (\S+?):\d+\]', line)[1] not in own]
+    assert not faults, faults
+    assert not re.search(r'^(E0000|\[Gloo\]|WARNING)', launch.stderr, re.M)
+    [summary] = [line for line in launch.stderr.splitlines() if 'Sharding: ' in line]
+    assert summary.endswith(f'the table per parameter is in {workdir}/sharding.txt')
+    assert '12 parameter arrays' in summary
+    assert 'embed/embedding' not in launch.stderr
+  table = (workdir / 'sharding.txt').read_text().splitlines()
+  assert table[0].split() == ['parameter', 'shape', 'spec', 'bytes/device']
+  assert len(table) == 1 + 12 + 2 and 'embed/embedding' in table[1]
 
 
 def test_tensorboard_events_read_back_with_tensorboards_reader(finished_run):

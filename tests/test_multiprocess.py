@@ -117,6 +117,21 @@ def test_only_process_0_writes_metrics_and_config(runs):
   assert json.loads((runs['two'] / 'config.json').read_text())['train']['steps'] == 10
 
 
+def test_gloo_connection_lines_are_dropped_unless_a_peer_is_missing(runs):
+  import importlib.util
+  import io
+  spec = importlib.util.spec_from_file_location('launch_local', REPO / 'scripts/launch_local.py')
+  launch_local = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(launch_local)
+  for result in (runs['first'], runs['second']):
+    assert '[Gloo]' not in result.stderr
+  short = '[Gloo] Rank 3 is connected to 6 peer ranks. Expected number of connected peer ranks is : 7\n'
+  sink = io.StringIO()
+  launch_local._relay(iter(['[Gloo] Rank 1 is connected to 7 peer ranks. Expected number of connected peer ranks is '
+                            ': 7\n', short, 'step 1\n']), sink, '[0] ')
+  assert sink.getvalue() == f'[0] {short}[0] step 1\n'
+
+
 def test_a_process_that_never_joins_fails_every_waiting_process_in_one_line(tmp_path):
   port = free_port()
   env = {**os.environ, 'XLA_FLAGS': xla_flags(4), 'JAX_PLATFORMS': 'cpu'}

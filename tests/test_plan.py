@@ -123,6 +123,16 @@ def test_topology_compiles_the_real_step_for_a_tpu_slice():
   assert 'Fits:' in text and 'of 95.00 GiB per device' in text  # Judged against one v5p chip's HBM.
 
 
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
+                    reason='needs the optional TPU compiler: pip install -r requirements-tpu-plan.txt')
+def test_a_tpu_plan_prints_no_libtpu_complaints_about_the_missing_tpu(launcher):
+  result = launcher(TINY, '--plan', '--topology=v5p:2x2x1')
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'Fits:' in result.stdout
+  assert not [line for line in result.stderr.splitlines() if line.startswith(('E0000', 'WARNING', 'Failed'))], \
+      result.stderr
+
+
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is not None, reason='libtpu is installed here')
 def test_topology_without_libtpu_names_the_optional_requirements_file(launcher):
   result = launcher(TINY, '--plan', '--topology=v5p:2x2x2')
@@ -197,7 +207,12 @@ def test_one_chip_is_singular_and_the_tied_table_is_not_counted():
   assert 'on 1 chip of each kind' in text
   m = config.model
   untied = flops.step_flops(plan.with_overrides(config, {'model.tie_embeddings': False}).model, 8, 32)
-  assert f'N = {untied.non_embedding_params - m.d_model * m.vocab_size:,} non-embedding parameters' in text
+  # 6N's N names what it counts: tied, the head's matmul is still done, so N is what the untied model counts.
+  head = m.d_model * m.vocab_size
+  assert (f'N = {untied.non_embedding_params:,} parameters used ({untied.non_embedding_params - head:,} '
+          f"non-embedding and the tied output head's {head:,}") in text
+  assert 'N = ' + f'{untied.non_embedding_params:,} non-embedding' in plan.report(
+      dataclasses.replace(one, flops=untied), config)
 
 
 def test_any_model_gets_its_traced_flops_and_the_step_times_they_imply():
@@ -277,3 +292,15 @@ def test_a_gpu_plan_off_a_gpu_refuses_what_jax_will_not_trace_before_compiling(p
   else:
     with pytest.raises(UserError, match=refused):
       gpu_targets.check_traceable(call)
+
+
+def test_plan_says_remat_auto_and_the_flops_once(caplog):
+  """remat 'auto' compiles several candidates: the choice and the FLOPs count are still said once each."""
+  caplog.set_level(logging.INFO)
+  config = tiny.get_config()
+  config.train.remat_policy = 'auto'
+  lines = []
+  plan.run(config, memory_gb=1, print_fn=lines.append)
+  said = lines + [r.getMessage() for r in caplog.records]
+  assert sum("remat 'auto': 'none'" in s for s in said) == 1, said
+  assert sum('FLOPs per step' in s for s in said) == 1, said

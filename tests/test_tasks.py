@@ -164,10 +164,10 @@ def test_misspelled_import_path_is_one_line_from_the_launcher(launcher, tmp_path
   assert 'Traceback' not in result.stderr
 
 
-def test_readme_example_is_the_tested_model():
-  readme = (REPO / 'README.md').read_text()
-  block = re.search(r'## Bring your own model.*?```python\n(.*?)```', readme, re.S)
-  assert block, 'README has no "Bring your own model" section with a python block'
+def test_docs_example_is_the_tested_model():
+  page = (REPO / 'docs/bring_your_own_model.md').read_text()
+  block = re.search(r'# Bring your own model.*?```python\n(.*?)```', page, re.S)
+  assert block, 'docs/bring_your_own_model.md has no python block'
   source = pathlib.Path(custom_models.__file__).read_text()
   tested = re.search(r'# --- README example start ---\n(.*?)# --- README example end ---\n', source, re.S).group(1)
   assert block.group(1).strip() == tested.strip()

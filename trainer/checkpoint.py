@@ -18,6 +18,7 @@ is good, the damaged ones are moved to WORKDIR/damaged_checkpoints/
 
 import contextlib
 import json
+import logging as std_logging
 import os
 import pathlib
 import subprocess
@@ -110,6 +111,24 @@ def _normal(value):
   return list(value) if isinstance(value, tuple) else value
 
 
+class _OverrideWarning(std_logging.Filter):
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return not str(record.msg).startswith('Type handler registry')
+
+
+@contextlib.contextmanager
+def _without_override_warning():
+  """Drops Orbax's warning that a jax.Array handler replaces its default: replacing it is the point here, and a
+  user reads a W-level line on every launch as a fault. Scoped to the one call, so no other Orbax warning is lost."""
+  quiet = _OverrideWarning()
+  logger = std_logging.getLogger('absl')
+  logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    logger.removeFilter(quiet)
+
+
 class Checkpointer:
   """Saves every `ckpt.every_steps` (and on demand), restores the newest intact one, guards against foreign workdirs."""
 
@@ -130,8 +149,9 @@ class Checkpointer:
         cleanup_tmp_directories=False,  # An interrupted save is evidence; we report it, never delete it.
         create=True)
     if jax.process_count() == 1:  # Across hosts, Orbax's default spreads the writes of replicated arrays.
-      ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
-          min_slice_bytes_for_replica_parallel=_MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL), override=True)
+      with _without_override_warning():
+        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+            min_slice_bytes_for_replica_parallel=_MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL), override=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._saving_step = None  # The step of the save in flight, to name it if the write fails.
     self._failed = None  # The SaveFailedError already raised: close() does not raise it twice.

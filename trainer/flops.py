@@ -76,6 +76,7 @@ class StepFlops:
   six_n: float
   non_embedding_params: int
   matmul_unmasked: float = 0.0  # 'matmul' with causal attention in full: what the traced count finds.
+  six_n_params: int = 0  # The N of 6N: the non-embedding parameters, plus a tied output head (its matmul is done).
 
 
 def step_flops(model_config, batch_size: int, seq_len: int) -> StepFlops:
@@ -97,9 +98,10 @@ def step_flops(model_config, batch_size: int, seq_len: int) -> StepFlops:
   tied = getattr(m, 'tie_embeddings', False)
   non_embedding = (layers * ((2 * heads + 2 * kv_heads) * d * head_dim + 3 * d * f + 2 * d) + d
                    + (0 if tied else head_params))
-  six_n = tokens * (6 * (non_embedding + (head_params if tied else 0)) + 12 * layers * heads * head_dim * seq_len)
+  n = non_embedding + (head_params if tied else 0)
+  six_n = tokens * (6 * n + 12 * layers * heads * head_dim * seq_len)
   return StepFlops(matmul=float(matmul), six_n=float(six_n), non_embedding_params=non_embedding,
-                   matmul_unmasked=float(unmasked))
+                   matmul_unmasked=float(unmasked), six_n_params=n)
 
 
 def traced_step_flops(task, params, batch_shapes, options=step_lib.StepOptions()) -> traced_flops.Count:
@@ -116,8 +118,11 @@ def traced_step_flops(task, params, batch_shapes, options=step_lib.StepOptions()
     return traced_flops.count(grads, params, batch_shapes)
 
 
-def job_step_flops(job) -> traced_flops.Count | None:
-  """A Job's traced step FLOPs, logged with the time the count took; None (and a warning) if it does not trace."""
+def job_step_flops(job, log: bool = True) -> traced_flops.Count | None:
+  """A Job's traced step FLOPs, logged with the time the count took; None (and a warning) if it does not trace.
+
+  `log=False` for callers that report the count themselves (plan mode, which counts every candidate it compiles).
+  """
   config = job.config
   start = time.perf_counter()
   try:
@@ -127,6 +132,8 @@ def job_step_flops(job) -> traced_flops.Count | None:
     logging.warning('FLOPs not counted, so no TFLOP/s or MFU: the train step of model.name=%r does not trace '
                     'without a mesh (%s: %s).', config.model.name, type(e).__name__, (str(e).splitlines() or [''])[0])
     return None
+  if not log:
+    return counted
   logging.info('FLOPs per step: %.4g (matmuls and convolutions of the traced step, counted in %.2fs)',
                counted.flops, time.perf_counter() - start)
   if counted.opaque or counted.unbounded_loops:

@@ -83,7 +83,7 @@ def devices(topology: str) -> list[jax.Device]:
                       'loads only when JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 is set before jax starts (launch.py sets '
                       'it for --topology).') from e
     raise UserError(f"--topology={topology!r} needs jax's CUDA plugin and NVIDIA's libraries, an optional extra of "
-                    f'about 3 GB: pip install -r requirements-gpu-plan.txt (or run --plan without --topology).') from e
+                    f'several GB: pip install -r requirements-gpu-plan.txt (or run --plan without --topology).') from e
   return list(described.devices)
 
 
@@ -110,7 +110,7 @@ def is_deviceless(device: jax.Device) -> bool:
 
 
 def compiler_failed(error: Exception) -> UserError:
-  """XLA's GPU compiler failing without a GPU, as one line: it depends on the jaxlib (see the README).
+  """XLA's GPU compiler failing without a GPU, as one line: it depends on the jaxlib (docs/performance.md, "Plan mode").
 
   Seen: jax 0.10.2 refused vit_base's step with XLA attention ("Couldn't find output tile sizes that satisfy hlo"),
   which jax 0.11.2 compiled.

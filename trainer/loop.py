@@ -177,17 +177,18 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
 
 
 def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
-  """Logs the mesh and model, and the sharding table (also written to WORKDIR/sharding.txt by process 0)."""
+  """Logs the mesh and model and a one-line sharding summary; process 0 writes the table to WORKDIR/sharding.txt."""
   config, mesh = job.config, job.mesh
   num_params = sum(x.size for x in jax.tree.leaves(job.abstract.params))
   logging.info('Mesh %s over %d devices (%d processes); model: %s (%s, %s), %s parameters', dict(mesh.shape),
                mesh.size, jax.process_count(), config.model.name, job.task.model.framework, config.model.task,
                f'{num_params:,}')
-  table, _ = sharding.sharding_table(job.abstract, job.shardings, job.task.param_notes)
-  if write:
-    logging.info('Sharding (also in %s/sharding.txt):\n%s', workdir, table)
+  table, totals = sharding.sharding_table(job.abstract, job.shardings, job.task.param_notes)
+  if write:  # The table is a line per parameter: the console gets one line, the file all of them.
     storage.path(workdir).mkdir(parents=True, exist_ok=True)
     (storage.path(workdir) / 'sharding.txt').write_text(table + '\n')
+    logging.info('Sharding: %s; the table per parameter is in %s/sharding.txt',
+                 sharding.summary(job.abstract, job.shardings, totals), workdir)
 
 
 def _evaluate(eval_step, params, eval_set, objective) -> dict[str, float]:

@@ -25,8 +25,8 @@ slow-operation alarms ('Constant folding an instruction is taking > 1s',
 'Very slow compile?') are error-level C++ log lines that look like failures.
 Measured on this CPU: with the variable (or absl's min log level 3) a 3-minute
 compile printed no alarm; without it, two. The TPU compiler of --topology
-lives in libtpu, whose own logging this does not reach (its start-up lines
-stay).
+lives in libtpu, whose own logging this does not reach; its start-up complaints
+about the missing TPU metadata are answered instead (`_describe_host_to_libtpu`).
 """
 
 import copy
@@ -93,6 +93,7 @@ def topology_devices(topology: str) -> list[jax.Device]:
   # none, and without this a second plan on the machine (two test workers, two terminals) fails to describe the
   # slice ("Internal error when accessing libtpu multi-process lockfile": seen under pytest -n 2).
   os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+  _describe_host_to_libtpu(topology)
   try:
     return list(topologies.get_topology_desc(topology, 'tpu').devices)
   except Exception as e:  # pylint: disable=broad-except  (the TPU plugin raises its own runtime errors)
@@ -100,6 +101,34 @@ def topology_devices(topology: str) -> list[jax.Device]:
     raise UserError(f'--topology={topology!r} cannot be described ({text}); name a TPU generation and chip '
                     f'grid, e.g. v4:2x2x2, v5p:4x4x4, v5e:16x16 or v6e:4x4, or GPUs: '
                     f'{", ".join(gpu_targets.TARGETS)}[:[HOSTSx]GPUS], e.g. h100:8.') from e
+
+
+# Accelerator type names count TensorCores where a chip has two (v4, v5p) and chips otherwise; v5e has its own name.
+_ACCELERATOR_TYPE = {'v5e': ('v5litepod', 1), 'v4': ('v4', 2), 'v5p': ('v5p', 2)}
+
+
+def _describe_host_to_libtpu(topology: str) -> None:
+  """Tells libtpu the slice it would otherwise look up, on a host with no TPU chips.
+
+  With nothing set, libtpu asks the cloud metadata server, finds none, and prints 'could not determine TPU
+  accelerator type' and an E0000 'unexpected worker hostname' line on every --topology plan, which read as a
+  failure. The compile-only devices come from the topology string alone: a v5p:4x4x4 plan printed the same with
+  TPU_ACCELERATOR_TYPE unset, v5p-8 or v5p-128. Values the user exported are kept; a TPU VM is left alone.
+  """
+  try:
+    from jax._src import hardware_utils  # What jax itself checks before it initializes Cloud TPU.
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+      return
+  except Exception:  # pylint: disable=broad-except  (private; if it moved, say nothing rather than guess)
+    return
+  generation, _, grid = topology.partition(':')
+  try:
+    chips = math.prod(int(n) for n in grid.split('x'))
+  except ValueError:
+    return  # get_topology_desc names the mistake.
+  name, per_chip = _ACCELERATOR_TYPE.get(generation, (generation, 1))
+  os.environ.setdefault('TPU_ACCELERATOR_TYPE', f'{name}-{chips * per_chip}')
+  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
 
 
 def make_plan(config, devices: Sequence[jax.Device] | None = None) -> Plan:
@@ -125,7 +154,7 @@ def make_plan(config, devices: Sequence[jax.Device] | None = None) -> Plan:
       code_bytes=memory.generated_code_size_in_bytes,
       flops=(flops.step_flops(config.model, config.train.batch_size, config.data.seq_len)
              if config.model.name == 'llama' else None),
-      traced=flops.job_step_flops(job),
+      traced=flops.job_step_flops(job, log=False),  # report() prints it, once, not once per candidate.
       attention=_attention(config, job.mesh))
 
 
@@ -135,6 +164,15 @@ def _attention(config, mesh) -> str | None:
 
 
 _gib = footprint.gib
+
+
+def _six_n_params(counts: flops.StepFlops) -> str:
+  """What N of the 6N figure counts: the non-embedding parameters, and a tied head when one is added."""
+  extra = counts.six_n_params - counts.non_embedding_params
+  if not extra:
+    return f'{counts.six_n_params:,} non-embedding parameters'
+  return (f'{counts.six_n_params:,} parameters used ({counts.non_embedding_params:,} non-embedding and the tied '
+          f'output head\'s {extra:,}, whose matmul is done every token)')
 
 
 def _duration(seconds: float) -> str:
@@ -169,7 +207,7 @@ def report(plan: Plan, config) -> str:
     lines.append(
         f'{"  Analytic" if plan.traced else "FLOPs per step"}: {plan.flops.matmul:.4g} (matmul count, causal '
         f'attention halved; MaxText), {plan.flops.six_n:.4g} (6N + 12*layers*heads*head_dim*seq_len per token; '
-        f'nanoGPT), N = {plan.flops.non_embedding_params:,} non-embedding parameters')
+        f'nanoGPT) with N = {_six_n_params(plan.flops)}')
   step_flops = plan.traced.flops if plan.traced else plan.flops.matmul if plan.flops else 0
   if not step_flops:
     lines.append(f'FLOPs per step: not counted for model.name={config.model.name!r} (its step does not trace '
@@ -288,9 +326,7 @@ def run(config, memory_gb: float | None = None, topology: str | None = None, pri
     if devices[0].platform == 'gpu' and call and attention.choose(call, config.model.attention).kernel == 'cudnn':
       gpu_targets.check_traceable(call)
   limit = _limit(config, memory_gb, devices)
-  config, choice = remat.resolve(config, devices, limit=limit)
-  if choice.summary:
-    print_fn(choice.summary)
+  config, choice = remat.resolve(config, devices, limit=limit, log_fn=print_fn)  # Says its choice, once.
   try:
     plan = make_plan(config, devices)
   except Refused as e:

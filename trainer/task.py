@@ -173,7 +173,7 @@ def _require_chunkable_model(config, model: adapters.AdaptedModel, custom_loss: 
     raise UserError(f'train.loss_chunks={chunks} needs a model whose __call__ takes hidden_and_head=True and then '
                     f'returns (hidden states (B, L, D), output head (D, V)); {model.class_name} '
                     f'(model.name={config.model.name!r}) does not: set --config.train.loss_chunks=1 '
-                    f'(README, "Bring your own model").')
+                    f'(docs/bring_your_own_model.md).')
 
 
 def _brought_model_keywords(config, builder, keywords: dict) -> tuple[dict, Any]:
@@ -191,6 +191,6 @@ def _brought_model_keywords(config, builder, keywords: dict) -> tuple[dict, Any]
                  'inside the step (master weights and gradients stay %s).', name, dtype.name, train.param_dtype)
   if not adapters.takes_keyword(builder, 'remat_policy') and train.remat_policy != 'none':
     logging.warning('train.remat_policy=%r does not apply to model.name=%r: its builder takes no remat_policy= '
-                    'keyword (README, "Bring your own model"). It trains without rematerialization.',
+                    'keyword (docs/bring_your_own_model.md). It trains without rematerialization.',
                     train.remat_policy, name)
   return keywords, cast_to

@@ -3,7 +3,7 @@
 Shape letters: B batch, L sequence length, H query heads, G key/value heads (G divides H; G = H is plain multi-head
 attention), K head dim.
 
-The built-in Llama and ViT call it, and so can a user's model (README, "Bring your own model"). The kernel comes
+The built-in Llama and ViT call it, and so can a user's model (docs/bring_your_own_model.md). The kernel comes
 from `model.attention` ('auto' or a name in choice.KERNELS): trainer/attention/choice.py decides, one module per
 kernel family runs it (xla.py, cudnn.py, splash.py). `check_config` makes the same decision from a launcher
 config's shapes before anything compiles, so a named kernel that cannot run the model fails in one line.

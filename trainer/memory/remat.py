@@ -61,7 +61,7 @@ class Choice:
 def checkpoint_policy(name: str):
   """The `jax.checkpoint` policy for a train.remat_policy name a brought model was given (not 'none').
 
-  A brought model's builder may be handed `remat_policy=` (README, "Bring your own model"); this is what to give
+  A brought model's builder may be handed `remat_policy=` (docs/bring_your_own_model.md); this is what to give
   `nn.remat` / `nnx.remat` / `jax.checkpoint` for it.
   """
   if name not in checkpoint_policies.GENERIC:

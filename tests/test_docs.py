@@ -1,0 +1,89 @@
+"""Runs every ```bash block of README.md and docs/*.md, as a reader would paste it, from the repository root.
+
+Each block runs under `bash -euo pipefail` with `/tmp/` rewritten to a fresh temporary folder, so examples never see
+each other's workdirs. A line `<!-- docs-test: needs X -->` right before a fence skips that block with the reason
+(`needs libtpu` runs where libtpu imports). Pages may hold no runnable block at all.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+
+import pytest
+
+from conftest import CACHE_ENV, REPO
+
+BLOCK_TIMEOUT_S = 300
+PAGES = [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]
+FENCE = re.compile(r'^```bash\n(.*?)^```', re.S | re.M)
+NEEDS = re.compile(r'<!--\s*docs-test:\s*needs\s+(.+?)\s*-->\s*$')
+WORKDIR = re.compile(r'/tmp/[A-Za-z0-9_.-]+')
+# A command word `python`/`python3` not reached through a path: only a venv's interpreter has the packages. Creating
+# that venv (`python3 -m venv`) is the one use of the system interpreter.
+BARE_PYTHON = re.compile(r'(?<![\w/.-])python3?(?![\w/.-])(?! -m venv)')
+QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")  # arguments (a pkill pattern), not commands
+
+
+def _blocks():
+  """(page, index, first line number, needs, code) for every bash block of every page."""
+  found = []
+  for page in PAGES:
+    text = page.read_text()
+    for index, match in enumerate(FENCE.finditer(text), 1):
+      line = text.count('\n', 0, match.start()) + 1
+      before = text[:match.start()].rstrip('\n').rsplit('\n', 1)[-1]
+      needs = NEEDS.search(before)
+      found.append((page.relative_to(REPO).as_posix(), index, line, needs.group(1) if needs else None,
+                    match.group(1)))
+  return found
+
+
+BLOCKS = _blocks()
+
+
+def _code_lines(code):
+  """The block's lines without comments, which may mention paths and commands freely."""
+  return [line.split('#', 1)[0] if not line.lstrip().startswith('#') else '' for line in code.splitlines()]
+
+
+def test_every_workdir_belongs_to_one_example():
+  users = {}
+  for page, index, line, _, code in BLOCKS:
+    for path in set(WORKDIR.findall('\n'.join(_code_lines(code)))):
+      users.setdefault(path, []).append(f'{page}:{line}')
+  shared = {path: where for path, where in users.items() if len(where) > 1}
+  assert not shared, f'each example needs its own /tmp/ workdir; used by several blocks: {shared}'
+
+
+def test_no_block_runs_a_bare_python():
+  bare = [f'{page}:{line}: {text.strip()}' for page, _, line, _, code in BLOCKS for text in _code_lines(code)
+          if BARE_PYTHON.search(QUOTED.sub("''", text))]
+  assert not bare, f'use .venv/bin/python (only the venv has the packages): {bare}'
+
+
+def test_the_checks_catch_what_they_are_for():
+  assert BARE_PYTHON.search('python launch.py') and BARE_PYTHON.search('cd x && python3 a.py')
+  assert not BARE_PYTHON.search('.venv/bin/python launch.py') and not BARE_PYTHON.search('python3 -m venv .venv')
+  assert not BARE_PYTHON.search(QUOTED.sub("''", "pkill -f '^python launch'"))
+  assert NEEDS.search('<!-- docs-test: needs libtpu -->').group(1) == 'libtpu'
+  assert WORKDIR.findall('--workdir=/tmp/a-b_1 --output=/tmp/c') == ['/tmp/a-b_1', '/tmp/c']
+
+
+@pytest.mark.parametrize('page,index,line,needs,code', BLOCKS,
+                         ids=[f'{page}-block{index}-line{line}' for page, index, line, _, _ in BLOCKS])
+def test_block_runs(page, index, line, needs, code, tmp_path):
+  if needs == 'libtpu':
+    if importlib.util.find_spec('libtpu') is None:
+      pytest.skip('needs libtpu (pip install -r requirements-tpu-plan.txt)')
+  elif needs:
+    pytest.skip(f'needs {needs}')
+  script = code.replace('/tmp/', f'{tmp_path}/')
+  env = {**os.environ, **CACHE_ENV}
+  try:
+    result = subprocess.run(['bash', '-euo', 'pipefail', '-c', script], cwd=REPO, env=env, capture_output=True,
+                            text=True, errors='replace', timeout=BLOCK_TIMEOUT_S)  # A tiny LM samples any bytes.
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f'{page} block {index} (line {line}) ran over {BLOCK_TIMEOUT_S}s:\n{code}\n{e.stderr or ""}')
+  assert result.returncode == 0, (f'{page} block {index} (line {line}) exited {result.returncode}:\n{code}\n'
+                                  f'--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-6000:]}')
