@@ -8,6 +8,8 @@ exit code 2.
 import os
 import re
 import sys
+import threading
+import time
 import traceback
 
 from absl import app, flags
@@ -163,5 +165,32 @@ def main(argv):
           f'to continue.', preemption.INTERRUPTED_EXIT_CODE, 'interrupted')
 
 
+_EXIT_GRACE_S = 5
+
+
+def _exit_within(code: int) -> None:
+  """Ends the process `_EXIT_GRACE_S` seconds from now with `code` if the interpreter has not exited by then.
+
+  Python waits for every non-daemon thread before it exits. After a failed save
+  Orbax's background threads can block for good (one sat in a coordination-service
+  key wait), which would hold a job that already printed its error until the
+  scheduler's time limit. Normal exits take well under a second, and they flush
+  logs and close files first; this only cuts a shutdown that would never end.
+  """
+  def force():
+    time.sleep(_EXIT_GRACE_S)
+    sys.stderr.flush()
+    os._exit(code)
+
+  threading.Thread(target=force, daemon=True, name='exit-deadline').start()
+
+
 if __name__ == '__main__':
-  app.run(main, flags_parser=_parse_flags)
+  try:
+    app.run(main, flags_parser=_parse_flags)
+  except SystemExit as exit_:
+    _exit_within(exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1))
+    raise
+  except BaseException:
+    _exit_within(1)
+    raise
