@@ -97,3 +97,40 @@ def test_a_stuck_non_daemon_thread_cannot_hold_the_exit_after_the_error_line(tex
                           timeout=120)
   assert result.returncode == 2 and 'launch.py: error: ' in result.stderr
   assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_during_start_up_ends_in_one_line(text_dir, tmp_path, sig):
+  def on_line(proc, line):
+    if 'Attention kernel' in line:  # Building the job, before the compile.
+      os.kill(proc.pid, sig)
+
+  result, _ = _watch(['--config=configs/tiny.py', f'--workdir={tmp_path}', f'--config.data.text_dir={text_dir}'],
+                     on_line)
+  assert result.returncode == 128 + sig, result.stderr[-3000:]
+  [line] = [l for l in result.stderr.splitlines() if l.startswith('launch.py: interrupted:')]
+  assert line.startswith(f'launch.py: interrupted: {signal.Signals(sig).name} received outside the step loop')
+  assert 'Traceback' not in result.stderr
+
+
+def test_sigusr1_during_start_up_profiles_the_first_steps_instead_of_killing(text_dir, tmp_path):
+  def on_line(proc, line):
+    if 'Attention kernel' in line:
+      os.kill(proc.pid, signal.SIGUSR1)
+
+  result, _ = _watch(['--config=configs/tiny.py', f'--workdir={tmp_path}', f'--config.data.text_dir={text_dir}',
+                      '--config.profile.num_steps=2'], on_line)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert list(tmp_path.rglob('*.xplane.pb'))
+
+
+def test_sighup_in_the_loop_saves_like_sigterm(text_dir, tmp_path):
+  def on_line(proc, line):
+    if re.search(r'step 3/', line):
+      os.kill(proc.pid, signal.SIGHUP)
+
+  result, _ = _watch(['--config=configs/tiny.py', f'--workdir={tmp_path}', '--config.train.steps=100000',
+                      '--config.log.every_steps=1', f'--config.data.text_dir={text_dir}'], on_line)
+  assert result.returncode == 0, result.stderr[-3000:]
+  saved = re.search(r'SIGHUP received: saved step (\d+)', result.stderr)
+  assert saved and (tmp_path / 'checkpoints' / saved.group(1)).is_dir()
