@@ -49,11 +49,14 @@ def _fail(message: str, exit_code: int = 2, kind: str = 'error') -> None:
 
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing, with config_flags' errors (tracebacks for unknown keys, bad files) turned into one line."""
+  given = list(argv)
   try:
     argv = flags.FLAGS(argv)
     _CONFIG.value.keys()  # config_flags defers a failed file load to the first access.
-    return argv
   except flags.Error as e:
+    if 'Flag --config must have a value other than None' in str(e) and _config_path(argv) != '(none)':
+      _fail(f'--config file {_config_path(argv)}: get_config() returned None; it must return the ConfigDict it '
+            f'built (end it with `return c`, as configs/tiny.py does).')
     _fail(str(e))
   except OSError as e:
     _fail(f'cannot load the --config file: {str(e).strip().splitlines()[-1].strip()}')
@@ -70,6 +73,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _fail(f'unknown config key --{culprit}. {hint} Every key is declared in configs/base.py.')
   except Exception as e:  # pylint: disable=broad-except  (the config file's own code failed: an import, a typo)
     _config_file_error(argv, e)
+  from trainer import config_keys
+  unknown = config_keys.unknown(_CONFIG.value)
+  if unknown:
+    _fail(f'--config file {_config_path(given)} sets {"a key" if len(unknown) == 1 else "keys"} that no code reads: '
+          f'{"; ".join(unknown)}. Every key is declared in configs/base.py.')
+  return argv
 
 
 def _config_path(argv: list[str]) -> str:
