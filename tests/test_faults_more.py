@@ -134,3 +134,28 @@ def test_sighup_in_the_loop_saves_like_sigterm(text_dir, tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   saved = re.search(r'SIGHUP received: saved step (\d+)', result.stderr)
   assert saved and (tmp_path / 'checkpoints' / saved.group(1)).is_dir()
+
+
+def test_extending_a_cosine_run_on_resume_names_the_learning_rate_jump_and_needs_consent(text_dir, tmp_path):
+  args = ['--config=configs/tiny.py', f'--workdir={tmp_path}', f'--config.data.text_dir={text_dir}',
+          '--config.train.warmup_steps=2']
+  first, _ = _watch([*args, '--config.train.steps=8'])
+  assert first.returncode == 0, first.stderr[-3000:]
+  refused, _ = _watch([*args, '--config.train.steps=16'])
+  assert refused.returncode == 2
+  [line] = [l for l in refused.stderr.splitlines() if l.startswith('launch.py: error:')]
+  from trainer import optimizer
+  import ml_collections
+  from configs import tiny
+  train = tiny.get_config().train
+  train.warmup_steps = 2
+  lrs = []
+  for steps in (8, 16):
+    train.steps = steps
+    lrs.append(float(optimizer.learning_rate_schedule(ml_collections.ConfigDict(train.to_dict()))(8)))
+  assert (f'train.steps 8 -> 16 since checkpoint 8 move the learning-rate schedule: at step 9 it becomes '
+          f'{lrs[1]:.3g} instead of {lrs[0]:.3g}') in line, line
+  assert '--config.train.accept_schedule_change=True' in line and 'safe' not in refused.stderr
+  accepted, _ = _watch([*args, '--config.train.steps=16', '--config.train.accept_schedule_change=True'])
+  assert accepted.returncode == 0, accepted.stderr[-3000:]
+  assert '(accepted: train.accept_schedule_change=True)' in accepted.stderr

@@ -169,7 +169,8 @@ def test_a_diverged_skip_run_keeps_its_good_checkpoints_and_the_advice_is_true(t
   assert _saved(tmp_path) == [4, 8]
   hashes = {p: p.read_bytes() for p in (tmp_path / 'checkpoints').rglob('*') if p.is_file()}
   diverged = _run(tmp_path, text_dir, 'skip', '--config.train.learning_rate=1e6', '--config.train.steps=40',
-                  '--config.ckpt.every_steps=4', '--config.ckpt.max_to_keep=2', bad_step=100)
+                  '--config.ckpt.every_steps=4', '--config.ckpt.max_to_keep=2',
+                  '--config.train.accept_schedule_change=True', bad_step=100)
   assert diverged.returncode == 3, diverged.stderr[-3000:]
   assert 'a relaunch resumes from step 8: lower train.learning_rate' in diverged.stderr
   assert _saved(tmp_path) == [4, 8]
