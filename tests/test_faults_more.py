@@ -159,3 +159,13 @@ def test_extending_a_cosine_run_on_resume_names_the_learning_rate_jump_and_needs
   accepted, _ = _watch([*args, '--config.train.steps=16', '--config.train.accept_schedule_change=True'])
   assert accepted.returncode == 0, accepted.stderr[-3000:]
   assert '(accepted: train.accept_schedule_change=True)' in accepted.stderr
+
+
+def test_launch_local_names_the_process_that_was_killed_not_the_one_that_lost_it(text_dir, tmp_path):
+  result = subprocess.run([sys.executable, str(REPO / 'scripts' / 'launch_local.py'), '--num_processes=2',
+                           '--devices_per_process=4', '--timeout_s=200', '--config=configs/tiny.py',
+                           f'--workdir={tmp_path}', '--config.train.steps=100000', f'--config.data.text_dir={text_dir}'],
+                          cwd=REPO, env=launcher_env(LAUNCH_TEST_FAULT='kill@3,process=1'), capture_output=True,
+                          text=True, timeout=240)
+  assert result.returncode == 137, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines()[-1].startswith('launch_local.py: error: process 1 was killed by SIGKILL')
