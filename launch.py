@@ -8,6 +8,8 @@ exit code 2.
 import os
 import re
 import sys
+import threading
+import time
 import traceback
 
 from absl import app, flags
@@ -47,11 +49,14 @@ def _fail(message: str, exit_code: int = 2, kind: str = 'error') -> None:
 
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing, with config_flags' errors (tracebacks for unknown keys, bad files) turned into one line."""
+  given = list(argv)
   try:
     argv = flags.FLAGS(argv)
     _CONFIG.value.keys()  # config_flags defers a failed file load to the first access.
-    return argv
   except flags.Error as e:
+    if 'Flag --config must have a value other than None' in str(e) and _config_path(argv) != '(none)':
+      _fail(f'--config file {_config_path(argv)}: get_config() returned None; it must return the ConfigDict it '
+            f'built (end it with `return c`, as configs/tiny.py does).')
     _fail(str(e))
   except OSError as e:
     _fail(f'cannot load the --config file: {str(e).strip().splitlines()[-1].strip()}')
@@ -68,6 +73,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _fail(f'unknown config key --{culprit}. {hint} Every key is declared in configs/base.py.')
   except Exception as e:  # pylint: disable=broad-except  (the config file's own code failed: an import, a typo)
     _config_file_error(argv, e)
+  from trainer import config_keys
+  unknown = config_keys.unknown(_CONFIG.value)
+  if unknown:
+    _fail(f'--config file {_config_path(given)} sets {"a key" if len(unknown) == 1 else "keys"} that no code reads: '
+          f'{"; ".join(unknown)}. Every key is declared in configs/base.py.')
+  return argv
 
 
 def _config_path(argv: list[str]) -> str:
@@ -163,5 +174,40 @@ def main(argv):
           f'to continue.', preemption.INTERRUPTED_EXIT_CODE, 'interrupted')
 
 
+_EXIT_GRACE_S = 5
+
+
+def _exit_within(code: int) -> None:
+  """Ends the process `_EXIT_GRACE_S` seconds from now with `code` if the interpreter has not exited by then.
+
+  Python waits for every non-daemon thread before it exits. After a failed save
+  Orbax's background threads can block for good (one sat in a coordination-service
+  key wait), which would hold a job that already printed its error until the
+  scheduler's time limit. Normal exits take well under a second, and they flush
+  logs and close files first; this only cuts a shutdown that would never end.
+  """
+  def force():
+    time.sleep(_EXIT_GRACE_S)
+    sys.stderr.flush()
+    os._exit(code)
+
+  threading.Thread(target=force, daemon=True, name='exit-deadline').start()
+
+
 if __name__ == '__main__':
-  app.run(main, flags_parser=_parse_flags)
+  from trainer import startup_signals
+  startup_signals.install_early()  # Before flags and jax: a SIGTERM, SIGHUP or SIGUSR1 now never kills without a word.
+  try:
+    app.run(main, flags_parser=_parse_flags)
+  except startup_signals.OutsideTheLoop as stop:
+    _exit_within(128 + stop.signum)
+    _fail(f'{stop} received outside the step loop (while starting, compiling or closing): stopped. No step of this '
+          f'launch was left unsaved by it; every checkpoint complete on disk is intact (a save it cut short stays an '
+          f'incomplete folder that a relaunch skips). Relaunch the same command to continue.', 128 + stop.signum,
+          'interrupted')
+  except SystemExit as exit_:
+    _exit_within(exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1))
+    raise
+  except BaseException:
+    _exit_within(1)
+    raise

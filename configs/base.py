@@ -37,6 +37,7 @@ def get_config() -> config_dict.ConfigDict:
   c.train.straggler_warn_fraction = 0.2  # Warn when one process's host time per step exceeds the others' median by this fraction of the step, 3 log intervals in a row.
   c.train.preemption_signals = ('SIGTERM',)  # Signals that make the run save at the next step and stop (e.g. add 'SIGUSR2' for sbatch --signal=USR2@120); SIGTERM is always one.
   c.train.preemption_notice_file = config_dict.placeholder(str)  # A file whose appearance (or change) during the run means the same, checked every 10 steps (e.g. touched by a GKE preStop hook); None = none.
+  c.train.accept_schedule_change = False  # Resume even when changed train.* settings (e.g. a longer train.steps under cosine decay) move the learning rate at the resume step; refused otherwise.
   c.train.on_nonfinite = 'stop'  # Non-finite loss/gradient: 'stop' (exit 3, last good checkpoint kept), 'skip' (drop the update) or 'rollback' (reload the last checkpoint, skip the batch).
 
   c.mesh = config_dict.ConfigDict()

@@ -119,8 +119,11 @@ def run(cmds: list[list[str]], env: dict[str, str], timeout_s: float) -> int:
     t.join(timeout=5)
   failed = [i for i, p in enumerate(procs) if p.returncode and i not in stopped]
   if not code and failed:
-    first = procs[failed[0]].returncode
-    code, reason = _exit_code(first), f'process {failed[0]} exited with code {first}'
+    # A process that lost a peer exits 75 (parallel/watchdog.py) because another failed first: name the cause.
+    cause = next((i for i in failed if procs[i].returncode != 75), failed[0])
+    first = procs[cause].returncode
+    how = f'was killed by {signal.Signals(-first).name}' if first < 0 else f'exited with code {first}'
+    code, reason = _exit_code(first), f'process {cause} {how}'
   if code:
     also = f'; stopped process{"es" if len(stopped) > 1 else ""} {", ".join(map(str, stopped))}' if stopped else ''
     print(f'launch_local.py: error: {reason}{also}.', file=sys.stderr)

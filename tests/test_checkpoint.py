@@ -183,7 +183,7 @@ def test_the_newest_readable_manifest_is_read_without_touching_the_workdir(saved
   assert checkpoint.newest_manifest(str(tmp_path / 'new')) is None and not (tmp_path / 'new').exists()
 
 
-def test_manifest_records_the_run_and_logs_safe_changes(saved_2x4, text_dir, caplog):
+def test_manifest_records_the_run_and_logs_the_changes(saved_2x4, text_dir, caplog):
   tmp_path = saved_2x4[0]
   config = _config(text_dir, mesh__data=2, mesh__fsdp=4)
   saved = checkpoint.Checkpointer(str(tmp_path), config.ckpt).read_manifest(7)
@@ -194,12 +194,14 @@ def test_manifest_records_the_run_and_logs_safe_changes(saved_2x4, text_dir, cap
   assert saved['config']['train']['steps'] == 8 and saved['device_count'] == 8
   assert saved['git_commit'] is None or len(saved['git_commit']) == 40
 
-  other = _config(text_dir, train__steps=50, parallel__strategy='pmap', model__attention='xla')  # A kernel, not weights.
+  other = _config(text_dir, train__steps=50, train__accept_schedule_change=True, parallel__strategy='pmap',
+                  model__attention='xla')  # A kernel, not weights; a longer cosine schedule, accepted.
   job = job_lib.build_job(other, jax.devices()[:4])
   with caplog.at_level(std_logging.INFO):
     assert checkpoint.Checkpointer(str(tmp_path), other.ckpt).resumable_steps(
         checkpoint.run_manifest(other, job.abstract, job.mesh)) == [7]
   assert "config.train.steps: 8 -> 50" in caplog.text
+  assert 'train.steps 8 -> 50 since checkpoint 7 move the learning-rate schedule' in caplog.text
   assert "strategy: 'jit' -> 'pmap'" in caplog.text
   assert 'device_count: 8 -> 4' in caplog.text
 

@@ -78,6 +78,12 @@ def test_a_read_only_workdir_is_refused(tmp_path):
     ('import no_such_module\n\ndef get_config():\n  return None\n',
      "cfg.py, line 1: ModuleNotFoundError: No module named 'no_such_module'; fix the file."),
     ('x = 1\n', 'cfg.py has no get_config() function; a config file defines get_config()'),
+    ('from configs import tiny\n\ndef get_config():\n  c = tiny.get_config()\n  c.train.steps = 3\n',
+     'cfg.py: get_config() returned None; it must return the ConfigDict it built'),
+    ('from configs import tiny\n\ndef get_config():\n  c = tiny.get_config()\n  c.train.stepz = 3\n'
+     '  c.model.d_modle = 8\n  return c\n',
+     'cfg.py sets keys that no code reads: model.d_modle (did you mean model.d_model?); train.stepz (did you mean '
+     'train.steps?). Every key is declared in configs/base.py.'),
 ])
 def test_a_broken_config_file_is_named_with_its_line(tmp_path, source, expected):
   (tmp_path / 'cfg.py').write_text(source)

@@ -136,3 +136,42 @@ def test_skip_stops_once_most_steps_were_skipped_and_counts_them():
   sparse = guardrails.Guard('skip', ['a', 'b'])
   for step in range(1, 41):  # One step in four: the run still trains, so it goes on.
     sparse.check(step, _metrics(finite=step % 4 != 0))
+
+
+def test_skip_never_saves_while_skipped_steps_outnumber_good_ones_and_names_the_resume_step():
+  from trainer import guardrails
+  guard = guardrails.Guard('skip', ['a', 'b'], resumed_step=8)
+  for step in range(9, 12):
+    guard.check(step, _metrics(finite=True))
+  assert guard.may_save(12)  # Three good steps since checkpoint 8 (and step 12 itself is checked before saving).
+  guard.saved(12)
+  for step in range(13, 16):  # From here every step is skipped: the model stopped training.
+    guard.check(step, _metrics(finite=False))
+  assert not guard.may_save(16)
+  guard.check(16, _metrics(finite=True))
+  guard.check(17, _metrics(finite=True))
+  assert not guard.may_save(17)  # 3 skipped, 2 good since checkpoint 12.
+  guard.check(18, _metrics(finite=True))
+  assert guard.may_save(18)  # 3 and 3: training again.
+  fresh = guardrails.Guard('skip', ['a', 'b'])
+  for step in range(1, 10):
+    fresh.check(step, _metrics(finite=False))
+  assert not fresh.may_save(4)
+  with pytest.raises(guardrails.NonFiniteError, match=r'a relaunch resumes from step 0 \(no checkpoint was saved '
+                                                      r'before the skips\)'):
+    fresh.check(10, _metrics(finite=False))
+
+
+def test_a_diverged_skip_run_keeps_its_good_checkpoints_and_the_advice_is_true(tmp_path, text_dir):
+  """From a good run at step 8: every later step is skipped; nothing is saved over checkpoints 4 and 8."""
+  good = _run(tmp_path, text_dir, 'skip', '--config.train.steps=8', bad_step=100)
+  assert good.returncode == 0, good.stderr[-3000:]
+  assert _saved(tmp_path) == [4, 8]
+  hashes = {p: p.read_bytes() for p in (tmp_path / 'checkpoints').rglob('*') if p.is_file()}
+  diverged = _run(tmp_path, text_dir, 'skip', '--config.train.learning_rate=1e6', '--config.train.steps=40',
+                  '--config.ckpt.every_steps=4', '--config.ckpt.max_to_keep=2',
+                  '--config.train.accept_schedule_change=True', bad_step=100)
+  assert diverged.returncode == 3, diverged.stderr[-3000:]
+  assert 'a relaunch resumes from step 8: lower train.learning_rate' in diverged.stderr
+  assert _saved(tmp_path) == [4, 8]
+  assert {p: p.read_bytes() for p in (tmp_path / 'checkpoints').rglob('*') if p.is_file()} == hashes

@@ -5,6 +5,7 @@ this CPU-only machine; they are fed fakes of what those backends report.
 """
 
 import io
+import json
 import logging as py_logging
 
 import jax
@@ -193,3 +194,13 @@ def test_process_start_is_before_now_and_not_long_ago():
   import time
   started = goodput_lib.process_start_time()
   assert time.time() - 3600 < started <= time.time()
+
+
+def test_a_last_line_torn_by_a_kill_is_dropped_before_appending(tmp_path):
+  from trainer import storage
+  path = tmp_path / 'metrics.jsonl'
+  path.write_text('{"step": 8, "loss": 1.5}\n{"step": 9, "loss": 1.2')  # Killed while writing step 9's record.
+  log = storage.AppendLog(path)
+  log.write('{"step": 9, "loss": 1.25}\n')
+  log.close()
+  assert [json.loads(line)['step'] for line in path.read_text().splitlines()] == [8, 9]

@@ -107,6 +107,28 @@ def safe_differences(saved: dict[str, Any], manifest: dict[str, Any]) -> list[st
           if not k.startswith(skip) and _normal(old.get(k)) != _normal(new.get(k))]
 
 
+def _check_schedule(step: int, saved: dict[str, Any], manifest: dict[str, Any]) -> None:
+  """Refuses a resume whose changed train.* settings move the learning rate at the resume step, unless accepted."""
+  saved_train, train = saved.get('config', {}).get('train'), manifest['config'].get('train')
+  if not saved_train or not train or saved_train == train:
+    return
+  import ml_collections
+  from trainer import optimizer
+  config = ml_collections.ConfigDict(train)
+  moved = optimizer.schedule_change(saved_train, config, step)
+  if moved is None:
+    return
+  changed = ', '.join(f'train.{k} {saved_train.get(k)!r} -> {v!r}' for k, v in sorted(train.items())
+                      if k in saved_train and saved_train[k] != v and k != 'accept_schedule_change')
+  what = (f'{changed or "train.* settings"} since checkpoint {step} move the learning-rate schedule: at step '
+          f'{step + 1} it becomes {moved[1]:.3g} instead of {moved[0]:.3g}')
+  if config.get('accept_schedule_change', False):
+    logging.warning('Resuming step %d: %s (accepted: train.accept_schedule_change=True).', step, what)
+    return
+  raise UserError(f'{what}, a jump the run never had. Relaunch with --config.train.accept_schedule_change=True to '
+                  f'take it, or with the checkpoint\'s values to keep the schedule it was trained on.')
+
+
 def _normal(value):
   return list(value) if isinstance(value, tuple) else value
 
@@ -197,10 +219,11 @@ class Checkpointer:
                         self.directory / str(step), _short(e))
         damaged.append(step)
         continue
-      self.check_compatible(step, manifest)  # Unsafe differences refuse; the safe ones are logged here:
+      self.check_compatible(step, manifest)  # Unsafe differences refuse; the others are logged here:
+      _check_schedule(step, saved, manifest)
       changes = safe_differences(saved, manifest)
       if changes:
-        logging.info('Resuming step %d with %d setting(s) changed since it was saved (safe): %s', step,
+        logging.info('Resuming step %d with %d setting(s) changed since it was saved: %s', step,
                      len(changes), '; '.join(changes))
       self._set_aside(damaged, 'manifest unreadable')
       return [s for s in steps if s <= step and s not in damaged]

@@ -10,10 +10,13 @@ On the host (`Guard.check`, on each step's metrics as the loop fetches them):
   on disk was taken from a step already checked (the loop checks a step before
   saving it), so the last good checkpoint is intact;
 - 'skip': log the leaves and how many steps were skipped so far, and go on (the
-  update was already dropped in the step). Once more than SKIP_LIMIT_FRACTION
-  of this launch's checked steps (at least SKIP_MIN_CHECKED of them) were
-  skipped, stop as in 'stop': a run that skips most steps no longer trains, and
-  saving it on would only overwrite good checkpoints with a stalled model;
+  update was already dropped in the step). A checkpoint is not saved while the
+  steps skipped since the last save outnumber the good ones (`may_save`): a model
+  that stopped training is never saved over good checkpoints, so retention can
+  only ever delete checkpoints older than the newest good one. Once more than
+  SKIP_LIMIT_FRACTION of this launch's checked steps (at least SKIP_MIN_CHECKED of
+  them) were skipped, stop as in 'stop', naming the checkpoint a relaunch
+  resumes from;
 - 'rollback': reload the newest checkpoint before the bad step, and when the
   replay reaches that step, draw the next batch instead of the offending one.
   If the same step is non-finite again after a rollback, stop as in 'stop'.
@@ -64,9 +67,11 @@ def leaf_finite(grads) -> jax.Array:
 class Guard:
   """Checks each step's metrics once; see the module docstring for what each mode does."""
 
-  def __init__(self, mode: str, leaf_names: list[str]):
+  def __init__(self, mode: str, leaf_names: list[str], resumed_step: int | None = None):
     validate(mode)
     self.mode, self._names = mode, leaf_names
+    self._last_save = resumed_step  # The newest checkpoint known good: resumed from, or saved since.
+    self._good_since_save, self._skipped_since_save = 0, 0
     self._last_checked = None
     self._skip_at = None  # After a rollback: the step whose batch is drawn and dropped.
     self._rolled_back_at = set()
@@ -79,6 +84,7 @@ class Guard:
     self._checked += 1
     loss, finite = jax.device_get((metrics['loss'], metrics['grads_finite']))
     if np.isfinite(loss) and bool(np.all(finite)):
+      self._good_since_save += 1
       return
     bad = [name for name, ok in zip(self._names, np.asarray(finite)) if not ok]
     what = (f'non-finite loss ({float(loss)})' if not np.isfinite(loss) else 'finite loss') + (
@@ -86,14 +92,15 @@ class Guard:
         f'{" ..." if len(bad) > 8 else ""}' if bad else ' but every gradient leaf finite')
     if self.mode == 'skip':
       self._skipped += 1
+      self._skipped_since_save += 1
       logging.warning('Step %d: %s; update skipped (train.on_nonfinite=skip; %d of %d steps skipped so far).', step,
                       what, self._skipped, self._checked)
       if self._checked >= SKIP_MIN_CHECKED and self._skipped > SKIP_LIMIT_FRACTION * self._checked:
         raise NonFiniteError(
             f'step {step}: {self._skipped} of the {self._checked} steps checked in this launch were non-finite and '
-            f'skipped (train.on_nonfinite=skip); stopped, since the model no longer trains and saving it on would '
-            f'replace the good checkpoints. A relaunch resumes from the last good one: lower train.learning_rate or '
-            f'check the data.')
+            f'skipped (train.on_nonfinite=skip); stopped, since the model no longer trains. No checkpoint was saved '
+            f'while skipped steps outnumbered good ones, so a relaunch resumes from {self._resume_point()}: lower '
+            f'train.learning_rate or check the data first.')
     elif self.mode == 'rollback' and step not in self._rolled_back_at:
       raise Rollback(step, what)
     else:
@@ -102,6 +109,23 @@ class Guard:
           f'step {step}: {what}{again}. Stopped (train.on_nonfinite={self.mode}); the update was not applied and '
           f'no checkpoint of this step or later was written, so a relaunch resumes from the last good one. '
           f'Lower train.learning_rate, check the data, or set train.on_nonfinite=skip or rollback.')
+
+  def _resume_point(self) -> str:
+    return f'step {self._last_save}' if self._last_save else 'step 0 (no checkpoint was saved before the skips)'
+
+  def may_save(self, step: int) -> bool:
+    """Whether the state at `step` may be saved: not while skipped steps outnumber good ones since the last save."""
+    if self._skipped_since_save > self._good_since_save:
+      logging.warning('Step %d: not saved: %d of the %d steps since %s were non-finite and skipped '
+                      '(train.on_nonfinite=skip), so this state is no better than that one, which stays the newest '
+                      'checkpoint.', step, self._skipped_since_save, self._skipped_since_save + self._good_since_save,
+                      f'checkpoint {self._last_save}' if self._last_save else 'the start')
+      return False
+    return True
+
+  def saved(self, step: int) -> None:
+    """The state at `step` was saved: the counts since the last save start again."""
+    self._last_save, self._good_since_save, self._skipped_since_save = step, 0, 0
 
   def roll_back(self, rollback: Rollback, ckpt, abstract_with_shardings, train_iter):
     """(step, state) of the newest intact checkpoint before the bad step; its batch will be skipped on replay."""
@@ -112,6 +136,7 @@ class Guard:
                            f'before step {rollback.step} exists to roll back to; stopped. Save more often '
                            f'(ckpt.every_steps) or lower train.learning_rate.')
     step, state = ckpt.restore_newest_intact(steps, abstract_with_shardings, train_iter)
+    self.saved(step)  # The counts since the last save start again from the state rolled back to.
     self._rolled_back_at.add(rollback.step)
     self._skip_at, self._last_checked = rollback.step, None
     logging.warning('Step %d: %s. Rolled back to the checkpoint at step %d (train.on_nonfinite=rollback); its '

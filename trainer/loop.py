@@ -143,7 +143,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   if process_index == 0:
     (storage.path(workdir) / 'config.json').write_text(config.to_json_best_effort(indent=2))
     writer.write_config(config)
-  guard = guardrails.Guard(config.train.on_nonfinite, list(manifest['param_shapes']))
+  guard = guardrails.Guard(config.train.on_nonfinite, list(manifest['param_shapes']), resumed_step=latest)
   preempt = preemption.PreemptionWatch()
   notice = notices.Notices(tuple(config.train.preemption_signals), config.train.preemption_notice_file)
   profiler = profiling.Profiler(config.profile, workdir, first_step=(latest or 0) + 1, total_steps=config.train.steps,
@@ -239,15 +239,23 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     if step % config.ckpt.every_steps == 0 or step == total or preempted:
       guard.check(step, metrics)  # Metrics come a step late; a state is checked before it is ever saved.
       run.hang.phase('checkpoint')
-      ckpt.save(step, state, train_iter, run.manifest, force=True)
+      if guard.may_save(step):
+        ckpt.save(step, state, train_iter, run.manifest, force=True)
+        guard.saved(step)
+      elif preempted:
+        preempted = 'unsaved'
     run.writer.goodput.record_side(eval_s=t_ckpt - t_side, checkpoint_s=time.perf_counter() - t_ckpt)
     side_time += time.perf_counter() - t_side
     if preempted:
       ckpt.wait_until_finished()
       attempt.note(stopped='preempted', last_step=step)
-      logging.warning('%s received: saved step %d to %s and stopped (the save took %.1fs). Relaunch the same '
-                      'command to continue.', run.notices.describe() if noticed else preempt.describe(), step,
-                      ckpt.directory, time.perf_counter() - t_ckpt)
+      what = run.notices.describe() if noticed else preempt.describe()
+      if preempted == 'unsaved':
+        logging.warning('%s received: stopped at step %d without saving it (skipped steps outnumber good ones since '
+                        'the last checkpoint, which a relaunch resumes from).', what, step)
+      else:
+        logging.warning('%s received: saved step %d to %s and stopped (the save took %.1fs). Relaunch the same '
+                        'command to continue.', what, step, ckpt.directory, time.perf_counter() - t_ckpt)
       break
   _finish(run, pending, window, last_fetch, side_time, evals, is_log_step)
   profiler.close(state)  # A trace window reaching the last step ends here, once its steps finished.

@@ -7,6 +7,7 @@ second moment, whose small values bfloat16 would round away, stays float32.
 """
 
 import jax.numpy as jnp
+import ml_collections
 import optax
 
 
@@ -17,6 +18,18 @@ def learning_rate_schedule(train_config) -> optax.Schedule:
       init_value=0.0, peak_value=peak, warmup_steps=warmup,
       decay_steps=max(train_config.steps, warmup + 1),
       end_value=peak * train_config.end_learning_rate_ratio)
+
+
+def schedule_change(saved_train: dict, train_config, step: int) -> tuple[float, float] | None:
+  """(saved, new) learning rate for the update after `step` if the config's schedule moves it, else None.
+
+  Extending train.steps recomputes a cosine decay, so the learning rate jumps at the
+  resume step (300 -> 400 steps: 3.0e-4 becomes 7.6e-4 at step 301 of the default
+  job); a warmup-stable-decay schedule still in its stable phase does not move.
+  """
+  saved = ml_collections.ConfigDict({**train_config.to_dict(), **saved_train})
+  before, after = float(learning_rate_schedule(saved)(step)), float(learning_rate_schedule(train_config)(step))
+  return None if abs(after - before) <= 1e-6 * max(abs(before), 1e-30) else (before, after)
 
 
 def build_optimizer(train_config) -> tuple[optax.GradientTransformation, optax.Schedule]:

@@ -48,14 +48,23 @@ class PreemptionWatch:
     self._use_jax = jax.distributed.is_initialized() and jax.config.jax_enable_preemption_service
     self._previous_int = None
     _interrupted.clear()
+    self._previous_hup = None
     if threading.current_thread() is threading.main_thread():
       if not self._use_jax:
         self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+      self._previous_hup = signal.signal(signal.SIGHUP, self._on_hangup)
       self._previous_int = signal.signal(signal.SIGINT, self._on_interrupt)
 
   def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
     self._signal_name = signal.Signals(signum).name
     self._flag.set()  # Only a flag: the loop saves at a step boundary, never inside a handler.
+
+  def _on_hangup(self, signum, frame) -> None:
+    if self._use_jax:
+      self._signal_name = 'SIGHUP'
+      os.kill(os.getpid(), signal.SIGTERM)  # jax's preemption service agrees on the step with every process.
+    else:
+      self._on_signal(signum, frame)
 
   def _on_interrupt(self, signum, frame) -> None:
     if _interrupted.is_set():
@@ -76,7 +85,7 @@ class PreemptionWatch:
     return self._flag.is_set()
 
   def describe(self) -> str:
-    return self._signal_name or 'preemption notice (jax preemption sync point)'
+    return self._signal_name or 'preemption notice (SIGTERM via jax\'s preemption sync point)'
 
   def close(self) -> None:
     if self._previous is not None:
@@ -85,3 +94,6 @@ class PreemptionWatch:
     if self._previous_int is not None:
       signal.signal(signal.SIGINT, self._previous_int)
       self._previous_int = None
+    if self._previous_hup is not None:
+      signal.signal(signal.SIGHUP, self._previous_hup)
+      self._previous_hup = None

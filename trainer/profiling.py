@@ -29,7 +29,7 @@ import time
 import jax
 from absl import logging
 
-from trainer import storage
+from trainer import startup_signals, storage
 from trainer.errors import UserError
 
 
@@ -97,6 +97,8 @@ class Profiler:
         self._window = (max(start, first_step), end)
     if profile.server_port:
       self._start_server(profile.server_port)
+    if startup_signals.profile_requested_early():  # A SIGUSR1 that came while the launch was still starting.
+      self._requested.set()
     if threading.current_thread() is threading.main_thread() and hasattr(signal, 'SIGUSR1'):
       self._previous_handler = signal.signal(signal.SIGUSR1, self._on_signal)
       logging.info('Profiling on demand: kill -USR1 %d traces the next %d steps into %s.', os.getpid(),

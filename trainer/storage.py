@@ -127,6 +127,20 @@ def upload_folder(local: pathlib.Path, target: Path) -> None:
     (target / file.relative_to(local).as_posix()).write_bytes(file.read_bytes())
 
 
+def _torn(text: str) -> bool:
+  return bool(text) and not text.endswith('\n')
+
+
+def _untorn(text: str, file) -> str:
+  """`text` without a last line cut short by a kill (logged), else unchanged."""
+  if not _torn(text):
+    return text
+  kept = text[:text.rfind('\n') + 1]
+  logging.warning('%s: its last line was cut short (%d bytes, the process writing it was killed); dropped it so that '
+                  'every line stays a whole record.', file, len(text) - len(kept))
+  return kept
+
+
 class AppendLog:
   """A text file that only grows (metrics.jsonl, goodput.jsonl).
 
@@ -140,6 +154,10 @@ class AppendLog:
   no text is queued twice. A failed upload is logged once and retried at the
   next flush; it never ends the run. close() waits up to CLOSE_WAIT_S for an
   upload under way, then writes the final text itself.
+
+  A last line cut short (the writer was killed mid-write) is dropped on opening, so
+  new records never glue onto it and the file stays one JSON object a line; the
+  step it was logging is logged again by the attempt that redoes it.
   """
 
   def __init__(self, file: Path, flush_every_s: float = CLOUD_FLUSH_EVERY_S):
@@ -147,10 +165,14 @@ class AppendLog:
     self._cloud = is_cloud(file)
     if not self._cloud:
       file.parent.mkdir(parents=True, exist_ok=True)
+      if file.exists():
+        text = file.read_text()
+        if _torn(text):
+          file.write_text(_untorn(text, file))
       self._handle = file.open('a')
       return
     self._flush_every_s = flush_every_s
-    self._text = file.read_text() if file.exists() else ''
+    self._text = _untorn(file.read_text(), file) if file.exists() else ''
     # Writes not yet joined to the text: joining copies the text, which the log's thread does, not the writer.
     self._new: list[str] = []
     # The text only grows, so its length names a version: what the object holds, as far as this process knows.
