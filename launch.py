@@ -144,6 +144,8 @@ def main(argv):
   from trainer import console, loop, preemption
   from trainer.safety import disk, lock
   console.quiet_library_info()
+  if not _PLAN.value:
+    console.divert_library_errors(_WORKDIR.value)
   held = None
   try:
     if _PLAN.value:

@@ -211,7 +211,7 @@ def test_a_full_disk_stops_in_one_line_and_keeps_the_last_good_checkpoint(traine
   assert 'The last good checkpoint, step 4, is intact' in line
   assert 'Out of memory' not in result.stderr and 'meta_path' not in result.stderr
   noise = [l for l in result.stderr.splitlines() if l.startswith(('E1', 'Traceback', 'RuntimeError'))]
-  assert not noise, noise[:10]  # The one line is all a user reads; the rest is in WORKDIR/logs.
+  assert not noise, noise[:10]  # The one line is all a user reads; Orbax's errors are in WORKDIR/logs.
   assert saved[0] == '4' and all(s == '4' or 'tmp' in s for s in saved)
   assert manifest_step == 8  # Step 4 reads back.
 

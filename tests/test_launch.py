@@ -21,7 +21,8 @@ def finished_run(tmp_path_factory):
   first = run_launcher(TINY, f'--workdir={workdir}')
   assert first.returncode == 0, first.stderr[-3000:]
   records_after_first = read_metrics(workdir)
-  second = run_launcher(TINY, f'--workdir={workdir}', '--config.train.steps=12')
+  second = run_launcher(TINY, f'--workdir={workdir}', '--config.train.steps=12',
+                        '--config.train.accept_schedule_change=True')
   assert second.returncode == 0, second.stderr[-3000:]
   return workdir, first, second, records_after_first
 

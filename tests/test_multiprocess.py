@@ -23,6 +23,7 @@ from parallel import distributed
 from trainer.errors import UserError
 
 TINY = ('--config=configs/tiny.py', '--config.log.every_steps=1')
+ACCEPT = '--config.train.accept_schedule_change=True'  # Runs extended on resume move their cosine schedule.
 RUN_TIMEOUT_S = 240
 
 
@@ -59,9 +60,10 @@ def runs(tmp_path_factory):
   first = _two_processes(f'--workdir={two}', '--config.train.steps=6')
   first_records = read_metrics(two)
   for steps in (6, 10):
-    reference = run_launcher(*TINY, f'--workdir={one}', f'--config.train.steps={steps}', timeout=RUN_TIMEOUT_S)
+    reference = run_launcher(*TINY, f'--workdir={one}', f'--config.train.steps={steps}', ACCEPT,
+                             timeout=RUN_TIMEOUT_S)
     assert reference.returncode == 0, reference.stderr[-4000:]
-  second = _two_processes(f'--workdir={two}', '--config.train.steps=10')
+  second = _two_processes(f'--workdir={two}', '--config.train.steps=10', ACCEPT)
   return {'two': two, 'one': one, 'first': first, 'second': second, 'first_records': first_records}
 
 
@@ -98,7 +100,7 @@ def test_a_run_saved_by_two_processes_resumes_exactly_in_one(runs, tmp_path):
   shutil.copytree(runs['two'], workdir)
   for later in [p for p in (workdir / 'checkpoints').iterdir() if p.name.isdigit() and int(p.name) > 6]:
     shutil.rmtree(later)  # Resume the 2-process checkpoint of step 6 in one process, to step 10.
-  result = run_launcher(*TINY, f'--workdir={workdir}', '--config.train.steps=10', timeout=RUN_TIMEOUT_S)
+  result = run_launcher(*TINY, f'--workdir={workdir}', '--config.train.steps=10', ACCEPT, timeout=RUN_TIMEOUT_S)
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Resuming from checkpoint at step 6' in result.stderr and '(1 processes)' in result.stderr
   resumed = {r['step']: r['loss'] for r in read_metrics(workdir)[-4:]}
