@@ -129,11 +129,13 @@ def main(argv):
     os.environ.setdefault('JAX_SKIP_CUDA_CONSTRAINTS_CHECK', '1')  # host without one; a GPU --topology needs it.
   from trainer.errors import UserError
   from trainer.safety import workdir as workdir_lib
+  from trainer import storage
   try:
     if not _PLAN.value:
+      storage.configure(_CONFIG.value.ckpt.storage_deadline_s)
       workdir_lib.check(_WORKDIR.value)  # Before jax is imported: a bad --workdir fails in a second.
   except UserError as e:
-    _fail(str(e))
+    _fail(str(e), getattr(e, 'exit_code', 2))
   from trainer.supervision import attempt
   if not _PLAN.value and _MAX_RESTARTS.value > 0 and not attempt.supervised():
     from trainer.supervision import supervisor

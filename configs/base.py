@@ -74,6 +74,7 @@ def get_config() -> config_dict.ConfigDict:
   c.ckpt.max_to_keep = 3  # Newest checkpoints kept on disk; older ones are deleted after a save.
   c.ckpt.keep_period = 0  # Also keep every checkpoint whose step divides by N, forever; 0 = none.
   # The issue's `ckpt.async`: `async` is a Python keyword, so the key is async_save.
+  c.ckpt.storage_deadline_s = 120.0  # gs:// workdirs: a probe, lock or manifest read with no answer this long ends the launch in one line (exit 74, retried by the supervisor).
   c.ckpt.async_save = True  # Write checkpoints in the background while training goes on.
 
   c.log = config_dict.ConfigDict()

@@ -411,3 +411,55 @@ def test_a_save_killed_midway_in_the_bucket_is_reported_and_skipped(runs):
     assert [str(p) for p in ckpt.incomplete_saves()] == [f'gs://{BUCKET}/killed/checkpoints/6']
   finally:
     ckpt.close()
+
+
+def _launch_gs(env_extra: dict, *extra: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+  start = time.monotonic()
+  result = subprocess.run([sys.executable, str(REPO / 'launch.py'), *TINY, '--workdir=gs://stalled/run', *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout, env=launcher_env(**env_extra))
+  return result, time.monotonic() - start
+
+
+def test_a_storage_server_that_stops_answering_ends_the_launch_in_one_line(tmp_path):
+  """A server on 127.0.0.1 that accepts connections and never answers, as a wedged storage front end does."""
+  server = socket.create_server(('127.0.0.1', 0))
+  port = server.getsockname()[1]
+  held = []
+  accepting = threading.Thread(target=lambda: [held.append(server.accept()) for _ in range(64)], daemon=True)
+  accepting.start()
+  try:
+    result, elapsed = _launch_gs({'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{port}'},
+                                 '--config.ckpt.storage_deadline_s=5')
+  finally:
+    server.close()
+  assert result.returncode == 74, result.stderr[-3000:]
+  (line,) = [l for l in result.stderr.splitlines() if l.startswith('launch.py: error:')]
+  assert line.startswith(f'launch.py: error: gs://stalled: writing a probe object got no answer from the storage '
+                         f'endpoint 127.0.0.1:{port} in 5s (ckpt.storage_deadline_s)'), line
+  assert elapsed < 60 and 'Traceback' not in result.stderr
+
+
+def test_an_unreachable_storage_endpoint_is_named_in_seconds_not_blamed_on_permissions(tmp_path):
+  port = free_port()  # Nothing listens there: the connect is refused, as with no route to the endpoint.
+  result, elapsed = _launch_gs({'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{port}'})
+  assert result.returncode == 2
+  (line,) = [l for l in result.stderr.splitlines() if l.startswith('launch.py: error:')]
+  assert line.startswith(f'launch.py: error: --workdir=gs://stalled/run: this host cannot reach the storage endpoint '
+                         f'127.0.0.1:{port} (Connection refused)'), line
+  assert 'roles/storage' not in line and elapsed < 30
+
+
+def test_no_credentials_is_named_as_such(tmp_path, monkeypatch):
+  from trainer import storage
+  from trainer.errors import UserError
+  import google.auth
+  import google.auth.exceptions
+
+  def no_credentials():
+    raise google.auth.exceptions.DefaultCredentialsError('Your default credentials were not found.')
+
+  monkeypatch.delenv('STORAGE_EMULATOR_HOST', raising=False)
+  monkeypatch.setattr(google.auth, 'default', no_credentials)
+  with pytest.raises(UserError, match=r'this host has no Google credentials to reach gs://b; run `gcloud auth '
+                                      r'application-default login`'):
+    storage._check_credentials('gs://b/run')

@@ -199,7 +199,7 @@ class Checkpointer:
   def read_manifest(self, step: int) -> dict[str, Any]:
     return self._manager.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))['manifest']
 
-  def resumable_steps(self, manifest: dict[str, Any]) -> list[int]:
+  def resumable_steps(self, manifest: dict[str, Any], training: bool = True) -> list[int]:
     """Steps to try resuming from, newest first, after checking the newest readable one against `manifest`.
 
     Reports (and skips) interrupted saves and checkpoints whose manifest cannot
@@ -220,7 +220,8 @@ class Checkpointer:
         damaged.append(step)
         continue
       self.check_compatible(step, manifest)  # Unsafe differences refuse; the others are logged here:
-      _check_schedule(step, saved, manifest)
+      if training:  # A tool reading the parameters (export, sample) applies no schedule.
+        _check_schedule(step, saved, manifest)
       changes = safe_differences(saved, manifest)
       if changes:
         logging.info('Resuming step %d with %d setting(s) changed since it was saved: %s', step,
@@ -420,7 +421,7 @@ def restore_for_tool(job, workdir: str, step: int | None = None) -> tuple[int, A
   """
   ckpt = Checkpointer(workdir, job.config.ckpt, move_damaged=False)  # The run may still be writing there.
   try:
-    steps = ckpt.resumable_steps(run_manifest(job.config, job.abstract, job.mesh))
+    steps = ckpt.resumable_steps(run_manifest(job.config, job.abstract, job.mesh), training=False)
     if step is not None:
       if step not in ckpt.all_steps():
         raise UserError(f'--step={step}: no such checkpoint in {ckpt.directory} (have {ckpt.all_steps()}); give one '

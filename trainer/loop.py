@@ -109,7 +109,8 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   # Before compiling: a foreign or unreadable workdir should fail in seconds, not minutes. (Only damaged steps are
   # moved aside here, and kept; intact checkpoints are only read.)
   ckpt = None if start_over else checkpoint.Checkpointer(workdir, config.ckpt)
-  resumable = [] if start_over else ckpt.resumable_steps(manifest)
+  resumable = [] if start_over else storage.within_deadline("reading the checkpoints' manifests", workdir,
+                                                             ckpt.resumable_steps, manifest)
   if (not resumable and job.brought_model and objective.kind == 'lm' and not job.task.custom_loss
       and config.model.check_alignment):
     contract.check_alignment(job, config.train.seed)  # Seconds, and before the long compile.

@@ -13,7 +13,16 @@ What a bucket does not do like a disk is handled here, once:
 - a folder is only a name prefix (it exists once an object is under it) and has
   no rename: `move` copies then deletes;
 - an emulator (STORAGE_EMULATOR_HOST, the variable Google's clients read) is
-  also handed to tensorstore, which reads its own variables (see `_use_emulator`).
+  also handed to tensorstore, which reads its own variables (see `_use_emulator`);
+- a storage server can stop answering without closing the connection, and a host
+  can have no route to it or no credentials: `check_writable` tells those apart in
+  seconds (a TCP connect to the endpoint, then the credentials, then a probe
+  write), and the calls on the run's start-up path (the probe, the lock, reading
+  the checkpoints' manifests) run under `within_deadline`: past
+  `ckpt.storage_deadline_s` they end in one line naming the bucket, the operation
+  and the time waited (exit 74, which the supervisor retries). gcsfs retries
+  transient errors itself with backoff; the deadline bounds the whole. Bulk array
+  reads and writes (Orbax) are bounded by the hang watch (trainer/supervision/hang.py).
 """
 
 import os
@@ -34,6 +43,60 @@ CLOUD_FLUSH_EVERY_S = 30.0
 CLOSE_WAIT_S = 60.0
 
 Path = Union[pathlib.Path, 'epath.Path']  # noqa: F821  (epath is imported only for gs://)
+STALL_EXIT_CODE = 74  # EX_IOERR in sysexits.h: an input/output error, worth a retry.
+_CONNECT_TIMEOUT_S = 5.0
+_deadline_s = [120.0]  # ckpt.storage_deadline_s, set once by launch.py (`configure`).
+
+
+class StorageStall(UserError):
+  """A storage call got no answer within the deadline."""
+  exit_code = STALL_EXIT_CODE
+
+
+def configure(deadline_s: float) -> None:
+  if not (isinstance(deadline_s, (int, float)) and deadline_s > 0):
+    raise UserError(f'ckpt.storage_deadline_s={deadline_s!r} must be a number of seconds > 0.')
+  _deadline_s[0] = float(deadline_s)
+
+
+def endpoint() -> tuple[str, int]:
+  """(host, port) of the storage server this process talks to: the emulator's, or Cloud Storage's."""
+  emulator = os.environ.get('STORAGE_EMULATOR_HOST')
+  if not emulator:
+    return 'storage.googleapis.com', 443
+  import urllib.parse
+  url = urllib.parse.urlsplit(emulator if '://' in emulator else f'http://{emulator}')
+  return url.hostname or '127.0.0.1', url.port or (443 if url.scheme == 'https' else 80)
+
+
+def within_deadline(operation: str, where: str | os.PathLike, fn, *args):
+  """`fn(*args)`, or StorageStall naming the bucket and `operation` once it has waited ckpt.storage_deadline_s.
+
+  Local paths call `fn` directly. For gs:// the call runs on a daemon thread the
+  caller stops waiting for: a stalled socket cannot hold the launch, and the
+  process exits without joining it.
+  """
+  if not is_cloud(where):
+    return fn(*args)
+  outcome = {}
+
+  def call():
+    try:
+      outcome['value'] = fn(*args)
+    except BaseException as e:  # pylint: disable=broad-except  (handed to the caller's thread)
+      outcome['error'] = e
+
+  worker = threading.Thread(target=call, daemon=True, name=f'storage: {operation}')
+  worker.start()
+  worker.join(_deadline_s[0])
+  if worker.is_alive():
+    host, port = endpoint()
+    raise StorageStall(f'gs://{bucket(where)}: {operation} got no answer from the storage endpoint {host}:{port} '
+                       f'in {_deadline_s[0]:g}s (ckpt.storage_deadline_s); the endpoint is reachable but stopped '
+                       f'answering. Nothing was lost; relaunch when it answers again (a supervised run retries).')
+  if 'error' in outcome:
+    raise outcome['error']
+  return outcome.get('value')
 
 
 def is_cloud(workdir: str | os.PathLike) -> bool:
@@ -88,14 +151,58 @@ def filesystem():
   return fsspec.filesystem('gcs')
 
 
+def _check_reachable(workdir: str) -> None:
+  host, port = endpoint()
+  try:
+    socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
+  except OSError as e:
+    if isinstance(e, TimeoutError):
+      reason = f'no answer to a connect in {_CONNECT_TIMEOUT_S:g}s'
+    else:
+      reason = e.strerror or type(e).__name__
+    raise UserError(f'--workdir={workdir}: this host cannot reach the storage endpoint {host}:{port} ({reason}); '
+                    f'check its network (DNS, a route or a proxy to it, or Private Google Access on a VPC without '
+                    f'external IPs), then relaunch. Nothing was written.') from None
+
+
+def _check_credentials(workdir: str) -> None:
+  """Application default credentials exist (not needed for an emulator, which takes none)."""
+  if os.environ.get('STORAGE_EMULATOR_HOST'):
+    return
+  try:
+    import google.auth
+    import google.auth.exceptions
+  except ImportError:
+    return  # gcsfs reports it on the probe.
+  try:
+    within_deadline('looking up credentials', workdir, google.auth.default)
+  except google.auth.exceptions.DefaultCredentialsError:
+    raise UserError(f'--workdir={workdir}: this host has no Google credentials to reach gs://{bucket(workdir)}; run '
+                    f'`gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS to a key file, or '
+                    f'run on a VM with a service account.') from None
+
+
 def check_writable(workdir: str) -> Path:
-  """Proves the bucket exists and these credentials can write to the run's prefix; UserError naming the fix."""
+  """Proves the bucket exists and these credentials can write to the run's prefix; UserError naming the fix.
+
+  In this order, each within seconds: the endpoint answers a TCP connect, credentials
+  exist, and a probe object can be written and deleted (which tells a missing bucket
+  and a missing permission apart).
+  """
   root = path(workdir)
   name = bucket(workdir)
+  _check_reachable(workdir)
+  _check_credentials(workdir)
   probe = root / f'.write_probe.{socket.gethostname()}.{os.getpid()}'
-  try:
+
+  def write_probe():
     probe.write_bytes(b'')
     probe.unlink()
+
+  try:
+    within_deadline('writing a probe object', workdir, write_probe)
+  except StorageStall:
+    raise
   except FileNotFoundError:
     raise UserError(f'--workdir={workdir}: bucket gs://{name} does not exist (or these credentials cannot see it); '
                     f'create it (gcloud storage buckets create gs://{name}) or fix the bucket name.') from None

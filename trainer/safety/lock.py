@@ -121,7 +121,7 @@ def _me() -> Holder:
 def acquire(workdir: str | os.PathLike) -> 'WorkdirLock | ObjectLock':
   """Takes WORKDIR/launch.lock for this process, or raises UserError naming the launch that holds it."""
   if storage.is_cloud(workdir):
-    return _acquire_object(workdir)
+    return storage.within_deadline('taking the workdir lock', workdir, _acquire_object, workdir)
   path = pathlib.Path(workdir).absolute() / LOCK_NAME
   fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
   try:

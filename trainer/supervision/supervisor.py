@@ -62,6 +62,8 @@ def classify(returncode: int, status: dict) -> tuple[bool, str]:
     return True, 'lost peer'
   if returncode == 124:
     return True, status.get('stopped', 'hang')
+  if returncode == 74:
+    return True, 'storage stalled'
   if returncode < 0:
     return True, f'killed by {signal.Signals(-returncode).name}'
   if returncode in (134, 139):
