@@ -35,6 +35,7 @@ def _config(strategy='jit', mesh=(8, 1, 1), steps=10, evaluate=False, **model):
   c.train.compute_dtype = 'float32'
   c.train.eval_every_steps = 0  # With evaluate, only at the last step: each strategy's own eval step.
   c.train.eval_batches = 2 if evaluate else 0  # Otherwise none, to keep the runs short.
+  c.train.accept_schedule_change = True  # Runs stopped at 4 steps and continued to 6 extend their schedule.
   c.log.every_steps = 1
   c.ckpt.every_steps = 10
   for key, value in model.items():

@@ -71,10 +71,12 @@ class RunContext:
   preempt: preemption.PreemptionWatch
   throughput: flops.Throughput | None  # None where the step cannot be traced for its FLOPs (trainer/flops.py).
   profiler: profiling.Profiler
-  hang: hang.HangWatch
-  fault: faults.Fault | None  # A test's injected fault (trainer/supervision/faults.py); None in real runs.
-  stragglers: stragglers.StragglerWatch
-  notices: notices.Notices  # Preemption notices other than SIGTERM (a file, another signal).
+  # The run's watchers (trainer/supervision/); inert by default, for callers that drive `_train` themselves.
+  hang: 'hang.HangWatch' = dataclasses.field(default_factory=lambda: hang.HangWatch(0, '', 0))
+  fault: 'faults.Fault | None' = None  # A test's injected fault (trainer/supervision/faults.py); None in real runs.
+  stragglers: 'stragglers.StragglerWatch' = dataclasses.field(
+      default_factory=lambda: stragglers.StragglerWatch(0, 1, 1.0))
+  notices: 'notices.Notices' = dataclasses.field(default_factory=lambda: notices.Notices((), None))
 
 
 def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False) -> None:
