@@ -6,6 +6,8 @@ bf16 reaches every model; the alignment probe catches a model that shifts its
 own inputs.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,7 @@ from trainer import data, job, loop
 from trainer import task as task_lib
 from trainer.errors import UserError
 
-MODELS = ('meshy', 'prefix', 'gemma_style')
+MODELS = ('meshy', 'prefix', 'gemma_style', 'do')
 
 
 def _config(builder: str, strategy='jit', mesh=(2, 2, 2), steps=3):
@@ -92,6 +94,23 @@ def test_a_strategy_that_cannot_run_the_model_is_one_line_before_compile(builder
     loop.run(_config(builder, strategy, mesh), str(tmp_path))
   assert '\n' not in str(refused.value)
   assert not list(tmp_path.glob('checkpoints/[0-9]*'))
+
+
+def test_dense_general_kernels_named_for_the_launchers_mesh_train_per_device_and_pmap_says_the_rule(tmp_path):
+  """nn.DenseGeneral boxes its flat 2-D kernel with 4 names: traced under an abstract mesh this failed everywhere."""
+  config = _config('do', 'shard_map', (4, 2, 1), steps=2)
+  config.train.eval_batches = 1  # Its metrics vary over data and fsdp only: a pmean over 'tensor' too was refused.
+  loop.run(config, str(tmp_path / 'shard_map'))
+  records = read_metrics(tmp_path / 'shard_map')
+  assert len([r for r in records if 'loss' in r]) == 2
+  assert [np.isfinite(r['eval_loss']) for r in records if 'eval_loss' in r] == [True]
+  assert (tmp_path / 'shard_map' / 'checkpoints' / '2').is_dir()
+  with pytest.raises(UserError, match=r"keeps every parameter whole on every device") as refused:
+    loop.run(_config('do', 'pmap', (8, 1, 1), steps=2), str(tmp_path / 'pmap'))
+  config = _config('do', 'pmap', (8, 1, 1), steps=2)
+  config.parallel.extra_axis_rules = eval(re.search(r'extra_axis_rules="(.*)"', str(refused.value)).group(1))
+  loop.run(config, str(tmp_path / 'pmap'))  # The rule the message gives is one that works.
+  assert len([r for r in read_metrics(tmp_path / 'pmap') if 'loss' in r]) == 2
 
 
 @pytest.mark.parametrize('strategy,mesh', [('shard_map', (4, 2, 1)), ('pmap', (8, 1, 1))])

@@ -202,14 +202,15 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     pending = (step, metrics, data_wait)
 
     t_side = time.perf_counter()
-    if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
-      evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
     preempted = preempt.reached(step)
-    t_ckpt = time.perf_counter()
+    # Saved before it is evaluated: an eval that fails must not cost the steps trained (ckpt.close waits for it).
     if step % config.ckpt.every_steps == 0 or step == total or preempted:
       guard.check(step, metrics)  # Metrics come a step late; a state is checked before it is ever saved.
       ckpt.save(step, state, train_iter, run.manifest, force=True)
-    run.writer.goodput.record_side(eval_s=t_ckpt - t_side, checkpoint_s=time.perf_counter() - t_ckpt)
+    t_eval = time.perf_counter()
+    if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
+      evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
+    run.writer.goodput.record_side(eval_s=time.perf_counter() - t_eval, checkpoint_s=t_eval - t_side)
     side_time += time.perf_counter() - t_side
     if preempted:
       ckpt.wait_until_finished()

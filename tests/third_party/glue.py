@@ -4,11 +4,11 @@ Each model's own axis names that are not the launcher's go in the config,
 as `parallel.extra_axis_rules` (RULES below); nothing else is needed.
 """
 
-from tests.third_party import meshy_linen, nnx_lm, prefix_linen
+from tests.third_party import do_linen, meshy_linen, nnx_lm, prefix_linen
 from trainer.memory import remat
 
 RULES = {'meshy': (('model', 'tensor'),), 'prefix': (('kv', 'tensor'), ('joined_kv', 'tensor')),
-         'gemma_style': (('tp', 'tensor'),)}
+         'gemma_style': (('tp', 'tensor'),), 'do': ()}
 
 
 def meshy(config, dtype):  # Its mesh axis 'data' is the launcher's; 'model' is mapped by a rule.
@@ -33,3 +33,10 @@ def gemma_style(config, *, rngs, dtype, remat_policy):
                                  nnx_lm.ShardingConfig.fsdp_tp())
   policy = False if remat_policy == 'none' else remat.checkpoint_policy(remat_policy)
   return nnx_lm.Transformer(cfg, rngs=rngs, dtype=dtype, remat_policy=policy)
+
+
+def do(config, dtype):  # Names only the launcher's own mesh axis 'data': no rule needed.
+  m = config.model
+  return do_linen.TransformerDo(do_linen.DoConfig(m.d_model, m.num_heads, config.data.seq_len, m.num_layers,
+                                                  m.vocab_size, m.mlp_dim, dtype=dtype))
+

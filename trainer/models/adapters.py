@@ -55,6 +55,35 @@ class AdaptedModel:
                         self.abstract_boxed, params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
+@contextlib.contextmanager
+def flat_kernels_unpinned():
+  """While a Linen model is traced: a boxed value with more axis names than dimensions is unboxed unconstrained.
+
+  nn.DenseGeneral boxes its kernel at the flat 2-D shape with the names of the
+  final 3-D/4-D kernel, then reshapes; Linen's apply re-runs that initializer
+  abstractly to check shapes. Under an abstract mesh Flax 0.12 pins the
+  unboxed value to its names, and a rank-4 spec on a rank-2 value fails
+  (test_brought_models.py, the 'do' model). Such a value is never the
+  parameter the step uses (the launcher places parameters itself), so it is
+  left unpinned; a box whose names fit its value keeps Flax's constraint.
+  """
+  originals = {cls: cls.unbox for cls in (nn.Partitioned, nn.LogicallyPartitioned)}
+
+  def wrap(unbox):
+    def unbox_fitting(self, apply_constraint=True):
+      fits = len(self.names) <= getattr(self.value, 'ndim', len(self.names))
+      return unbox(self, apply_constraint=apply_constraint and fits)
+    return unbox_fitting
+
+  for cls, unbox in originals.items():
+    cls.unbox = wrap(unbox)
+  try:
+    yield
+  finally:
+    for cls, unbox in originals.items():
+      cls.unbox = unbox
+
+
 def _signature(builder: Callable) -> tuple[set[str], bool]:
   """(keyword names the builder's signature lists, whether it takes **kwargs)."""
   # A class's own __init__: NNX's metaclass hides it behind a generic (*args, **kwargs) __call__.
@@ -148,17 +177,22 @@ class _BoundLinen:
     self._module, self._variables = module, {'params': params}
 
   def __call__(self, *args, **kwargs):
-    return self._module.apply(self._variables, *args, **kwargs)
+    with flat_kernels_unpinned():
+      return self._module.apply(self._variables, *args, **kwargs)
 
   def __getattr__(self, name):
     method = getattr(type(self._module), name)
-    return lambda *args, **kwargs: self._module.apply(self._variables, *args, method=method, **kwargs)
+
+    def call(*args, **kwargs):
+      with flat_kernels_unpinned():
+        return self._module.apply(self._variables, *args, method=method, **kwargs)
+    return call
 
 
 def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> AdaptedModel:
   def init_variables(key):
     args, kwargs = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), example_inputs)
-    with init_context():
+    with init_context(), flat_kernels_unpinned():
       return module.init(key, *args, **kwargs)
 
   try:
