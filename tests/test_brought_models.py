@@ -184,3 +184,87 @@ def test_plan_proposes_remat_only_to_a_model_that_takes_it():
   flags = {b: ' '.join(f for f, _ in plan._candidates(_config(b), mesh_shape)) for b in ('prefix', 'gemma_style')}
   assert 'remat' not in flags['prefix'] and 'mesh.fsdp=4' in flags['prefix']
   assert '--config.train.remat_policy=full' in flags['gemma_style']
+
+
+def _lm1b_packed(tmp_path, positions: str):
+  config = _config('lm1b', steps=2)
+  config.data.source, config.data.text_dir, config.data.packing = 'text', str(make_text_dir(tmp_path)), True
+  config.data.packed_positions = positions  # 2000-byte documents: offsets within one run to 1999, past max_len 32.
+  config.model.packed_kwarg_names = ('inputs_segmentation', 'inputs_positions')
+  config.model.unshifted_inputs = True  # It shifts right itself: fed the targets, its logits[t] score targets[t].
+  return config
+
+
+def test_an_lm1b_style_model_trains_on_packed_rows_with_its_own_keywords_and_row_positions(tmp_path):
+  loop.run(_lm1b_packed(tmp_path, 'row'), str(tmp_path / 'run'))
+  losses = [r['loss'] for r in read_metrics(tmp_path / 'run') if 'loss' in r]
+  assert len(losses) == 2 and all(np.isfinite(losses)) and abs(losses[0] - np.log(256)) < 1.0, losses
+
+
+def test_document_positions_past_a_learned_table_say_so_when_the_loss_is_not_finite(tmp_path):
+  from trainer import guardrails
+  with pytest.raises(guardrails.NonFiniteError, match=r'step 1: non-finite loss.*Packing is on: positions= are '
+                                                      r'offsets within each document.*data.packed_positions=row'):
+    loop.run(_lm1b_packed(tmp_path, 'document'), str(tmp_path / 'run'))
+
+
+def test_packed_rows_positions_restart_in_each_rows_piece_of_a_document():
+  docs = data.documents.InMemoryDocuments(np.arange(100, dtype=np.int32), np.array([0, 50]), 'test')
+  by_document, by_row = (data.PackedRows(docs, 16, positions=p)[3] for p in ('document', 'row'))
+  # Row 3 holds pairs 48..63: document 0's last pair (its 49th), then document 1's first 15.
+  assert by_document['positions'].tolist() == [48] + list(range(15))
+  assert by_row['positions'].tolist() == [0] + list(range(15))
+  assert by_row['segment_ids'].tolist() == by_document['segment_ids'].tolist() == [1] + [2] * 15
+
+
+def _vit(strategy='jit', mesh=(2, 2, 2)):
+  config = _config('vit', strategy, mesh, steps=2)
+  config.model.task, config.data.image_shape, config.model.num_classes, config.model.patch_size = 'classifier', (8, 8, 3), 4, 4
+  config.train.eval_batches = 1
+  return config
+
+
+def test_a_required_call_keyword_is_named_with_the_key_that_passes_it(tmp_path):
+  with pytest.raises(UserError, match=r"its call requires train=.*--config.model.call_kwargs=\"\(\('train', True\),\)\"") as e:
+    job.build_job(_vit())
+  assert '\n' not in str(e.value)
+
+
+@pytest.mark.parametrize('strategy,mesh', [('jit', (2, 2, 2)), ('shard_map', (4, 2, 1)), ('pmap', (8, 1, 1))])
+def test_a_vit_style_model_with_a_required_train_keyword_trains_under_every_strategy(strategy, mesh, tmp_path):
+  config = _vit(strategy, mesh)
+  config.model.call_kwargs, config.model.eval_call_kwargs = (('train', True),), (('train', False),)
+  loop.run(config, str(tmp_path))
+  records = read_metrics(tmp_path)
+  assert len([r for r in records if 'loss' in r]) == 2
+  assert [0 <= r['eval_accuracy'] <= 1 for r in records if 'eval_accuracy' in r] == [True]
+
+
+def test_eval_calls_the_model_with_its_own_keywords():
+  from trainer.models import call_convention
+  config = _vit()
+  config.model.call_kwargs = (('train', True), ('depth', 2))
+  config.model.eval_call_kwargs = (('train', False),)
+  train = call_convention.CallConvention.from_config(config.model)
+  evaluating = call_convention.CallConvention.from_config(config.model, evaluating=True)
+  seen = []
+  train.wrap(lambda x, **kw: seen.append(kw))(0, segment_ids=1, positions=2)
+  evaluating.wrap(lambda x, **kw: seen.append(kw))(0)
+  assert seen == [{'segment_ids': 1, 'positions': 2, 'train': True, 'depth': 2}, {'train': False, 'depth': 2}]
+  config.model.packed_kwarg_names = ('inputs_segmentation', 'inputs_positions')
+  call_convention.CallConvention.from_config(config.model).wrap(lambda x, **kw: seen.append(kw))(0, segment_ids=1,
+                                                                                                 positions=2)
+  assert seen[-1] == {'inputs_segmentation': 1, 'inputs_positions': 2, 'train': True, 'depth': 2}
+
+
+def test_the_log_says_remat_and_bf16_reach_a_model_through_its_own_keywords(caplog):
+  config = _config('gemma_style', mesh=(8, 1, 1))
+  config.train.remat_policy, config.train.compute_dtype = 'full', 'bfloat16'
+  with caplog.at_level('INFO'):
+    _task(config)
+  messages = [r.getMessage() for r in caplog.records]
+  name = 'tests.third_party.glue:gemma_style'
+  assert (f"train.remat_policy='full': applied by model.name='{name}' itself (passed as its builder's remat_policy= "
+          f"keyword; the launcher does not rematerialize it again).") in messages
+  assert (f"train.compute_dtype=bfloat16: model.name='{name}' computes in bfloat16 (passed as its builder's dtype= "
+          f"keyword; parameters stay float32).") in messages

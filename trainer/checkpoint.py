@@ -39,6 +39,11 @@ from trainer.safety import disk
 _UNSAFE_SECTIONS = ('model',)
 # Model keys that change how the step computes, never the parameters: a run may resume under another value.
 _KERNEL_ONLY_KEYS = ('attention',)
+
+
+def _as_saved(value):
+  """A config value as the manifest's JSON gives it back (tuples come back as lists)."""
+  return json.loads(json.dumps(value))
 _TMP_MARK = '.orbax-checkpoint-tmp'
 # Where Orbax's JsonSave of the 'manifest' item puts it in a step folder (tests/test_gcs.py lists the object).
 _MANIFEST_FILE = 'manifest/metadata'
@@ -197,7 +202,8 @@ class Checkpointer:
       raise UserError(f'checkpoint {self.directory / str(step)} has no readable manifest ({type(e).__name__}); '
                       f'it was not written by this launcher or is damaged. Use a fresh --workdir.') from e
     diffs = [f'model.{k}: checkpoint {saved["model"].get(k)!r} vs config {v!r}'
-             for k, v in manifest['model'].items() if saved['model'].get(k) != v and k not in _KERNEL_ONLY_KEYS]
+             for k, v in manifest['model'].items()
+             if saved['model'].get(k) != _as_saved(v) and k not in _KERNEL_ONLY_KEYS]
     if not diffs and saved['param_shapes'] != manifest['param_shapes']:
       diffs = ['parameter shapes differ']
     if diffs:

@@ -51,6 +51,17 @@ def validate(mode: str) -> None:
     raise UserError(f'train.on_nonfinite={mode!r}: choose one of {MODES}.')
 
 
+def packing_hint(data_config) -> str:
+  """What packed rows feed the model that can make it non-finite at once; '' when packing is off."""
+  if not data_config.packing:
+    return ''
+  if data_config.get('packed_positions', 'document') == 'document':
+    return (' Packing is on: positions= are offsets within each document, which run past data.seq_len in long '
+            'documents; a model with a learned position table of seq_len rows reads past its end (NaN): set '
+            '--config.data.packed_positions=row.')
+  return ' Packing is on: positions= are offsets within each row\'s piece of a document (< data.seq_len).'
+
+
 def guard_optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
   """Drops any update whose gradients are not all finite; never gives in (int32 max consecutive errors)."""
   return optax.apply_if_finite(tx, max_consecutive_errors=int(np.iinfo(np.int32).max))
@@ -64,9 +75,10 @@ def leaf_finite(grads) -> jax.Array:
 class Guard:
   """Checks each step's metrics once; see the module docstring for what each mode does."""
 
-  def __init__(self, mode: str, leaf_names: list[str]):
+  def __init__(self, mode: str, leaf_names: list[str], data_hint: str = ''):
     validate(mode)
     self.mode, self._names = mode, leaf_names
+    self._data_hint = data_hint  # A sentence on what the data feeds the model that can cause it (packing_hint).
     self._last_checked = None
     self._skip_at = None  # After a rollback: the step whose batch is drawn and dropped.
     self._rolled_back_at = set()
@@ -93,7 +105,7 @@ class Guard:
             f'step {step}: {self._skipped} of the {self._checked} steps checked in this launch were non-finite and '
             f'skipped (train.on_nonfinite=skip); stopped, since the model no longer trains and saving it on would '
             f'replace the good checkpoints. A relaunch resumes from the last good one: lower train.learning_rate or '
-            f'check the data.')
+            f'check the data.{self._data_hint}')
     elif self.mode == 'rollback' and step not in self._rolled_back_at:
       raise Rollback(step, what)
     else:
@@ -101,7 +113,7 @@ class Guard:
       raise NonFiniteError(
           f'step {step}: {what}{again}. Stopped (train.on_nonfinite={self.mode}); the update was not applied and '
           f'no checkpoint of this step or later was written, so a relaunch resumes from the last good one. '
-          f'Lower train.learning_rate, check the data, or set train.on_nonfinite=skip or rollback.')
+          f'Lower train.learning_rate, check the data, or set train.on_nonfinite=skip or rollback.{self._data_hint}')
 
   def roll_back(self, rollback: Rollback, ckpt, abstract_with_shardings, train_iter):
     """(step, state) of the newest intact checkpoint before the bad step; its batch will be skipped on replay."""

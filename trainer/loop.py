@@ -126,7 +126,8 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
   if process_index == 0:
     (storage.path(workdir) / 'config.json').write_text(config.to_json_best_effort(indent=2))
     writer.write_config(config)
-  guard = guardrails.Guard(config.train.on_nonfinite, list(manifest['param_shapes']))
+  guard = guardrails.Guard(config.train.on_nonfinite, list(manifest['param_shapes']),
+                           guardrails.packing_hint(config.data) if config.model.task == 'lm' else '')
   preempt = preemption.PreemptionWatch()
   profiler = profiling.Profiler(config.profile, workdir, first_step=(latest or 0) + 1, total_steps=config.train.steps,
                                 goodput=tracker)

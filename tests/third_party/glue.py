@@ -4,11 +4,11 @@ Each model's own axis names that are not the launcher's go in the config,
 as `parallel.extra_axis_rules` (RULES below); nothing else is needed.
 """
 
-from tests.third_party import do_linen, meshy_linen, nnx_lm, prefix_linen
+from tests.third_party import do_linen, lm1b_linen, meshy_linen, nnx_lm, prefix_linen, vit_linen
 from trainer.memory import remat
 
 RULES = {'meshy': (('model', 'tensor'),), 'prefix': (('kv', 'tensor'), ('joined_kv', 'tensor')),
-         'gemma_style': (('tp', 'tensor'),), 'do': ()}
+         'gemma_style': (('tp', 'tensor'),), 'do': (), 'lm1b': (('kv', None),), 'vit': ()}
 
 
 def meshy(config, dtype):  # Its mesh axis 'data' is the launcher's; 'model' is mapped by a rule.
@@ -40,3 +40,15 @@ def do(config, dtype):  # Names only the launcher's own mesh axis 'data': no rul
   return do_linen.TransformerDo(do_linen.DoConfig(m.d_model, m.num_heads, config.data.seq_len, m.num_layers,
                                                   m.vocab_size, m.mlp_dim, dtype=dtype))
 
+
+
+def lm1b(config, dtype):  # Config keys do the rest: model.unshifted_inputs, model.packed_kwarg_names, packed_positions.
+  m = config.model
+  return lm1b_linen.TransformerLM(lm1b_linen.TransformerConfig(m.vocab_size, m.d_model, m.num_heads, m.num_layers,
+                                                               m.d_model, m.mlp_dim, config.data.seq_len, dtype))
+
+
+def vit(config, dtype):  # Its required train= comes from model.call_kwargs / model.eval_call_kwargs.
+  m = config.model
+  return vit_linen.VisionTransformer(vit_linen.ViTConfig(m.num_classes, m.patch_size, m.d_model, m.num_heads,
+                                                         m.num_layers, m.mlp_dim, dtype=dtype))

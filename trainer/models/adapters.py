@@ -21,6 +21,7 @@ initial parameters from `train.seed`.
 import contextlib
 import dataclasses
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,8 @@ from trainer.errors import UserError
 Params = Any  # Nested dict of arrays.
 # What to do when a model does not take the packed-row keywords (here for Linen at init, contract.py for the rest).
 PACKING_FIX = ('data.packing=True calls the model with segment_ids= and positions=: take them in its __call__ (and '
-               'keep attention within a segment), or set --config.data.packing=False')
+               'keep attention within a segment), name its own keywords for them with --config.model.packed_kwarg_names'
+               '="(\'inputs_segmentation\', \'inputs_positions\')" (for example), or set --config.data.packing=False')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,17 +193,15 @@ class _BoundLinen:
 
 def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> AdaptedModel:
   def init_variables(key):
-    args, kwargs = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), example_inputs)
+    args, kwargs = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct)
+                                else s, example_inputs)  # Constant keywords (model.call_kwargs) as they are.
     with init_context(), flat_kernels_unpinned():
       return module.init(key, *args, **kwargs)
 
   try:
     variables = jax.eval_shape(init_variables, jax.random.key(0))
   except TypeError as e:
-    packed = [k for k in example_inputs[1] if f"'{k}'" in str(e)]
-    if not packed:
-      raise
-    raise UserError(f'model.name={name!r} takes no {packed[0]}= keyword, and {PACKING_FIX}.') from e
+    raise _call_error(e, name, example_inputs[1]) from e
   others = sorted(set(variables) - {'params'})
   if others:
     raise UserError(f'model.name={name!r} creates variable collections {others} besides "params". The launcher '
@@ -210,3 +210,22 @@ def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> 
   return AdaptedModel('linen', type(module).__name__, type(module), variables['params'],
                       lambda key: nn.meta.unbox(init_variables(key)['params']),
                       lambda params: _BoundLinen(module, params))
+
+
+def _call_error(e: TypeError, name: str, kwargs: dict) -> Exception:
+  """A UserError for a call the model's signature refuses (a keyword it lacks or requires); else `e` itself."""
+  text = str(e)
+  missing = re.search(r"missing \d+ required (?:keyword-only |positional )?arguments?: '(\w+)'", text)
+  if missing:
+    key = missing.group(1)
+    return UserError(f'model.name={name!r}: its call requires {key}= ({text}); the launcher calls it with '
+                     f'{sorted(kwargs) or "no keywords"}: pass a constant with --config.model.call_kwargs='
+                     f'"((\'{key}\', True),)" (and --config.model.eval_call_kwargs="((\'{key}\', False),)" for eval, '
+                     f'if it differs).')
+  given = [k for k in kwargs if f"'{k}'" in text]
+  if not given:
+    return e
+  if isinstance(kwargs[given[0]], jax.ShapeDtypeStruct):  # A packed-row keyword.
+    return UserError(f'model.name={name!r} takes no {given[0]}= keyword, and {PACKING_FIX}.')
+  return UserError(f'model.name={name!r} takes no {given[0]}= keyword ({text}): remove it from model.call_kwargs / '
+                   f'model.eval_call_kwargs.')

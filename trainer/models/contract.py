@@ -114,12 +114,16 @@ def check_alignment(job, seed: int) -> None:
 
   @jax.jit
   def moved(params, a, b):
-    outputs = [task.outputs(params, {'inputs': x, **{k: extra[k] for k in keys}}).astype(jnp.float32) for x in (a, b)]
+    outputs = [task.outputs(params, {'inputs': x, 'targets': x, **{k: extra[k] for k in keys}}).astype(jnp.float32)
+               for x in (a, b)]
     return jnp.max(jnp.abs(outputs[0] - outputs[1]), axis=(0, 2))  # Per position.
 
   change = np.asarray(moved(params, tokens, changed))
   scale = max(float(change.max()), 1e-30)
   name = config.model.name
+  if getattr(task.objective, 'feed', 'inputs') == 'targets':
+    _check_unshifted(change, p, scale, name)
+    return
   if change[:p].max() > 1e-3 * scale:
     first = int(np.argmax(change[:p] > 1e-3 * scale))
     raise UserError(f'model.name={name!r} is not causal: changing inputs[{p}] changed the logits at position {first}, '
@@ -129,6 +133,23 @@ def check_alignment(job, seed: int) -> None:
   if change[p] <= 1e-3 * scale:
     raise UserError(f'model.name={name!r}: its logits at position {p} do not depend on inputs[{p}], so it shifts its '
                     f'inputs itself; the launcher\'s batches are already shifted (logits[t] scores targets[t] = '
-                    f'inputs[t+1]), so it would train one token further ahead. Remove the model\'s own shift (or set '
+                    f'inputs[t+1]), so it would train one token further ahead. Remove the model\'s own shift, or set '
+                    f'--config.model.unshifted_inputs=True to feed it unshifted rows (or set '
                     f'--config.model.check_alignment=False if this is intended).')
   logging.info('model.name=%r: logits[t] read inputs[t] and no later input (alignment probe at position %d).', name, p)
+
+
+def _check_unshifted(change, p: int, scale: float, name: str) -> None:
+  """model.unshifted_inputs: the model is fed the targets and shifts them itself, so logits[t] read fed[t-1]."""
+  if change[:p].max() > 1e-3 * scale:
+    first = int(np.argmax(change[:p] > 1e-3 * scale))
+    raise UserError(f'model.name={name!r} is not causal: changing its input at {p} changed the logits at position '
+                    f'{first}, before it; mask attention causally (or set --config.model.check_alignment=False if '
+                    f'this is intended).')
+  if change[p] > 1e-3 * scale:
+    raise UserError(f'model.name={name!r}: model.unshifted_inputs=True feeds it the targets for it to shift right, but '
+                    f'its logits at position {p} read its input at {p}: it does not shift. Set '
+                    f'--config.model.unshifted_inputs=False.')
+  if p + 1 < len(change) and change[p + 1] <= 1e-3 * scale:
+    raise UserError(f'model.name={name!r}: with model.unshifted_inputs=True its logits at position {p + 1} should read '
+                    f'its input at {p} (it shifts right by one), and they do not; check how the model shifts its rows.')
