@@ -268,3 +268,13 @@ def test_the_log_says_remat_and_bf16_reach_a_model_through_its_own_keywords(capl
           f"keyword; the launcher does not rematerialize it again).") in messages
   assert (f"train.compute_dtype=bfloat16: model.name='{name}' computes in bfloat16 (passed as its builder's dtype= "
           f"keyword; parameters stay float32).") in messages
+
+
+@pytest.mark.parametrize('strategy,mesh', [('jit', (2, 2, 2)), ('shard_map', (4, 2, 1)), ('pmap', (8, 1, 1))])
+def test_a_model_written_for_explicit_mesh_axes_is_told_what_to_remove(strategy, mesh, tmp_path):
+  with pytest.raises(UserError) as refused:
+    loop.run(_config('gemma_explicit', strategy, mesh), str(tmp_path))
+  message = str(refused.value)
+  assert "the launcher's mesh axes are Auto (Manual inside 'shard_map'): remove those out_sharding= arguments" in message
+  assert 'fix the model' not in message and '\n' not in message
+  assert '(raised at ' in message and 'nnx_lm.py:' in message  # Where: the model's own line.

@@ -8,7 +8,7 @@ from tests.third_party import do_linen, lm1b_linen, meshy_linen, nnx_lm, prefix_
 from trainer.memory import remat
 
 RULES = {'meshy': (('model', 'tensor'),), 'prefix': (('kv', 'tensor'), ('joined_kv', 'tensor')),
-         'gemma_style': (('tp', 'tensor'),), 'do': (), 'lm1b': (('kv', None),), 'vit': ()}
+         'gemma_style': (('tp', 'tensor'),), 'do': (), 'lm1b': (('kv', None),), 'vit': (), 'gemma_explicit': (('tp', 'tensor'),)}
 
 
 def meshy(config, dtype):  # Its mesh axis 'data' is the launcher's; 'model' is mapped by a rule.
@@ -27,10 +27,9 @@ def prefix_as_published(config):  # Shifts its inputs itself: the launcher's ali
   return prefix(config, shift=True)
 
 
-def gemma_style(config, *, rngs, dtype, remat_policy):
+def gemma_style(config, *, rngs, dtype, remat_policy, sharding=nnx_lm.ShardingConfig.fsdp_tp):
   m = config.model
-  cfg = nnx_lm.TransformerConfig(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.mlp_dim,
-                                 nnx_lm.ShardingConfig.fsdp_tp())
+  cfg = nnx_lm.TransformerConfig(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.mlp_dim, sharding())
   policy = False if remat_policy == 'none' else remat.checkpoint_policy(remat_policy)
   return nnx_lm.Transformer(cfg, rngs=rngs, dtype=dtype, remat_policy=policy)
 
@@ -52,3 +51,8 @@ def vit(config, dtype):  # Its required train= comes from model.call_kwargs / mo
   m = config.model
   return vit_linen.VisionTransformer(vit_linen.ViTConfig(m.num_classes, m.patch_size, m.d_model, m.num_heads,
                                                          m.num_layers, m.mlp_dim, dtype=dtype))
+
+
+def gemma_explicit(config, *, rngs, dtype, remat_policy):  # Refused: its out_sharding= needs Explicit mesh axes.
+  return gemma_style(config, rngs=rngs, dtype=dtype, remat_policy=remat_policy,
+                     sharding=nnx_lm.ShardingConfig.fsdp_tp_explicit)

@@ -45,6 +45,12 @@ def _cause(e: Exception) -> str:
   return f'{type(e).__name__}: {text}', where
 
 
+def _raised_in_sharded_matmul(e: Exception) -> bool:
+  """Whether jax's einsum/dot raised it over a PartitionSpec: a model passing out_sharding= (sharding in types)."""
+  frames = traceback.extract_tb(e.__traceback__)  # jax filters its own frames out: the model's line tells.
+  return any('out_sharding' in (f.line or '') or f.name in ('einsum', 'dot', 'matmul', 'dot_general') for f in frames)
+
+
 def _launcher_file(path: str) -> bool:
   return any(path.startswith(str(_REPO / part)) for part in ('parallel', 'trainer'))
 
@@ -80,10 +86,11 @@ def check_strategy(job) -> None:
     other = " or try --config.parallel.strategy=jit" if strategy != 'jit' else ''
     if isinstance(e, TypeError) and any(f"'{k}'" in cause for k in data.PACKED_KEYS):
       fix = adapters.PACKING_FIX
-    elif 'of type auto' in lowered or 'explicit' in lowered and 'axis' in lowered:
+    elif 'of type auto' in lowered or _raised_in_sharded_matmul(e):
       fix = ("the model shards for a mesh with Explicit axes (out_sharding= on its einsums/dots, or "
-             "jax.sharding.reshard), but the launcher's mesh axes are Auto: remove those out_sharding= arguments "
-             "(e.g. choose the model's own no-sharding config); the launcher shards parameters from their names")
+             "jax.sharding.reshard), but the launcher's mesh axes are Auto (Manual inside 'shard_map'): remove those "
+             "out_sharding= arguments (e.g. choose the model's own no-sharding config); the launcher shards "
+             "parameters from their names")
     elif strategy != 'jit' and any(h in lowered for h in _CONSTRAINT_HINTS):
       fix = (f"the model pins activation shardings, which only parallel.strategy='jit' can honour (under "
              f"{strategy!r} it runs on each device's shard); use --config.parallel.strategy=jit")
