@@ -233,13 +233,15 @@ def test_packed_rows_positions_restart_in_each_rows_piece_of_a_document():
 
 def _vit(strategy='jit', mesh=(2, 2, 2)):
   config = _config('vit', strategy, mesh, steps=2)
-  config.model.task, config.data.image_shape, config.model.num_classes, config.model.patch_size = 'classifier', (8, 8, 3), 4, 4
+  config.model.task, config.data.image_shape = 'classifier', (8, 8, 3)
+  config.model.num_classes, config.model.patch_size = 4, 4
   config.train.eval_batches = 1
   return config
 
 
 def test_a_required_call_keyword_is_named_with_the_key_that_passes_it(tmp_path):
-  with pytest.raises(UserError, match=r"its call requires train=.*--config.model.call_kwargs=\"\(\('train', True\),\)\"") as e:
+  with pytest.raises(UserError, match=r"its call requires train=.*"
+                                      r"--config.model.call_kwargs=\"\(\('train', True\),\)\"") as e:
     job.build_job(_vit())
   assert '\n' not in str(e.value)
 
@@ -289,6 +291,7 @@ def test_a_model_written_for_explicit_mesh_axes_is_told_what_to_remove(strategy,
   with pytest.raises(UserError) as refused:
     loop.run(_config('gemma_explicit', strategy, mesh), str(tmp_path))
   message = str(refused.value)
-  assert "the launcher's mesh axes are Auto (Manual inside 'shard_map'): remove those out_sharding= arguments" in message
+  assert ("the launcher's mesh axes are Auto (Manual inside 'shard_map'): remove those out_sharding= arguments"
+          in message), message
   assert 'fix the model' not in message and '\n' not in message
   assert '(raised at ' in message and 'nnx_lm.py:' in message  # Where: the model's own line.

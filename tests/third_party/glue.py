@@ -1,14 +1,17 @@
 """All the glue between the launcher and this folder's models: one builder each, at most 10 lines.
 
 Each model's own axis names that are not the launcher's go in the config,
-as `parallel.extra_axis_rules` (RULES below); nothing else is needed.
+as `parallel.extra_axis_rules` (RULES below); call conventions too (the
+model.call_kwargs / packed_kwarg_names / unshifted_inputs keys, set in
+tests/test_brought_models.py); nothing else is needed.
 """
 
 from tests.third_party import do_linen, lm1b_linen, meshy_linen, nnx_lm, prefix_linen, vit_linen
 from trainer.memory import remat
 
 RULES = {'meshy': (('model', 'tensor'),), 'prefix': (('kv', 'tensor'), ('joined_kv', 'tensor')),
-         'gemma_style': (('tp', 'tensor'),), 'do': (), 'lm1b': (('kv', None),), 'vit': (), 'gemma_explicit': (('tp', 'tensor'),)}
+         'gemma_style': (('tp', 'tensor'),), 'gemma_explicit': (('tp', 'tensor'),), 'do': (), 'lm1b': (('kv', None),),
+         'vit': ()}
 
 
 def meshy(config, dtype):  # Its mesh axis 'data' is the launcher's; 'model' is mapped by a rule.

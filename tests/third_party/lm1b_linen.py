@@ -75,7 +75,8 @@ class TransformerLM(nn.Module):
   def __call__(self, inputs, inputs_positions=None, inputs_segmentation=None):
     c = self.config
     y = shift_right(inputs, inputs_segmentation)
-    x = nn.Embed(c.vocab_size, c.emb_dim, embedding_init=_logical('vocab', 'embed', init=nn.initializers.normal(1.0)))(y)
+    embedding_init = _logical('vocab', 'embed', init=nn.initializers.normal(1.0))
+    x = nn.Embed(c.vocab_size, c.emb_dim, embedding_init=embedding_init)(y)
     x = AddPositionEmbs(c)(x.astype(c.dtype), inputs_positions)
     mask = nn.make_causal_mask(inputs)
     if inputs_segmentation is not None:

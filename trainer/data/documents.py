@@ -133,7 +133,8 @@ class PackedRows:
         inputs.append(tokens[:-1])
         targets.append(tokens[1:])
         segments.append(np.full(b - a, len(segments) + 1, np.int32))
-        positions.append(np.arange(0, b - a, dtype=np.int32) if self._row_positions else np.arange(a, b, dtype=np.int32))
+        first = 0 if self._row_positions else a
+        positions.append(np.arange(first, first + b - a, dtype=np.int32))
         lo += b - a
       d += 1
     return {'inputs': np.concatenate(inputs), 'targets': np.concatenate(targets),

@@ -36,8 +36,8 @@ _CONSTRAINT_HINTS = ('mesh context', 'resource axis', 'with_sharding_constraint'
                      'not found in mesh', 'manual')
 
 
-def _cause(e: Exception) -> str:
-  """The whole message on one line, and where it was raised: the deepest frame outside jax and Flax."""
+def _cause(e: Exception) -> tuple[str, str]:
+  """(the whole message on one line, where it was raised: the deepest frame outside jax and Flax, as file:line)."""
   text = ' '.join(line.strip() for line in str(e).splitlines() if line.strip())
   frames = [f for f in traceback.extract_tb(e.__traceback__)
             if not any(part in f.filename for part in ('/jax/', '/jaxlib/', '/flax/', '/contextlib.py'))]
