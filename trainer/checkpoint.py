@@ -39,11 +39,6 @@ from trainer.safety import disk
 _UNSAFE_SECTIONS = ('model',)
 # Model keys that change how the step computes, never the parameters: a run may resume under another value.
 _KERNEL_ONLY_KEYS = ('attention',)
-
-
-def _as_saved(value):
-  """A config value as the manifest's JSON gives it back (tuples come back as lists)."""
-  return json.loads(json.dumps(value))
 _TMP_MARK = '.orbax-checkpoint-tmp'
 # Where Orbax's JsonSave of the 'manifest' item puts it in a step folder (tests/test_gcs.py lists the object).
 _MANIFEST_FILE = 'manifest/metadata'
@@ -113,6 +108,11 @@ def safe_differences(saved: dict[str, Any], manifest: dict[str, Any]) -> list[st
 
 def _normal(value):
   return list(value) if isinstance(value, tuple) else value
+
+
+def _as_saved(value):
+  """A config value as the manifest's JSON gives it back (tuples come back as lists)."""
+  return json.loads(json.dumps(value))
 
 
 class Checkpointer:

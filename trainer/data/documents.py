@@ -71,12 +71,9 @@ class InMemoryDocuments(Documents):
 class StreamWindows:
   """Grain random-access source: example i is stream tokens [i*L, i*L + L + 1) as inputs/targets."""
 
-  def __init__(self, documents: Documents, seq_len: int, positions: str = 'document'):
-    """`positions`: 'document' (a token's offset in its document) or 'row' (its offset in its piece of this row,
-    always < seq_len: what a model with a learned table of seq_len positions can read)."""
+  def __init__(self, documents: Documents, seq_len: int):
     self._documents = documents
     self._seq_len = seq_len
-    self._row_positions = positions == 'row'
     self._num_tokens = documents.num_tokens
 
   def __len__(self) -> int:

@@ -201,7 +201,7 @@ def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> 
   try:
     variables = jax.eval_shape(init_variables, jax.random.key(0))
   except TypeError as e:
-    raise _call_error(e, name, example_inputs[1]) from e
+    raise call_error(e, name, example_inputs[1]) from e
   others = sorted(set(variables) - {'params'})
   if others:
     raise UserError(f'model.name={name!r} creates variable collections {others} besides "params". The launcher '
@@ -212,10 +212,10 @@ def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> 
                       lambda params: _BoundLinen(module, params))
 
 
-def _call_error(e: TypeError, name: str, kwargs: dict) -> Exception:
+def call_error(e: TypeError, name: str, kwargs: dict) -> Exception:
   """A UserError for a call the model's signature refuses (a keyword it lacks or requires); else `e` itself."""
   text = str(e)
-  missing = re.search(r"missing \d+ required (?:keyword-only |positional )?arguments?: '(\w+)'", text)
+  missing = re.search(r"__call__\(\) missing \d+ required (?:keyword-only |positional )?arguments?: '(\w+)'", text)
   if missing:
     key = missing.group(1)
     return UserError(f'model.name={name!r}: its call requires {key}= ({text}); the launcher calls it with '

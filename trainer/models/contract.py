@@ -81,26 +81,34 @@ def check_strategy(job) -> None:
   except UserError:
     raise
   except Exception as e:  # Whatever the model raised while traced: one line, with the fix where it is known.
-    cause, where = _cause(e)
-    lowered = cause.lower()
-    other = " or try --config.parallel.strategy=jit" if strategy != 'jit' else ''
-    if isinstance(e, TypeError) and any(f"'{k}'" in cause for k in data.PACKED_KEYS):
-      fix = adapters.PACKING_FIX
-    elif 'of type auto' in lowered or _raised_in_sharded_matmul(e):
-      fix = ("the model shards for a mesh with Explicit axes (out_sharding= on its einsums/dots, or "
-             "jax.sharding.reshard), but the launcher's mesh axes are Auto (Manual inside 'shard_map'): remove those "
-             "out_sharding= arguments (e.g. choose the model's own no-sharding config); the launcher shards "
-             "parameters from their names")
-    elif strategy != 'jit' and any(h in lowered for h in _CONSTRAINT_HINTS):
-      fix = (f"the model pins activation shardings, which only parallel.strategy='jit' can honour (under "
-             f"{strategy!r} it runs on each device's shard); use --config.parallel.strategy=jit")
-    elif _launcher_file(where):
-      fix = f"this failed inside the launcher ({where}), not the model: please report it with this line{other}"
-    else:
-      fix = f"change the model where it raised ({where or 'see the traceback above'}){other}"
-    raise UserError(f'model.name={name!r} cannot run under parallel.strategy={strategy!r} on mesh '
-                    f'{dict(mesh.shape)}: {cause} (raised at {where or "an unknown place"}). To fix: {fix}.') from e
+    keyword = adapters.call_error(e, name, {}) if isinstance(e, TypeError) else e  # A keyword its call requires.
+    if isinstance(keyword, UserError):
+      raise keyword from e
+    _refuse(e, name, strategy, mesh)
   logging.info('model.name=%r traces under parallel.strategy=%r on mesh %s.', name, strategy, dict(mesh.shape))
+
+
+def _refuse(e: Exception, name: str, strategy: str, mesh) -> None:
+  """Raises the one-line UserError for what the model raised while traced."""
+  cause, where = _cause(e)
+  lowered = cause.lower()
+  other = " or try --config.parallel.strategy=jit" if strategy != 'jit' else ''
+  if isinstance(e, TypeError) and any(f"'{k}'" in cause for k in data.PACKED_KEYS):
+    fix = adapters.PACKING_FIX
+  elif 'of type auto' in lowered or _raised_in_sharded_matmul(e):
+    fix = ("the model shards for a mesh with Explicit axes (out_sharding= on its einsums/dots, or "
+           "jax.sharding.reshard), but the launcher's mesh axes are Auto (Manual inside 'shard_map'): remove those "
+           "out_sharding= arguments (e.g. choose the model's own no-sharding config); the launcher shards "
+           "parameters from their names")
+  elif strategy != 'jit' and any(h in lowered for h in _CONSTRAINT_HINTS):
+    fix = (f"the model pins activation shardings, which only parallel.strategy='jit' can honour (under "
+           f"{strategy!r} it runs on each device's shard); use --config.parallel.strategy=jit")
+  elif _launcher_file(where):
+    fix = f"this failed inside the launcher ({where}), not the model: please report it with this line{other}"
+  else:
+    fix = f"change the model where it raised ({where or 'see the traceback above'}){other}"
+  raise UserError(f'model.name={name!r} cannot run under parallel.strategy={strategy!r} on mesh '
+                  f'{dict(mesh.shape)}: {cause} (raised at {where or "an unknown place"}). To fix: {fix}.') from e
 
 
 def check_alignment(job, seed: int) -> None:
