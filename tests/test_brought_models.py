@@ -213,6 +213,9 @@ def test_an_lm1b_style_model_trains_on_packed_rows_with_its_own_keywords_and_row
   loop.run(_lm1b_packed(tmp_path, 'row'), str(tmp_path / 'run'))
   losses = [r['loss'] for r in read_metrics(tmp_path / 'run') if 'loss' in r]
   assert len(losses) == 2 and all(np.isfinite(losses)) and abs(losses[0] - np.log(256)) < 1.0, losses
+  # Sampled from its checkpoint, fed the way it was trained (the window shifted left one).
+  text = sample.sample(str(tmp_path / 'run'), 'def ', 3, 0.8, 0, 'latest')
+  assert text.startswith(b'def ') and len(text) == 7
 
 
 def test_document_positions_past_a_learned_table_say_so_when_the_loss_is_not_finite(tmp_path):
