@@ -93,6 +93,8 @@ def get_config() -> config_dict.ConfigDict:
   c.data.text_dir = config_dict.placeholder(str)  # Folder of text files; None = the running Python's stdlib.
   c.data.path = config_dict.placeholder(str)  # 'array_record': folder from scripts/prepare_data.py; 'arrays': .npz or folder of .npy.
   c.data.packing = False  # Pack documents into rows with segment_ids/positions (no attention or loss across documents).
+  # Packed positions for brought models (issue 24)
+  c.data.packed_positions = 'document'  # Packing: 'document' (offset in the document) or 'row' (offset in its piece of the row, < seq_len: for learned position tables).
   c.data.max_documents_per_row = 64  # Packing: most documents in a row, checked before compile; sizes cuDNN's attention.
   c.data.worker_count = 0  # Grain worker processes per process; 0 reads in-process (threads only).
   c.data.prefetch = 2  # Batches read ahead of the train step (by a thread, or per worker); 0 = off.
@@ -122,5 +124,10 @@ def get_config() -> config_dict.ConfigDict:
   c.model.scan_layers = config_dict.FieldReference('auto', field_type=object)  # True, False or 'auto' (any type).
   c.model.attention = 'auto'  # Attention kernel: 'auto' (cuDNN on NVIDIA GPUs, splash on TPUs, XLA elsewhere; the log says which and why), 'xla', 'cudnn' or 'splash'.
   c.model.check_alignment = True  # Your own 'lm' model: before step 1, probe that logits[t] read inputs[t] and no later input (trainer/models/contract.py).
+  # Brought models' call conventions (issue 24)
+  c.model.call_kwargs = ()  # Your model's constant call keywords as (name, value) pairs, e.g. (('train', True),); also at init.
+  c.model.eval_call_kwargs = ()  # Those to use in eval instead (same form), e.g. (('train', False),); the rest of call_kwargs stay.
+  c.model.packed_kwarg_names = ('segment_ids', 'positions')  # The keywords packed rows reach your model by, e.g. ('inputs_segmentation', 'inputs_positions') (flax lm1b).
+  c.model.unshifted_inputs = False  # True: your model shifts its rows right itself (flax lm1b, wmt); it is fed the targets, so logits[t] still score targets[t].
 
   return c

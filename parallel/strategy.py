@@ -69,7 +69,7 @@ def partition_eval_step(strategy: str, mesh: Mesh, params_shardings: Any, batch_
     param_specs = _specs(params_shardings)
 
     def local_eval(param_shards, local_batch):
-      return jax.lax.pmean(step(_gather_params(param_shards, param_specs, mesh), local_batch), mesh.axis_names)
+      return _pmean_varying(step(_gather_params(param_shards, param_specs, mesh), local_batch), mesh)
 
     per_device = jax.shard_map(local_eval, mesh=mesh, in_specs=(param_specs, _specs(batch_shardings)),
                                out_specs=PartitionSpec())
@@ -118,6 +118,20 @@ def _gather_params(param_shards, param_specs, mesh: Mesh):
     return shard
 
   return jax.tree.map(gather, param_shards, param_specs)
+
+
+def _pmean_varying(tree, mesh: Mesh):
+  """Each value's mean over the mesh axes it differs on (jax refuses a pmean over an axis it does not vary on).
+
+  Eval's parameters are not marked varying (no gradient to keep unreduced), so a
+  metric varies only on the axes the batch is split over: not on 'tensor', for one.
+  """
+
+  def mean(x):
+    axes = tuple(a for a in mesh.axis_names if a in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pmean(x, axes) if axes else x
+
+  return jax.tree.map(mean, tree)
 
 
 def _mark_varying(params, param_specs, mesh: Mesh):

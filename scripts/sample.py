@@ -14,6 +14,7 @@ tokenized as bytes) take the prompt as text and print text. Other runs know no
 tokenizer here: the prompt is token ids ('15 27 3') and the output is ids.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -86,7 +87,10 @@ def restore_model(config, workdir, step: str):
   restored, state = checkpoint.restore_for_tool(job, str(workdir), None if step == 'latest' else int(step))
   task = job.task
   # The model as the step runs it: in the compute dtype, inside the mesh context its own sharding constraints read.
-  return restored, lambda params: lambda tokens_BL: task.outputs(params, {'inputs': tokens_BL}), state.params
+  # `targets` as training has them (the window shifted left one): what a model.unshifted_inputs model is fed.
+  def outputs(params, tokens_BL):
+    return task.outputs(params, {'inputs': tokens_BL, 'targets': jax.numpy.roll(tokens_BL, -1, axis=1)})
+  return restored, lambda params: functools.partial(outputs, params), state.params
 
 
 def byte_level(config) -> bool:

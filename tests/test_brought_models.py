@@ -6,6 +6,8 @@ bf16 reaches every model; the alignment probe catches a model that shifts its
 own inputs.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,7 @@ from trainer import data, job, loop
 from trainer import task as task_lib
 from trainer.errors import UserError
 
-MODELS = ('meshy', 'prefix', 'gemma_style')
+MODELS = ('meshy', 'prefix', 'gemma_style', 'do')
 
 
 def _config(builder: str, strategy='jit', mesh=(2, 2, 2), steps=3):
@@ -94,10 +96,40 @@ def test_a_strategy_that_cannot_run_the_model_is_one_line_before_compile(builder
   assert not list(tmp_path.glob('checkpoints/[0-9]*'))
 
 
+def test_dense_general_kernels_named_for_the_launchers_mesh_train_per_device_and_pmap_says_the_rule(tmp_path):
+  """nn.DenseGeneral boxes its flat 2-D kernel with 4 names: traced under an abstract mesh this failed everywhere."""
+  config = _config('do', 'shard_map', (4, 2, 1), steps=2)
+  config.train.eval_batches = 1  # Its metrics vary over data and fsdp only: a pmean over 'tensor' too was refused.
+  loop.run(config, str(tmp_path / 'shard_map'))
+  records = read_metrics(tmp_path / 'shard_map')
+  assert len([r for r in records if 'loss' in r]) == 2
+  assert [np.isfinite(r['eval_loss']) for r in records if 'eval_loss' in r] == [True]
+  assert (tmp_path / 'shard_map' / 'checkpoints' / '2').is_dir()
+  with pytest.raises(UserError, match=r"keeps every parameter whole on every device") as refused:
+    loop.run(_config('do', 'pmap', (8, 1, 1), steps=2), str(tmp_path / 'pmap'))
+  config = _config('do', 'pmap', (8, 1, 1), steps=2)
+  config.parallel.extra_axis_rules = eval(re.search(r'extra_axis_rules="(.*)"', str(refused.value)).group(1))
+  job.build_job(config)  # The rule the message gives is one that works: train and eval steps trace under 'pmap'.
+
+
 @pytest.mark.parametrize('strategy,mesh', [('shard_map', (4, 2, 1)), ('pmap', (8, 1, 1))])
 def test_a_model_without_constraints_trains_under_the_per_device_strategies(strategy, mesh, tmp_path):
-  loop.run(_config('prefix', strategy, mesh, steps=2), str(tmp_path))
+  config = _config('lm1b', strategy, mesh, steps=2)  # Logical names; shifts its rows itself.
+  config.model.unshifted_inputs = True
+  loop.run(config, str(tmp_path))
   assert len([r for r in read_metrics(tmp_path) if 'loss' in r]) == 2
+
+
+def test_the_final_step_is_saved_before_the_final_eval(tmp_path, monkeypatch):
+  def failing_eval(*args):
+    raise RuntimeError('eval went wrong')
+
+  monkeypatch.setattr(loop, '_evaluate', failing_eval)
+  config = _config('lm1b', mesh=(8, 1, 1), steps=2)
+  config.model.unshifted_inputs, config.train.eval_batches = True, 1
+  with pytest.raises(RuntimeError, match='eval went wrong'):
+    loop.run(config, str(tmp_path))
+  assert sorted(p.name for p in (tmp_path / 'checkpoints').iterdir()) == ['2']
 
 
 def test_packed_rows_need_the_keywords_and_say_so(tmp_path):
@@ -108,7 +140,7 @@ def test_packed_rows_need_the_keywords_and_say_so(tmp_path):
     job.build_job(config)
 
 
-@pytest.mark.parametrize('builder', MODELS)
+@pytest.mark.parametrize('builder', MODELS[:3])  # 'do' takes dtype= as meshy does.
 def test_bf16_reaches_the_model(builder):
   """Logits at init, float32 vs bfloat16: apart by a bfloat16-sized amount (2^-8 relative), never equal.
 
@@ -165,3 +197,104 @@ def test_plan_proposes_remat_only_to_a_model_that_takes_it():
   flags = {b: ' '.join(f for f, _ in plan._candidates(_config(b), mesh_shape)) for b in ('prefix', 'gemma_style')}
   assert 'remat' not in flags['prefix'] and 'mesh.fsdp=4' in flags['prefix']
   assert '--config.train.remat_policy=full' in flags['gemma_style']
+
+
+def _lm1b_packed(tmp_path, positions: str):
+  config = _config('lm1b', steps=2)
+  config.data.source, config.data.text_dir, config.data.packing = 'text', str(make_text_dir(tmp_path)), True
+  config.data.packed_positions = positions  # 2000-byte documents: offsets within one run to 1999, past max_len 32.
+  config.model.packed_kwarg_names = ('inputs_segmentation', 'inputs_positions')
+  config.model.unshifted_inputs = True  # It shifts right itself: fed the targets, its logits[t] score targets[t].
+  return config
+
+
+def test_an_lm1b_style_model_trains_on_packed_rows_with_its_own_keywords_and_row_positions(tmp_path):
+  loop.run(_lm1b_packed(tmp_path, 'row'), str(tmp_path / 'run'))
+  losses = [r['loss'] for r in read_metrics(tmp_path / 'run') if 'loss' in r]
+  assert len(losses) == 2 and all(np.isfinite(losses)) and abs(losses[0] - np.log(256)) < 1.0, losses
+  # Sampled from its checkpoint, fed the way it was trained (the window shifted left one).
+  text = sample.sample(str(tmp_path / 'run'), 'def ', 3, 0.8, 0, 'latest')
+  assert text.startswith(b'def ') and len(text) == 7
+
+
+def test_document_positions_past_a_learned_table_say_so_when_the_loss_is_not_finite(tmp_path):
+  from trainer import guardrails
+  with pytest.raises(guardrails.NonFiniteError, match=r'step 1: non-finite loss.*Packing is on: positions= are '
+                                                      r'offsets within each document.*data.packed_positions=row'):
+    loop.run(_lm1b_packed(tmp_path, 'document'), str(tmp_path / 'run'))
+
+
+def test_packed_rows_positions_restart_in_each_rows_piece_of_a_document():
+  docs = data.documents.InMemoryDocuments(np.arange(100, dtype=np.int32), np.array([0, 50]), 'test')
+  by_document, by_row = (data.PackedRows(docs, 16, positions=p)[3] for p in ('document', 'row'))
+  # Row 3 holds pairs 48..63: document 0's last pair (its 49th), then document 1's first 15.
+  assert by_document['positions'].tolist() == [48] + list(range(15))
+  assert by_row['positions'].tolist() == [0] + list(range(15))
+  assert by_row['segment_ids'].tolist() == by_document['segment_ids'].tolist() == [1] + [2] * 15
+
+
+def _vit(strategy='jit', mesh=(2, 2, 2)):
+  config = _config('vit', strategy, mesh, steps=2)
+  config.model.task, config.data.image_shape = 'classifier', (8, 8, 3)
+  config.model.num_classes, config.model.patch_size = 4, 4
+  config.train.eval_batches = 1
+  return config
+
+
+def test_a_required_call_keyword_is_named_with_the_key_that_passes_it(tmp_path):
+  with pytest.raises(UserError, match=r"its call requires train=.*"
+                                      r"--config.model.call_kwargs=\"\(\('train', True\),\)\"") as e:
+    job.build_job(_vit())
+  assert '\n' not in str(e.value)
+
+
+# Not 'shard_map': its eval over a batch not split over 'tensor' is the 'do' model's test above.
+@pytest.mark.parametrize('strategy,mesh', [('jit', (2, 2, 2)), ('pmap', (8, 1, 1))])
+def test_a_vit_style_model_with_a_required_train_keyword_trains(strategy, mesh, tmp_path):
+  config = _vit(strategy, mesh)
+  config.model.call_kwargs, config.model.eval_call_kwargs = (('train', True),), (('train', False),)
+  loop.run(config, str(tmp_path))
+  records = read_metrics(tmp_path)
+  assert len([r for r in records if 'loss' in r]) == 2
+  assert [0 <= r['eval_accuracy'] <= 1 for r in records if 'eval_accuracy' in r] == [True]
+
+
+def test_eval_calls_the_model_with_its_own_keywords():
+  from trainer.models import call_convention
+  config = _vit()
+  config.model.call_kwargs = (('train', True), ('depth', 2))
+  config.model.eval_call_kwargs = (('train', False),)
+  train = call_convention.CallConvention.from_config(config.model)
+  evaluating = call_convention.CallConvention.from_config(config.model, evaluating=True)
+  seen = []
+  train.wrap(lambda x, **kw: seen.append(kw))(0, segment_ids=1, positions=2)
+  evaluating.wrap(lambda x, **kw: seen.append(kw))(0)
+  assert seen == [{'segment_ids': 1, 'positions': 2, 'train': True, 'depth': 2}, {'train': False, 'depth': 2}]
+  config.model.packed_kwarg_names = ('inputs_segmentation', 'inputs_positions')
+  call_convention.CallConvention.from_config(config.model).wrap(lambda x, **kw: seen.append(kw))(0, segment_ids=1,
+                                                                                                 positions=2)
+  assert seen[-1] == {'inputs_segmentation': 1, 'inputs_positions': 2, 'train': True, 'depth': 2}
+
+
+def test_the_log_says_remat_and_bf16_reach_a_model_through_its_own_keywords(caplog):
+  config = _config('gemma_style', mesh=(8, 1, 1))
+  config.train.remat_policy, config.train.compute_dtype = 'full', 'bfloat16'
+  with caplog.at_level('INFO'):
+    _task(config)
+  messages = [r.getMessage() for r in caplog.records]
+  name = 'tests.third_party.glue:gemma_style'
+  assert (f"train.remat_policy='full': applied by model.name='{name}' itself (passed as its builder's remat_policy= "
+          f"keyword; the launcher does not rematerialize it again).") in messages
+  assert (f"train.compute_dtype=bfloat16: model.name='{name}' computes in bfloat16 (passed as its builder's dtype= "
+          f"keyword; parameters stay float32).") in messages
+
+
+@pytest.mark.parametrize('strategy,mesh', [('jit', (2, 2, 2)), ('shard_map', (4, 2, 1)), ('pmap', (8, 1, 1))])
+def test_a_model_written_for_explicit_mesh_axes_is_told_what_to_remove(strategy, mesh, tmp_path):
+  with pytest.raises(UserError) as refused:
+    loop.run(_config('gemma_explicit', strategy, mesh), str(tmp_path))
+  message = str(refused.value)
+  assert ("the launcher's mesh axes are Auto (Manual inside 'shard_map'): remove those out_sharding= arguments"
+          in message), message
+  assert 'fix the model' not in message and '\n' not in message
+  assert '(raised at ' in message and 'nnx_lm.py:' in message  # Where: the model's own line.

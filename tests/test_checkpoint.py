@@ -106,15 +106,28 @@ def _leaf_files(step_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 def _killed_mid_save(workdir: pathlib.Path) -> None:
-  """A real save of step 12 interrupted by SIGKILL in a subprocess (a ~200 MB array, killed as it writes)."""
+  """A real save of step 12 killed by SIGKILL in a subprocess after its data is written, before its commit.
+
+  Orbax's commit (the rename of the tmp folder) is replaced by one that signals and then blocks, so the kill
+  lands mid-save by construction, however fast this machine writes.
+  """
   script = f'''
-import os, signal, sys, time
+import os, signal, sys, threading
 sys.path.insert(0, {str(REPO)!r})
 import jax.numpy as jnp, numpy as np, orbax.checkpoint as ocp
+from orbax.checkpoint._src.path import atomicity
+reached = threading.Event()
+async def never_commit(self):
+  reached.set()
+  threading.Event().wait()
+for cls in (atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath):
+  cls.finalize = never_commit
 manager = ocp.CheckpointManager({str(workdir / 'checkpoints')!r})
-big = {{'w': jnp.asarray(np.ones((50, 1024, 1024), np.float32))}}
-manager.save(12, args=ocp.args.Composite(state=ocp.args.StandardSave(big)))
-time.sleep(0.05)
+state = {{'w': jnp.asarray(np.ones((64, 64), np.float32))}}
+threading.Thread(target=manager.save, args=(12,), kwargs=dict(args=ocp.args.Composite(
+    state=ocp.args.StandardSave(state))), daemon=True).start()
+if not reached.wait(100):
+  sys.exit('the save never reached its commit')
 os.kill(os.getpid(), signal.SIGKILL)
 '''
   result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120,
@@ -130,7 +143,7 @@ def test_incomplete_and_corrupt_checkpoints_are_reported_skipped_and_kept(saved_
   newest = _leaf_files(tmp_path / 'checkpoints' / '10')[-1]  # The step-10 state's array data, cut short.
   newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
   before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob('*'))
-  assert any('12.orbax-checkpoint-tmp' in p for p in before)
+  assert any('12.orbax-checkpoint-tmp/state' in p and '/d/' in p for p in before)  # Its data was written.
 
   job = job_lib.build_job(config)
   ckpt = checkpoint.Checkpointer(str(tmp_path), config.ckpt)

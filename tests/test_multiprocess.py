@@ -143,7 +143,7 @@ def test_a_process_that_never_joins_fails_every_waiting_process_in_one_line(tmp_
                  '--distributed_timeout_s=10'], timeout=90, env=env)
   elapsed = time.monotonic() - start
   assert result.returncode == 2, result.stderr[-3000:]
-  assert 10 <= elapsed < 10 + 20
+  assert 10 <= elapsed < 10 + 60  # Waited out the timeout, then failed (not a hang); slack for a loaded machine.
   lines = [l for l in result.stderr.splitlines() if 'error' in l.lower()]
   assert lines == [
       f'launch.py: error: process 1 of 2 did not join within --distributed_timeout_s=10 (1 of 2 joined at the '
@@ -164,7 +164,7 @@ def test_a_detected_slurm_launch_with_a_missing_task_fails_in_one_line(tmp_path)
                  '--distributed_timeout_s=5'], timeout=90, env=env)
   elapsed = time.monotonic() - start
   assert result.returncode == 2, result.stderr[-3000:]
-  assert 5 <= elapsed < 5 + 20
+  assert 5 <= elapsed < 5 + 60
   lines = [l for l in result.stderr.splitlines() if 'error' in l.lower()]
   assert len(lines) == 1 and lines[0].startswith(
       'launch.py: error: not every process of this SLURM launch joined within --distributed_timeout_s=5 '

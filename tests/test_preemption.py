@@ -28,15 +28,37 @@ def text_dir(tmp_path_factory):
 
 
 def _args(workdir, text_dir, *extra):
-  # seq_len 128 makes a step slow enough (tens of ms) that a signal sent at step 10 lands well before step 20.
   return ['--config=configs/tiny.py', f'--workdir={workdir}', f'--config.train.steps={STEPS}',
           '--config.ckpt.every_steps=5', '--config.log.every_steps=1', '--config.data.seq_len=128',
           f'--config.data.text_dir={text_dir}', *extra]
 
 
+# launch.py, except that the run waits before its preemption check of step N+1 (argv[1]) until a signal has arrived.
+# Step N is logged during step N+1, before that check; so a signal sent once the log shows `step N/` always lands
+# mid-run, however fast the machine (before, a fast machine could finish all the steps first).
+_HELD_AT_STEP = f'''
+import runpy, sys, time
+sys.path.insert(0, {str(REPO)!r})
+from trainer import preemption
+hold_at, reached = int(sys.argv[1]), preemption.PreemptionWatch.reached
+
+def held(self, step):
+  deadline = time.monotonic() + {TIMEOUT_S}
+  while step == hold_at and not reached(self, step) and time.monotonic() < deadline:
+    time.sleep(0.01)
+  return reached(self, step)
+
+preemption.PreemptionWatch.reached = held
+sys.argv = [{str(REPO / 'launch.py')!r}] + sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
 def _launch(args, signal_at_step: int | None = None, sig: int = signal.SIGKILL) -> subprocess.CompletedProcess:
-  """Runs launch.py; once its log shows `step N/`, sends `sig`. Kills the group and fails past TIMEOUT_S."""
-  proc = subprocess.Popen([sys.executable, str(REPO / 'launch.py'), *args], cwd=REPO, env=launcher_env(),
+  """Runs launch.py; once its log shows `step N/`, sends `sig` (the run waits for it). Fails past TIMEOUT_S."""
+  command = ([sys.executable, '-c', _HELD_AT_STEP, str(signal_at_step + 1)] if signal_at_step
+             else [sys.executable, str(REPO / 'launch.py')])
+  proc = subprocess.Popen([*command, *args], cwd=REPO, env=launcher_env(),
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
   timer = threading.Timer(TIMEOUT_S, lambda: os.killpg(proc.pid, signal.SIGKILL))
   timer.start()
@@ -79,7 +101,7 @@ def test_kill_9_after_10_steps_then_resume_gives_bitwise_identical_losses(uninte
   killed = _launch(_args(tmp_path, text_dir), signal_at_step=10, sig=signal.SIGKILL)
   assert killed.returncode == -signal.SIGKILL
   reached = max(_losses(tmp_path))
-  assert 10 <= reached < STEPS, 'the kill came too late to interrupt the run'
+  assert reached == 10  # Killed while it waited at step 11's check (_HELD_AT_STEP).
   saved_before = _steps_saved(tmp_path)
   assert 5 in saved_before and STEPS not in saved_before
 
@@ -99,7 +121,7 @@ def test_sigterm_saves_the_current_step_exits_0_and_relaunch_continues_exactly(u
   match = re.search(r'SIGTERM received: saved step (\d+) to (\S+) and stopped', stopped.stderr)
   assert match, stopped.stderr[-3000:]
   step = int(match.group(1))
-  assert 7 < step < STEPS
+  assert step == 8  # The first preemption check after the signal.
   assert _steps_saved(tmp_path)[-1] == step  # Saved at the step it stopped at, not at the last multiple of 5.
   assert not list((tmp_path / 'checkpoints').glob('*tmp*'))  # The save finished before the exit.
   assert max(_losses(tmp_path)) == step
@@ -143,7 +165,7 @@ def test_ctrl_c_saves_the_current_step_and_exits_130_in_one_line(text_dir, tmp_p
   match = re.search(r'SIGINT received: saved step (\d+) to (\S+) and stopped', stopped.stderr)
   assert match, stopped.stderr[-3000:]
   step = int(match.group(1))
-  assert 7 < step < STEPS and _steps_saved(tmp_path)[-1] == step
+  assert step == 8 and _steps_saved(tmp_path)[-1] == step
   assert stopped.stderr.splitlines()[-1] == (f'launch.py: interrupted: Ctrl-C: saved the current step to {tmp_path}/'
                                              f'checkpoints and stopped; relaunch the same command to continue.')
   assert 'Traceback' not in stopped.stderr and 'KeyboardInterrupt' not in stopped.stderr

@@ -52,8 +52,28 @@ def _read_lines(stream, lines: queue.Queue) -> None:
     lines.put(line)
 
 
+# launch.py, except that step 1 waits until SIGUSR1 has arrived: the signal lands mid-run by construction (a fast
+# machine could otherwise finish all 30 steps before it).
+_HELD_FOR_SIGUSR1 = f'''
+import runpy, sys, time
+sys.path.insert(0, {str(REPO)!r})
+from trainer import profiling
+step = profiling.Profiler.step
+
+def held(self, n, state):
+  deadline = time.monotonic() + 240
+  while n == 1 and not self._requested.is_set() and time.monotonic() < deadline:
+    time.sleep(0.01)
+  return step(self, n, state)
+
+profiling.Profiler.step = held
+sys.argv = [{os.path.join(REPO, 'launch.py')!r}] + sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
 def test_sigusr1_traces_the_next_steps_of_a_running_job(tmp_path):
-  command = [sys.executable, os.path.join(REPO, 'launch.py'), TINY, f'--workdir={tmp_path}',
+  command = [sys.executable, '-c', _HELD_FOR_SIGUSR1, TINY, f'--workdir={tmp_path}',
              '--config.train.steps=30', '--config.profile.num_steps=3', '--config.ckpt.every_steps=1000',
              '--config.log.every_steps=1000']
   job = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
@@ -75,7 +95,7 @@ def test_sigusr1_traces_the_next_steps_of_a_running_job(tmp_path):
   started = [line for line in seen if '(SIGUSR1)' in line]
   assert len(started) == 1, log[-3000:]
   first, last = map(int, started[0].split('Profiling steps ')[1].split(' ')[0].split('..'))
-  assert last - first == 2 and 1 <= first <= 28
+  assert (first, last) == (1, 3)  # From the step that waited for the signal.
   assert len(_traces(tmp_path)) == 1
   assert 'step 30/30' in log  # The job went on to the end.
 

@@ -151,6 +151,11 @@ def _without_override_warning():
     logger.removeFilter(quiet)
 
 
+def _as_saved(value):
+  """A config value as the manifest's JSON gives it back (tuples come back as lists)."""
+  return json.loads(json.dumps(value))
+
+
 class Checkpointer:
   """Saves every `ckpt.every_steps` (and on demand), restores the newest intact one, guards against foreign workdirs."""
 
@@ -248,7 +253,8 @@ class Checkpointer:
       raise UserError(f'checkpoint {self.directory / str(step)} has no readable manifest ({type(e).__name__}); '
                       f'it was not written by this launcher or is damaged. Use a fresh --workdir.') from e
     diffs = [f'model.{k}: checkpoint {saved["model"].get(k)!r} vs config {v!r}'
-             for k, v in manifest['model'].items() if saved['model'].get(k) != v and k not in _KERNEL_ONLY_KEYS]
+             for k, v in manifest['model'].items()
+             if saved['model'].get(k) != _as_saved(v) and k not in _KERNEL_ONLY_KEYS]
     if not diffs and saved['param_shapes'] != manifest['param_shapes']:
       diffs = ['parameter shapes differ']
     if diffs:

@@ -54,6 +54,17 @@ def validate(mode: str) -> None:
     raise UserError(f'train.on_nonfinite={mode!r}: choose one of {MODES}.')
 
 
+def packing_hint(data_config) -> str:
+  """What packed rows feed the model that can make it non-finite at once; '' when packing is off."""
+  if not data_config.packing:
+    return ''
+  if data_config.get('packed_positions', 'document') == 'document':
+    return (' Packing is on: positions= are offsets within each document, which run past data.seq_len in long '
+            'documents; a model with a learned position table of seq_len rows reads past its end (NaN): set '
+            '--config.data.packed_positions=row.')
+  return ' Packing is on: positions= are offsets within each row\'s piece of a document (< data.seq_len).'
+
+
 def guard_optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
   """Drops any update whose gradients are not all finite; never gives in (int32 max consecutive errors)."""
   return optax.apply_if_finite(tx, max_consecutive_errors=int(np.iinfo(np.int32).max))
@@ -67,9 +78,10 @@ def leaf_finite(grads) -> jax.Array:
 class Guard:
   """Checks each step's metrics once; see the module docstring for what each mode does."""
 
-  def __init__(self, mode: str, leaf_names: list[str], resumed_step: int | None = None):
+  def __init__(self, mode: str, leaf_names: list[str], data_hint: str = '', resumed_step: int | None = None):
     validate(mode)
     self.mode, self._names = mode, leaf_names
+    self._data_hint = data_hint  # A sentence on what the data feeds the model that can cause it (packing_hint).
     self._last_save = resumed_step  # The newest checkpoint known good: resumed from, or saved since.
     self._good_since_save, self._skipped_since_save = 0, 0
     self._last_checked = None
@@ -100,7 +112,7 @@ class Guard:
             f'step {step}: {self._skipped} of the {self._checked} steps checked in this launch were non-finite and '
             f'skipped (train.on_nonfinite=skip); stopped, since the model no longer trains. No checkpoint was saved '
             f'while skipped steps outnumbered good ones, so a relaunch resumes from {self._resume_point()}: lower '
-            f'train.learning_rate or check the data first.')
+            f'train.learning_rate or check the data first.{self._data_hint}')
     elif self.mode == 'rollback' and step not in self._rolled_back_at:
       raise Rollback(step, what)
     else:
@@ -108,7 +120,7 @@ class Guard:
       raise NonFiniteError(
           f'step {step}: {what}{again}. Stopped (train.on_nonfinite={self.mode}); the update was not applied and '
           f'no checkpoint of this step or later was written, so a relaunch resumes from the last good one. '
-          f'Lower train.learning_rate, check the data, or set train.on_nonfinite=skip or rollback.')
+          f'Lower train.learning_rate, check the data, or set train.on_nonfinite=skip or rollback.{self._data_hint}')
 
   def _resume_point(self) -> str:
     return f'step {self._last_save}' if self._last_save else 'step 0 (no checkpoint was saved before the skips)'

@@ -72,7 +72,7 @@ def build_job(config, devices: Sequence[jax.Device] | None = None) -> Job:
   name = config.parallel.strategy
   train_step = strategy.partition_train_step(name, mesh, shardings, per_key, task=task, tx=tx, schedule=schedule,
                                              options=step_lib.StepOptions.from_config(config.train))
-  eval_step = strategy.partition_eval_step(name, mesh, shardings.params, per_key, task=task)
+  eval_step = strategy.partition_eval_step(name, mesh, shardings.params, per_key, task=task.for_eval())
   job = Job(config, mesh, task, tx, abstract, shardings, per_key, abstract_batch, train_step, eval_step)
   if job.brought_model:
     contract.check_strategy(job)

@@ -146,7 +146,9 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   if process_index == 0:
     (storage.path(workdir) / 'config.json').write_text(config.to_json_best_effort(indent=2))
     writer.write_config(config)
-  guard = guardrails.Guard(config.train.on_nonfinite, list(manifest['param_shapes']), resumed_step=latest)
+  guard = guardrails.Guard(config.train.on_nonfinite, list(manifest['param_shapes']),
+                           guardrails.packing_hint(config.data) if config.model.task == 'lm' else '',
+                           resumed_step=latest)
   preempt = preemption.PreemptionWatch()
   notice = notices.Notices(tuple(config.train.preemption_signals), config.train.preemption_notice_file)
   profiler = profiling.Profiler(config.profile, workdir, first_step=(latest or 0) + 1, total_steps=config.train.steps,
@@ -233,12 +235,9 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     pending = (step, metrics, data_wait)
 
     t_side = time.perf_counter()
-    if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
-      run.hang.phase('eval')
-      evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
     noticed = run.notices.reached(step)
     preempted = preempt.reached(step) or noticed
-    t_ckpt = time.perf_counter()
+    # Saved before it is evaluated: an eval that fails must not cost the steps trained (ckpt.close waits for it).
     if step % config.ckpt.every_steps == 0 or step == total or preempted:
       guard.check(step, metrics)  # Metrics come a step late; a state is checked before it is ever saved.
       run.hang.phase('checkpoint')
@@ -247,7 +246,11 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
         guard.saved(step)
       elif preempted:
         preempted = 'unsaved'
-    run.writer.goodput.record_side(eval_s=t_ckpt - t_side, checkpoint_s=time.perf_counter() - t_ckpt)
+    t_eval = time.perf_counter()
+    if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
+      run.hang.phase('eval')
+      evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
+    run.writer.goodput.record_side(eval_s=time.perf_counter() - t_eval, checkpoint_s=t_eval - t_side)
     side_time += time.perf_counter() - t_side
     if preempted:
       ckpt.wait_until_finished()
@@ -258,7 +261,7 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
                         'the last checkpoint, which a relaunch resumes from).', what, step)
       else:
         logging.warning('%s received: saved step %d to %s and stopped (the save took %.1fs). Relaunch the same '
-                        'command to continue.', what, step, ckpt.directory, time.perf_counter() - t_ckpt)
+                        'command to continue.', what, step, ckpt.directory, time.perf_counter() - t_side)
       break
   _finish(run, pending, window, last_fetch, side_time, evals, is_log_step)
   profiler.close(state)  # A trace window reaching the last step ends here, once its steps finished.

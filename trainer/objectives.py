@@ -76,13 +76,17 @@ class LanguageModeling:
   keys: tuple[str, ...] = ('inputs', 'targets')  # + data.PACKED_KEYS when packing.
   z_loss_weight: float = 0.0  # Weight of mean(logsumexp(logits)^2) added to the loss; 0 = off.
   loss_chunks: int = 1  # > 1: the head and loss run on this many slices of positions (chunked_cross_entropy).
+  feed: str = 'inputs'  # The row the model is called on; 'targets' for a model that shifts right itself.
   kind: ClassVar[str] = 'lm'
   unit: ClassVar[str] = 'tokens'  # Throughput is reported as tokens_per_s.
 
   @classmethod
   def from_config(cls, config) -> 'LanguageModeling':
     return cls(config.train.batch_size, config.data.seq_len, data.batch_keys(config.data),
-               float(config.train.z_loss_weight), config.train.get('loss_chunks', 1))  # A run from before the key: 1.
+               float(config.train.z_loss_weight), config.train.get('loss_chunks', 1),  # A run from before the key: 1.
+               # Fed the targets, a model that shifts them right itself sees [pad, targets[0..L-2]] = inputs but for
+               # the first token, so its logits[t] still score targets[t].
+               'targets' if config.model.get('unshifted_inputs', False) else 'inputs')
 
   @property
   def units_per_step(self) -> int:
@@ -94,7 +98,7 @@ class LanguageModeling:
   def model_inputs(self, batch) -> tuple[tuple, dict]:
     """How the model is called: `model(inputs)`, with `segment_ids=`/`positions=` for packed rows."""
     packed = {k: batch[k] for k in data.PACKED_KEYS if k in batch}
-    return (batch['inputs'],), packed
+    return (batch[self.feed],), packed
 
   def weight(self, batch: Batch) -> jax.Array:
     return jnp.sum(token_weights(batch))

@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 from parallel import param_names, sharding
 from trainer import objectives, precision
 from trainer.errors import UserError
-from trainer.models import adapters, registry
+from trainer.models import adapters, call_convention, registry
 
 Batch = objectives.Batch
 Metrics = objectives.Metrics
@@ -61,13 +61,21 @@ class Task:
   # A Linen model naming mesh axes this mesh lacks (mapped by rules) gets the physical-mesh context (see
   # physical_mesh_context): its bare PartitionSpecs work, its nn.with_logical_constraint calls do nothing.
   physical_context: bool = False
+  # A brought model's names for the packed keywords and its constant keywords (model.call_kwargs), in training;
+  # eval_convention is eval's (model.eval_call_kwargs), which for_eval() makes the task's.
+  convention: call_convention.CallConvention = call_convention.CallConvention()
+  eval_convention: call_convention.CallConvention = call_convention.CallConvention()
+
+  def for_eval(self) -> 'Task':
+    """This task calling the model the way eval does."""
+    return dataclasses.replace(self, convention=self.eval_convention)
 
   def bind(self, params):
     """The model bound to `params`, in the compute dtype (to be called inside `context()`)."""
     if self.cast_params_to is not None:
       dtype = self.cast_params_to
       params = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
-    return self.model.bind(params)
+    return self.convention.wrap(self.model.bind(params))
 
   def context(self):
     """Where the model runs: the mesh and rules its own sharding constraints name, under 'jit'."""
@@ -148,7 +156,12 @@ def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
     keywords, cast_to = _brought_model_keywords(config, builder, keywords)
   # A Linen model is initialized by tracing its call on the global batch, under jit for every strategy.
   init_context = functools.partial(physical_mesh_context, mesh if made_for is None else None)
-  model = adapters.adapt(builder, config, objectives.example_inputs(objective), keywords, init_context)
+  convention = eval_convention = call_convention.CallConvention()
+  if made_for is None:
+    convention = call_convention.CallConvention.from_config(config.model)
+    eval_convention = call_convention.CallConvention.from_config(config.model, evaluating=True)
+  args, packed = objectives.example_inputs(objective)
+  model = adapters.adapt(builder, config, (args, convention.keywords(packed)), keywords, init_context)
   mesh_shape = dict(mesh.shape) if mesh is not None else {'fsdp': 1}
   foreign = param_names.names_foreign_mesh_axes(model.abstract_boxed)
   unnamed = config.parallel.get('unnamed_params', 'auto')  # A run's config.json from before the key has none.
@@ -158,7 +171,7 @@ def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
   _require_chunkable_model(config, model, custom_loss)
   return Task(objective, model, custom_loss=custom_loss,
               mesh=mesh if under_jit and made_for is None else None, rules=tuple(rules), cast_params_to=cast_to,
-              param_notes=notes, physical_context=foreign)
+              param_notes=notes, physical_context=foreign, convention=convention, eval_convention=eval_convention)
 
 
 def _require_chunkable_model(config, model: adapters.AdaptedModel, custom_loss: bool) -> None:
@@ -184,12 +197,16 @@ def _brought_model_keywords(config, builder, keywords: dict) -> tuple[dict, Any]
   keywords = dict(keywords, dtype=dtype, param_dtype=jnp.dtype(train.param_dtype), remat_policy=train.remat_policy)
   cast_to = None
   if adapters.takes_keyword(builder, 'dtype'):
-    logging.info('train.compute_dtype: %s reaches model.name=%r as its dtype= keyword.', dtype.name, name)
+    logging.info('train.compute_dtype=%s: model.name=%r computes in %s (passed as its builder\'s dtype= keyword; '
+                 'parameters stay %s).', train.compute_dtype, name, dtype.name, train.param_dtype)
   elif dtype != jnp.float32:
     cast_to = dtype
     logging.info('train.compute_dtype: model.name=%r takes no dtype= keyword, so its float parameters are cast to %s '
                  'inside the step (master weights and gradients stay %s).', name, dtype.name, train.param_dtype)
-  if not adapters.takes_keyword(builder, 'remat_policy') and train.remat_policy != 'none':
+  if adapters.takes_keyword(builder, 'remat_policy') and train.remat_policy != 'none':
+    logging.info('train.remat_policy=%r: applied by model.name=%r itself (passed as its builder\'s remat_policy= '
+                 'keyword; the launcher does not rematerialize it again).', train.remat_policy, name)
+  elif train.remat_policy != 'none':
     logging.warning('train.remat_policy=%r does not apply to model.name=%r: its builder takes no remat_policy= '
                     'keyword (docs/bring_your_own_model.md). It trains without rematerialization.',
                     train.remat_policy, name)

@@ -1,14 +1,17 @@
 """All the glue between the launcher and this folder's models: one builder each, at most 10 lines.
 
 Each model's own axis names that are not the launcher's go in the config,
-as `parallel.extra_axis_rules` (RULES below); nothing else is needed.
+as `parallel.extra_axis_rules` (RULES below); call conventions too (the
+model.call_kwargs / packed_kwarg_names / unshifted_inputs keys, set in
+tests/test_brought_models.py); nothing else is needed.
 """
 
-from tests.third_party import meshy_linen, nnx_lm, prefix_linen
+from tests.third_party import do_linen, lm1b_linen, meshy_linen, nnx_lm, prefix_linen, vit_linen
 from trainer.memory import remat
 
 RULES = {'meshy': (('model', 'tensor'),), 'prefix': (('kv', 'tensor'), ('joined_kv', 'tensor')),
-         'gemma_style': (('tp', 'tensor'),)}
+         'gemma_style': (('tp', 'tensor'),), 'gemma_explicit': (('tp', 'tensor'),), 'do': (), 'lm1b': (('kv', None),),
+         'vit': ()}
 
 
 def meshy(config, dtype):  # Its mesh axis 'data' is the launcher's; 'model' is mapped by a rule.
@@ -27,9 +30,32 @@ def prefix_as_published(config):  # Shifts its inputs itself: the launcher's ali
   return prefix(config, shift=True)
 
 
-def gemma_style(config, *, rngs, dtype, remat_policy):
+def gemma_style(config, *, rngs, dtype, remat_policy, sharding=nnx_lm.ShardingConfig.fsdp_tp):
   m = config.model
-  cfg = nnx_lm.TransformerConfig(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.mlp_dim,
-                                 nnx_lm.ShardingConfig.fsdp_tp())
+  cfg = nnx_lm.TransformerConfig(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.mlp_dim, sharding())
   policy = False if remat_policy == 'none' else remat.checkpoint_policy(remat_policy)
   return nnx_lm.Transformer(cfg, rngs=rngs, dtype=dtype, remat_policy=policy)
+
+
+def do(config, dtype):  # Names only the launcher's own mesh axis 'data': no rule needed.
+  m = config.model
+  return do_linen.TransformerDo(do_linen.DoConfig(m.d_model, m.num_heads, config.data.seq_len, m.num_layers,
+                                                  m.vocab_size, m.mlp_dim, dtype=dtype))
+
+
+
+def lm1b(config, dtype):  # Config keys do the rest: model.unshifted_inputs, model.packed_kwarg_names, packed_positions.
+  m = config.model
+  return lm1b_linen.TransformerLM(lm1b_linen.TransformerConfig(m.vocab_size, m.d_model, m.num_heads, m.num_layers,
+                                                               m.d_model, m.mlp_dim, config.data.seq_len, dtype))
+
+
+def vit(config, dtype):  # Its required train= comes from model.call_kwargs / model.eval_call_kwargs.
+  m = config.model
+  return vit_linen.VisionTransformer(vit_linen.ViTConfig(m.num_classes, m.patch_size, m.d_model, m.num_heads,
+                                                         m.num_layers, m.mlp_dim, dtype=dtype))
+
+
+def gemma_explicit(config, *, rngs, dtype, remat_policy):  # Refused: its out_sharding= needs Explicit mesh axes.
+  return gemma_style(config, rngs=rngs, dtype=dtype, remat_policy=remat_policy,
+                     sharding=nnx_lm.ShardingConfig.fsdp_tp_explicit)

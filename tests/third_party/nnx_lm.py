@@ -23,11 +23,16 @@ class ShardingConfig:
   ffw_weight_df: tuple = (None, None)
   ffw_weight_fd: tuple = (None, None)
   act_btd: tuple | None = None
+  out_btd: tuple | None = None  # The attention output einsum's out_sharding= (needs a mesh of Explicit axes).
 
   @staticmethod
   def fsdp_tp():
     return ShardingConfig(emb_vd=('tp', 'fsdp'), q_weight_dnh=('fsdp', 'tp', None), o_weight_nhd=('tp', None, 'fsdp'),
                           ffw_weight_df=('fsdp', 'tp'), ffw_weight_fd=('tp', 'fsdp'), act_btd=('fsdp', None, None))
+
+  @staticmethod
+  def fsdp_tp_explicit():  # For sharding in types: the author's mesh has jax.sharding.AxisType.Explicit axes.
+    return dataclasses.replace(ShardingConfig.fsdp_tp(), act_btd=None, out_btd=('fsdp', None, None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +62,7 @@ class RMSNorm(nnx.Module):
 class Block(nnx.Module):
   def __init__(self, cfg: TransformerConfig, dtype, *, rngs: nnx.Rngs):
     d, n, h, f, s = cfg.embed_dim, cfg.num_heads, cfg.embed_dim // cfg.num_heads, cfg.hidden_dim, cfg.shd
-    self.dtype, self.act = dtype, s.act_btd
+    self.dtype, self.act, self.out = dtype, s.act_btd, s.out_btd
     self.pre_attn, self.pre_ffw = RMSNorm(d), RMSNorm(d)
     self.q, self.k, self.v = (_param(rngs, (d, n, h), s.q_weight_dnh) for _ in range(3))
     self.o = _param(rngs, (n, h, d), s.o_weight_nhd)
@@ -68,7 +73,8 @@ class Block(nnx.Module):
     h = self.pre_attn(x)
     q, k, v = (jnp.einsum('btd,dnh->btnh', h, w(p)) for p in (self.q, self.k, self.v))
     att = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    x = x + jnp.einsum('btnh,nhd->btd', att, w(self.o))
+    out = None if self.out is None else P(*self.out)
+    x = x + jnp.einsum('btnh,nhd->btd', att, w(self.o), out_sharding=out)
     x = x + jax.nn.gelu(self.pre_ffw(x) @ w(self.up)) @ w(self.down)
     return x if self.act is None else jax.lax.with_sharding_constraint(x, P(*self.act))
 

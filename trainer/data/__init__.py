@@ -15,6 +15,7 @@ made resumable by trainer/data/pipeline.py.
 """
 
 import dataclasses
+import functools
 import pathlib
 
 import jax
@@ -31,6 +32,7 @@ from trainer.errors import UserError
 SOURCES = ('text', 'array_record', 'arrays', 'synthetic')
 CLASSIFIER_SOURCES = ('arrays', 'synthetic')
 PACKED_KEYS = ('segment_ids', 'positions')
+PACKED_POSITIONS = ('document', 'row')  # data.packed_positions: offsets within the document, or within the row.
 
 
 def check_config(data_config) -> None:
@@ -112,7 +114,13 @@ def load_sources(config) -> Sources:
       eval_docs = None
   else:
     train_docs, eval_docs, where = _token_shards(config)
-  cut = PackedRows if d.packing else StreamWindows
+  if d.packing:
+    positions = d.get('packed_positions', 'document')  # A run's config.json from before the key has none.
+    if positions not in PACKED_POSITIONS:
+      raise UserError(f'data.packed_positions={positions!r}: choose one of {PACKED_POSITIONS}.')
+    cut = functools.partial(PackedRows, positions=positions)
+  else:
+    cut = StreamWindows
   train = cut(train_docs, d.seq_len)
   eval_ = cut(eval_docs, d.seq_len) if eval_docs is not None and eval_docs.num_tokens else None
   if d.packing:

@@ -11,7 +11,8 @@ held in memory and over ArrayRecord shards read lazily from disk.
   pairs on its own, so no token ever predicts the next document's first token;
   the pairs of all documents are laid end to end and cut into rows of L. A row
   carries `segment_ids` (1, 2, ... per document piece in the row) and
-  `positions` (the token's offset in its document), which the model's
+  `positions` (the token's offset in its document, or with
+  data.packed_positions='row' in its piece of the row), which the model's
   attention mask and RoPE use. Nothing is padded; only the final partial row is
   dropped (the description says how many pairs). This is concat-then-split
   packing with a precomputed index, chosen over Grain's iterator-level packers
@@ -90,9 +91,12 @@ class StreamWindows:
 class PackedRows:
   """Grain random-access source: row i holds (input, target) pairs [i*L, (i+1)*L) of the per-document pair stream."""
 
-  def __init__(self, documents: Documents, seq_len: int):
+  def __init__(self, documents: Documents, seq_len: int, positions: str = 'document'):
+    """`positions`: 'document' (a token's offset in its document) or 'row' (its offset in its piece of this row,
+    always < seq_len: what a model with a learned table of seq_len positions can read)."""
     self._documents = documents
     self._seq_len = seq_len
+    self._row_positions = positions == 'row'
     self._pairs = np.maximum(documents.lengths - 1, 0)  # A document of n tokens has n-1 next-token pairs.
     self._first_pair = np.concatenate([[0], np.cumsum(self._pairs)])
     self.num_pairs = int(self._first_pair[-1])
@@ -126,7 +130,8 @@ class PackedRows:
         inputs.append(tokens[:-1])
         targets.append(tokens[1:])
         segments.append(np.full(b - a, len(segments) + 1, np.int32))
-        positions.append(np.arange(a, b, dtype=np.int32))
+        first = 0 if self._row_positions else a
+        positions.append(np.arange(first, first + b - a, dtype=np.int32))
         lo += b - a
       d += 1
     return {'inputs': np.concatenate(inputs), 'targets': np.concatenate(targets),

@@ -21,6 +21,7 @@ initial parameters from `train.seed`.
 import contextlib
 import dataclasses
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,8 @@ from trainer.errors import UserError
 Params = Any  # Nested dict of arrays.
 # What to do when a model does not take the packed-row keywords (here for Linen at init, contract.py for the rest).
 PACKING_FIX = ('data.packing=True calls the model with segment_ids= and positions=: take them in its __call__ (and '
-               'keep attention within a segment), or set --config.data.packing=False')
+               'keep attention within a segment), name its own keywords for them with --config.model.packed_kwarg_names'
+               '="(\'inputs_segmentation\', \'inputs_positions\')" (for example), or set --config.data.packing=False')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,35 @@ class AdaptedModel:
     """`params` with every named leaf in the box of its logical names (what optax and the rules need)."""
     return jax.tree.map(lambda box, p: box.replace_boxed(p) if isinstance(box, nn.meta.AxisMetadata) else p,
                         self.abstract_boxed, params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+
+@contextlib.contextmanager
+def flat_kernels_unpinned():
+  """While a Linen model is traced: a boxed value with more axis names than dimensions is unboxed unconstrained.
+
+  nn.DenseGeneral boxes its kernel at the flat 2-D shape with the names of the
+  final 3-D/4-D kernel, then reshapes; Linen's apply re-runs that initializer
+  abstractly to check shapes. Under an abstract mesh Flax 0.12 pins the
+  unboxed value to its names, and a rank-4 spec on a rank-2 value fails
+  (test_brought_models.py, the 'do' model). Such a value is never the
+  parameter the step uses (the launcher places parameters itself), so it is
+  left unpinned; a box whose names fit its value keeps Flax's constraint.
+  """
+  originals = {cls: cls.unbox for cls in (nn.Partitioned, nn.LogicallyPartitioned)}
+
+  def wrap(unbox):
+    def unbox_fitting(self, apply_constraint=True):
+      fits = len(self.names) <= getattr(self.value, 'ndim', len(self.names))
+      return unbox(self, apply_constraint=apply_constraint and fits)
+    return unbox_fitting
+
+  for cls, unbox in originals.items():
+    cls.unbox = wrap(unbox)
+  try:
+    yield
+  finally:
+    for cls, unbox in originals.items():
+      cls.unbox = unbox
 
 
 def _signature(builder: Callable) -> tuple[set[str], bool]:
@@ -148,26 +179,29 @@ class _BoundLinen:
     self._module, self._variables = module, {'params': params}
 
   def __call__(self, *args, **kwargs):
-    return self._module.apply(self._variables, *args, **kwargs)
+    with flat_kernels_unpinned():
+      return self._module.apply(self._variables, *args, **kwargs)
 
   def __getattr__(self, name):
     method = getattr(type(self._module), name)
-    return lambda *args, **kwargs: self._module.apply(self._variables, *args, method=method, **kwargs)
+
+    def call(*args, **kwargs):
+      with flat_kernels_unpinned():
+        return self._module.apply(self._variables, *args, method=method, **kwargs)
+    return call
 
 
 def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> AdaptedModel:
   def init_variables(key):
-    args, kwargs = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), example_inputs)
-    with init_context():
+    args, kwargs = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct)
+                                else s, example_inputs)  # Constant keywords (model.call_kwargs) as they are.
+    with init_context(), flat_kernels_unpinned():
       return module.init(key, *args, **kwargs)
 
   try:
     variables = jax.eval_shape(init_variables, jax.random.key(0))
   except TypeError as e:
-    packed = [k for k in example_inputs[1] if f"'{k}'" in str(e)]
-    if not packed:
-      raise
-    raise UserError(f'model.name={name!r} takes no {packed[0]}= keyword, and {PACKING_FIX}.') from e
+    raise call_error(e, name, example_inputs[1]) from e
   others = sorted(set(variables) - {'params'})
   if others:
     raise UserError(f'model.name={name!r} creates variable collections {others} besides "params". The launcher '
@@ -176,3 +210,22 @@ def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> 
   return AdaptedModel('linen', type(module).__name__, type(module), variables['params'],
                       lambda key: nn.meta.unbox(init_variables(key)['params']),
                       lambda params: _BoundLinen(module, params))
+
+
+def call_error(e: TypeError, name: str, kwargs: dict) -> Exception:
+  """A UserError for a call the model's signature refuses (a keyword it lacks or requires); else `e` itself."""
+  text = str(e)
+  missing = re.search(r"__call__\(\) missing \d+ required (?:keyword-only |positional )?arguments?: '(\w+)'", text)
+  if missing:
+    key = missing.group(1)
+    return UserError(f'model.name={name!r}: its call requires {key}= ({text}); the launcher calls it with '
+                     f'{sorted(kwargs) or "no keywords"}: pass a constant with --config.model.call_kwargs='
+                     f'"((\'{key}\', True),)" (and --config.model.eval_call_kwargs="((\'{key}\', False),)" for eval, '
+                     f'if it differs).')
+  given = [k for k in kwargs if f"'{k}'" in text]
+  if not given:
+    return e
+  if isinstance(kwargs[given[0]], jax.ShapeDtypeStruct):  # A packed-row keyword.
+    return UserError(f'model.name={name!r} takes no {given[0]}= keyword, and {PACKING_FIX}.')
+  return UserError(f'model.name={name!r} takes no {given[0]}= keyword ({text}): remove it from model.call_kwargs / '
+                   f'model.eval_call_kwargs.')

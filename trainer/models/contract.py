@@ -17,6 +17,10 @@ path); the built-in ones are tested under every strategy.
   look-ahead) and at p they must (logits[t] reads inputs[t]).
 """
 
+import pathlib
+import traceback
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,13 +31,28 @@ from trainer import data
 from trainer.errors import UserError
 from trainer.models import adapters
 
+_REPO = pathlib.Path(__file__).resolve().parents[2]
 _CONSTRAINT_HINTS = ('mesh context', 'resource axis', 'with_sharding_constraint', 'sharding_constraint',
                      'not found in mesh', 'manual')
 
 
-def _first_line(e: Exception) -> str:
-  text = next((line.strip() for line in str(e).splitlines() if line.strip()), '')
-  return f'{type(e).__name__}: {text[:200]}'
+def _cause(e: Exception) -> tuple[str, str]:
+  """(the whole message on one line, where it was raised: the deepest frame outside jax and Flax, as file:line)."""
+  text = ' '.join(line.strip() for line in str(e).splitlines() if line.strip())
+  frames = [f for f in traceback.extract_tb(e.__traceback__)
+            if not any(part in f.filename for part in ('/jax/', '/jaxlib/', '/flax/', '/contextlib.py'))]
+  where = f'{frames[-1].filename}:{frames[-1].lineno}' if frames else ''
+  return f'{type(e).__name__}: {text}', where
+
+
+def _raised_in_sharded_matmul(e: Exception) -> bool:
+  """Whether jax's einsum/dot raised it over a PartitionSpec: a model passing out_sharding= (sharding in types)."""
+  frames = traceback.extract_tb(e.__traceback__)  # jax filters its own frames out: the model's line tells.
+  return any('out_sharding' in (f.line or '') or f.name in ('einsum', 'dot', 'matmul', 'dot_general') for f in frames)
+
+
+def _launcher_file(path: str) -> bool:
+  return any(path.startswith(str(_REPO / part)) for part in ('parallel', 'trainer'))
 
 
 def check_strategy(job) -> None:
@@ -41,29 +60,55 @@ def check_strategy(job) -> None:
   config, mesh = job.config, job.mesh
   name, strategy = config.model.name, config.parallel.strategy
   if strategy == 'pmap':
-    for path, named in jax.tree_util.tree_flatten_with_path(job.shardings.params)[0]:
-      if not named.is_fully_replicated:
-        raise UserError(f"model.name={name!r}: parameter {sharding.path_name(path)} is split over the mesh "
-                        f"({tuple(named.spec)}) by its own axis names, but parallel.strategy='pmap' keeps every "
-                        f"parameter whole on every device; use parallel.strategy='jit' or 'shard_map', or map those "
-                        f"names to None with parallel.extra_axis_rules.")
+    split = [(path, named) for path, named in jax.tree_util.tree_flatten_with_path(job.shardings.params)[0]
+             if not named.is_fully_replicated]
+    if split:
+      boxes = jax.tree.leaves(job.task.model.abstract_boxed, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+      specs = jax.tree.leaves(job.shardings.params)
+      names = sorted({n for box, s in zip(boxes, specs) if not s.is_fully_replicated
+                      for n, axis in zip(box.names, s.spec) if n is not None and axis is not None})
+      rules = '(' + ''.join(f"('{n}', None), " for n in names).rstrip(' ') + ')'
+      path, named = split[0]
+      raise UserError(f"model.name={name!r}: parameter {sharding.path_name(path)} is split over the mesh "
+                      f"({tuple(named.spec)}) by its own axis names, but parallel.strategy='pmap' keeps every "
+                      f"parameter whole on every device; use parallel.strategy='jit' or 'shard_map', or keep them "
+                      f"whole with --config.parallel.extra_axis_rules=\"{rules}\".")
   try:
-    job.train_step.trace(sharding.with_shardings(job.abstract, job.shardings), job.abstract_batch)
+    abstract = sharding.with_shardings(job.abstract, job.shardings)
+    job.train_step.trace(abstract, job.abstract_batch)
+    if config.train.eval_batches > 0:  # Eval is partitioned apart from the train step: checked before it too.
+      job.eval_step.trace(abstract.params, job.abstract_batch)
   except UserError:
     raise
   except Exception as e:  # Whatever the model raised while traced: one line, with the fix where it is known.
-    cause = _first_line(e)
-    lowered = cause.lower()
-    if isinstance(e, TypeError) and any(f"'{k}'" in cause for k in data.PACKED_KEYS):
-      fix = adapters.PACKING_FIX
-    elif strategy != 'jit' and any(h in lowered for h in _CONSTRAINT_HINTS):
-      fix = (f"the model pins activation shardings, which only parallel.strategy='jit' can honour (under "
-             f"{strategy!r} it runs on each device's shard); use --config.parallel.strategy=jit")
-    else:
-      fix = "fix the model, or try --config.parallel.strategy=jit" if strategy != 'jit' else 'fix the model'
-    raise UserError(f'model.name={name!r} cannot run under parallel.strategy={strategy!r} on mesh '
-                    f'{dict(mesh.shape)}: {cause}. To fix: {fix}.') from e
+    keyword = adapters.call_error(e, name, {}) if isinstance(e, TypeError) else e  # A keyword its call requires.
+    if isinstance(keyword, UserError):
+      raise keyword from e
+    _refuse(e, name, strategy, mesh)
   logging.info('model.name=%r traces under parallel.strategy=%r on mesh %s.', name, strategy, dict(mesh.shape))
+
+
+def _refuse(e: Exception, name: str, strategy: str, mesh) -> None:
+  """Raises the one-line UserError for what the model raised while traced."""
+  cause, where = _cause(e)
+  lowered = cause.lower()
+  other = " or try --config.parallel.strategy=jit" if strategy != 'jit' else ''
+  if isinstance(e, TypeError) and any(f"'{k}'" in cause for k in data.PACKED_KEYS):
+    fix = adapters.PACKING_FIX
+  elif 'of type auto' in lowered or _raised_in_sharded_matmul(e):
+    fix = ("the model shards for a mesh with Explicit axes (out_sharding= on its einsums/dots, or "
+           "jax.sharding.reshard), but the launcher's mesh axes are Auto (Manual inside 'shard_map'): remove those "
+           "out_sharding= arguments (e.g. choose the model's own no-sharding config); the launcher shards "
+           "parameters from their names")
+  elif strategy != 'jit' and any(h in lowered for h in _CONSTRAINT_HINTS):
+    fix = (f"the model pins activation shardings, which only parallel.strategy='jit' can honour (under "
+           f"{strategy!r} it runs on each device's shard); use --config.parallel.strategy=jit")
+  elif _launcher_file(where):
+    fix = f"this failed inside the launcher ({where}), not the model: please report it with this line{other}"
+  else:
+    fix = f"change the model where it raised ({where or 'see the traceback above'}){other}"
+  raise UserError(f'model.name={name!r} cannot run under parallel.strategy={strategy!r} on mesh '
+                  f'{dict(mesh.shape)}: {cause} (raised at {where or "an unknown place"}). To fix: {fix}.') from e
 
 
 def check_alignment(job, seed: int) -> None:
@@ -84,12 +129,16 @@ def check_alignment(job, seed: int) -> None:
 
   @jax.jit
   def moved(params, a, b):
-    outputs = [task.outputs(params, {'inputs': x, **{k: extra[k] for k in keys}}).astype(jnp.float32) for x in (a, b)]
+    outputs = [task.outputs(params, {'inputs': x, 'targets': x, **{k: extra[k] for k in keys}}).astype(jnp.float32)
+               for x in (a, b)]
     return jnp.max(jnp.abs(outputs[0] - outputs[1]), axis=(0, 2))  # Per position.
 
   change = np.asarray(moved(params, tokens, changed))
   scale = max(float(change.max()), 1e-30)
   name = config.model.name
+  if getattr(task.objective, 'feed', 'inputs') == 'targets':
+    _check_unshifted(change, p, scale, name)
+    return
   if change[:p].max() > 1e-3 * scale:
     first = int(np.argmax(change[:p] > 1e-3 * scale))
     raise UserError(f'model.name={name!r} is not causal: changing inputs[{p}] changed the logits at position {first}, '
@@ -99,6 +148,23 @@ def check_alignment(job, seed: int) -> None:
   if change[p] <= 1e-3 * scale:
     raise UserError(f'model.name={name!r}: its logits at position {p} do not depend on inputs[{p}], so it shifts its '
                     f'inputs itself; the launcher\'s batches are already shifted (logits[t] scores targets[t] = '
-                    f'inputs[t+1]), so it would train one token further ahead. Remove the model\'s own shift (or set '
+                    f'inputs[t+1]), so it would train one token further ahead. Remove the model\'s own shift, or set '
+                    f'--config.model.unshifted_inputs=True to feed it unshifted rows (or set '
                     f'--config.model.check_alignment=False if this is intended).')
   logging.info('model.name=%r: logits[t] read inputs[t] and no later input (alignment probe at position %d).', name, p)
+
+
+def _check_unshifted(change, p: int, scale: float, name: str) -> None:
+  """model.unshifted_inputs: the model is fed the targets and shifts them itself, so logits[t] read fed[t-1]."""
+  if change[:p].max() > 1e-3 * scale:
+    first = int(np.argmax(change[:p] > 1e-3 * scale))
+    raise UserError(f'model.name={name!r} is not causal: changing its input at {p} changed the logits at position '
+                    f'{first}, before it; mask attention causally (or set --config.model.check_alignment=False if '
+                    f'this is intended).')
+  if change[p] > 1e-3 * scale:
+    raise UserError(f'model.name={name!r}: model.unshifted_inputs=True feeds it the targets for it to shift right, but '
+                    f'its logits at position {p} read its input at {p}: it does not shift. Set '
+                    f'--config.model.unshifted_inputs=False.')
+  if p + 1 < len(change) and change[p + 1] <= 1e-3 * scale:
+    raise UserError(f'model.name={name!r}: with model.unshifted_inputs=True its logits at position {p + 1} should read '
+                    f'its input at {p} (it shifts right by one), and they do not; check how the model shifts its rows.')
