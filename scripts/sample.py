@@ -1,13 +1,15 @@
 """Print a prompt and the continuation a trained LM writes for it.
 
   python scripts/sample.py --workdir=DIR [--prompt='def '] [--num_tokens=200] [--temperature=0.8] [--seed=0]
-      [--step=latest]
+      [--top_k=0] [--top_p=1.0] [--step=latest]
 
 Reads the run's config from WORKDIR/config.json (written by launch.py),
 restores the parameters of the newest intact checkpoint (or --step) onto one
 CPU device, and generates one token at a time: each step runs the model over
 the last data.seq_len tokens (no KV cache: simple, and fast enough for the
-small models this runs on a CPU). --temperature=0 is greedy.
+small models this runs on a CPU). --temperature=0 is greedy; --top_k keeps the k
+likeliest tokens, --top_p the smallest set whose probabilities reach p (nucleus
+sampling), both before the temperature's softmax draw.
 
 Runs on byte-level text (data.source='text', or prepare_data.py shards
 tokenized as bytes) take the prompt as text and print text. Other runs know no
@@ -31,6 +33,9 @@ _PROMPT = flags.DEFINE_string('prompt', 'def ', 'Text to continue (token ids, sp
 _NUM_TOKENS = flags.DEFINE_integer('num_tokens', 200, 'Tokens to generate after the prompt.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.8, 'Softmax temperature of the sampling; 0 = greedy.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seeds the sampling.')
+_TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k likeliest tokens only; 0 = all.')
+_TOP_P = flags.DEFINE_float('top_p', 1.0, 'Sample among the smallest set of likeliest tokens whose probabilities add '
+                            'up to at least p; 1.0 = all.')
 _STEP = flags.DEFINE_string('step', 'latest', "Checkpoint step to load, or 'latest' (the newest intact one).")
 flags.mark_flags_as_required(['workdir'])
 
@@ -120,8 +125,25 @@ def encode_prompt(prompt: str, as_bytes: bool, vocab_size: int) -> list[int]:
   return tokens
 
 
+def filter_logits(logits_V, top_k: int, top_p: float):
+  """`logits_V` with every token outside the top-k and outside the top-p nucleus set to -inf."""
+  import jax.numpy as jnp
+  if top_k > 0:
+    kth = jnp.sort(logits_V)[-min(top_k, logits_V.shape[-1])]
+    logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
+  if top_p < 1.0:
+    order = jnp.argsort(-logits_V)
+    probs = jnp.exp(logits_V[order] - jnp.max(logits_V))
+    probs = probs / jnp.sum(probs)
+    before = jnp.cumsum(probs) - probs  # Probability of the likelier tokens: a token is kept while that is < p.
+    keep_sorted = before < top_p
+    keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
+    logits_V = jnp.where(keep, logits_V, -jnp.inf)
+  return logits_V
+
+
 def generate(bind, params, prompt: list[int], num_tokens: int, seq_len: int, temperature: float,
-             seed: int) -> list[int]:
+             seed: int, top_k: int = 0, top_p: float = 1.0) -> list[int]:
   """`num_tokens` tokens after `prompt`, each from the logits `bind(params)(window)` of the last `seq_len` tokens.
 
   The window is always `seq_len` long (right-padded while the text is shorter), so the forward compiles once;
@@ -133,7 +155,7 @@ def generate(bind, params, prompt: list[int], num_tokens: int, seq_len: int, tem
 
   @jax.jit
   def next_token(params, window_1L, last, key):  # params as an argument: closed over, they would be constants.
-    logits_V = bind(params)(window_1L)[0, last]
+    logits_V = filter_logits(bind(params)(window_1L)[0, last].astype(jnp.float32), top_k, top_p)
     greedy = jnp.argmax(logits_V)
     sampled = jax.random.categorical(key, logits_V / jnp.maximum(temperature, 1e-6))
     return jnp.where(temperature > 0, sampled, greedy)
@@ -148,7 +170,8 @@ def generate(bind, params, prompt: list[int], num_tokens: int, seq_len: int, tem
   return tokens[len(prompt):]
 
 
-def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed: int, step: str) -> bytes:
+def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed: int, step: str, top_k: int = 0,
+           top_p: float = 1.0) -> bytes:
   """The prompt and its continuation, as the bytes to print."""
   import jax
 
@@ -156,13 +179,15 @@ def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed:
   from trainer.errors import UserError
   if num_tokens < 0 or temperature < 0:
     raise UserError(f'--num_tokens={num_tokens} and --temperature={temperature} must be >= 0.')
+  if top_k < 0 or not 0 < top_p <= 1:
+    raise UserError(f'--top_k={top_k} must be >= 0 and --top_p={top_p} in (0, 1].')
   workdir = storage.path(workdir)  # A local folder or gs://bucket/run.
   config = load_run_config(workdir)
   as_bytes = byte_level(config)
   tokens = encode_prompt(prompt, as_bytes, config.model.vocab_size)
   _, bind, params = restore_model(config, workdir, step)
   with jax.default_device(jax.devices('cpu')[0]):
-    new = generate(bind, params, tokens, num_tokens, config.data.seq_len, temperature, seed)
+    new = generate(bind, params, tokens, num_tokens, config.data.seq_len, temperature, seed, top_k, top_p)
   if as_bytes:
     return bytes(tokens + new)
   return ' '.join(map(str, tokens + new)).encode()
@@ -175,7 +200,8 @@ def main(argv):
   if not flags.FLAGS['verbosity'].present:  # The restore's log lines (a "resume" onto one device) are noise here.
     logging.set_verbosity(logging.ERROR)
   try:
-    out = sample(_WORKDIR.value, _PROMPT.value, _NUM_TOKENS.value, _TEMPERATURE.value, _SEED.value, _STEP.value)
+    out = sample(_WORKDIR.value, _PROMPT.value, _NUM_TOKENS.value, _TEMPERATURE.value, _SEED.value, _STEP.value,
+                 _TOP_K.value, _TOP_P.value)
   except UserError as e:
     print(f'sample.py: error: {" ".join(str(e).split())}', file=sys.stderr)
     sys.exit(2)

@@ -53,3 +53,31 @@ def test_sample_refuses_a_workdir_it_cannot_use_in_one_line(case, workdir, tmp_p
   stderr = result.stderr.decode()
   assert result.returncode == 2 and result.stdout == b'', stderr[-3000:]
   assert stderr.startswith('sample.py: error: ') and stderr.count('\n') == 1 and message in stderr, stderr
+
+
+def _sample_module():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location('sample_script', REPO / 'scripts' / 'sample.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_top_k_and_top_p_keep_the_tokens_their_definitions_name():
+  import numpy as np
+  sample = _sample_module()
+  logits = np.log(np.array([0.05, 0.4, 0.1, 0.3, 0.15], np.float32))  # Sorted: 1 (.4), 3 (.3), 4 (.15), 2, 0.
+  kept = lambda out: sorted(np.flatnonzero(np.isfinite(np.asarray(out))).tolist())
+  assert kept(sample.filter_logits(logits, top_k=2, top_p=1.0)) == [1, 3]
+  assert kept(sample.filter_logits(logits, top_k=0, top_p=0.7)) == [1, 3]  # .4 + .3 reaches .7.
+  assert kept(sample.filter_logits(logits, top_k=0, top_p=0.71)) == [1, 3, 4]
+  assert kept(sample.filter_logits(logits, top_k=0, top_p=0.05)) == [1]  # The likeliest is always kept.
+  assert kept(sample.filter_logits(logits, top_k=3, top_p=0.5)) == [1, 3]
+
+
+def test_top_k_1_is_greedy(workdir):
+  greedy = _sample(f'--workdir={workdir}', '--prompt=def ', '--num_tokens=12', '--temperature=0')
+  top1 = _sample(f'--workdir={workdir}', '--prompt=def ', '--num_tokens=12', '--temperature=1.5', '--top_k=1',
+                 '--seed=3')
+  assert greedy.returncode == 0 and top1.returncode == 0, top1.stderr[-2000:]
+  assert top1.stdout == greedy.stdout
