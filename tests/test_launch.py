@@ -125,3 +125,11 @@ def test_missing_config_file(launcher, tmp_path):
   result = launcher('--config=configs/nope.py', f'--workdir={tmp_path}')
   assert result.returncode == 2
   assert 'configs/nope.py' in _error_line(result)
+
+
+def test_the_log_counts_passes_over_the_data(finished_run):
+  workdir, first, _, _ = finished_run
+  examples = int(re.search(r'; (\d+) train examples', first.stderr).group(1))
+  records = [r for r in read_metrics(workdir) if 'loss' in r]
+  assert records and all(r['epochs'] == pytest.approx(r['step'] * 8 / examples) for r in records)  # tiny: batch 8.
+  assert re.search(r'step 8/8 \| loss [\d.]+ \| epoch \d+\.\d\d \|', first.stderr)

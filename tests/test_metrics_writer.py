@@ -113,7 +113,8 @@ class _Terminal(io.StringIO):
 
 def test_progress_bar_renders_step_loss_throughput_and_eta():
   line = progress.render(30, 120, 2.34567, 12345.6, 95)
-  assert line == '[======>                 ]  25% step 30/120 | loss 2.3457 | 12,346 tok/s | ETA 1m35s'
+  assert line == ('[======>                 ]  25% step 30/120 | loss 2.3457 (this step) | 12,346 tok/s (recent) | '
+                  'ETA 1m35s')
   assert progress.render(120, 120, 1.0, 1.0, 0).startswith('[========================] 100% step 120/120')
 
 

@@ -77,6 +77,7 @@ class RunContext:
   stragglers: 'stragglers.StragglerWatch' = dataclasses.field(
       default_factory=lambda: stragglers.StragglerWatch(0, 1, 1.0))
   notices: 'notices.Notices' = dataclasses.field(default_factory=lambda: notices.Notices((), None))
+  examples_per_epoch: int | None = None  # Global training examples in one pass; None where the source has no end.
 
 
 def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False) -> None:
@@ -159,6 +160,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
       manifest=manifest, writer=writer, guard=guard, preempt=preempt,
       throughput=flops.Throughput.for_job(job), profiler=profiler, hang=hang_watch,
       fault=faults.for_process(process_index),
+      examples_per_epoch=getattr(inputs.train, 'examples_per_epoch', None),
       notices=notice, stragglers=stragglers.StragglerWatch(process_index, process_count, config.train.straggler_warn_fraction))
   try:
     while True:
@@ -288,6 +290,8 @@ def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_
     summary = window.summary(metrics, objective.units_per_step, objective.unit, run.throughput)
     if not window.first:
       data.warn_if_stalled(step, summary)
+    if run.examples_per_epoch:  # Passes over the training data so far: every step takes one global batch.
+      summary['epochs'] = step * run.config.train.batch_size / run.examples_per_epoch
     busy = float(np.mean(np.subtract(window.step_times, window.device_waits)))
     summary.update(run.stragglers.at_log(step, busy, summary['data_wait_s'], summary['step_time_s']))
     writer.write(step, {**summary, **evals.pop(step, {})})

@@ -129,6 +129,8 @@ class MetricsWriter:
       parts.append(f'loss {record["loss"]:.4f}')
     if 'accuracy' in record:
       parts.append(f'accuracy {record["accuracy"]:.3f}')
+    if 'epochs' in record:
+      parts.append(f'epoch {record["epochs"]:.2f}')
     if 'eval_loss' in record:
       parts.append(f'eval_loss {record["eval_loss"]:.4f}')
     if 'eval_accuracy' in record:

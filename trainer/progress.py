@@ -30,8 +30,10 @@ def render(step: int, total: int, loss: float, tokens_per_s: float, eta_s: float
   done = min(step / total, 1.0) if total else 1.0
   filled = int(done * _WIDTH)
   bar = '=' * filled + ('>' if filled < _WIDTH else '') + ' ' * max(_WIDTH - filled - 1, 0)
-  return (f'[{bar}] {done:4.0%} step {step}/{total} | loss {loss:.4f} | {tokens_per_s:,.0f} tok/s | '
-          f'ETA {duration(eta_s)}')
+  # The log lines show means over the steps since the previous line; the bar, the latest step's loss and a moving
+  # average of the recent speed. Labelled, so the two never seem to disagree about the same step.
+  return (f'[{bar}] {done:4.0%} step {step}/{total} | loss {loss:.4f} (this step) | {tokens_per_s:,.0f} tok/s '
+          f'(recent) | ETA {duration(eta_s)}')
 
 
 def check_mode(mode: str) -> None:

@@ -77,6 +77,11 @@ class TrainIterator:
   def __iter__(self) -> 'TrainIterator':
     return self
 
+  @property
+  def examples_per_epoch(self) -> int:
+    """Global examples in one pass over the training data (the loop logs the passes made as `epochs`)."""
+    return int(self._fingerprint['num_examples'])
+
   def __next__(self) -> dict[str, np.ndarray]:
     if self._iterator is None:  # Built on first use: a resumed run starts its workers once, at the right place.
       self._iterator = self._make(self._consumed)
