@@ -6,6 +6,7 @@ compiled footprints differ by policy: ~16 MB with remat 'none', ~7 MB with
 """
 
 import hashlib
+import re
 import logging
 import pathlib
 import subprocess
@@ -99,7 +100,8 @@ def test_auto_raises_grad_accum_when_no_policy_fits_the_batch(trained):
   resolved, choice = remat.resolve(config, jax.devices()[:1])
   assert resolved.train.grad_accum_steps == choice.grad_accum_steps == 2
   assert choice.needed_bytes <= full * (1 - footprint.MARGIN)
-  assert 'full (' in choice.summary  # 'full' at one microbatch is reported as not fitting.
+  # 'full' at one microbatch (the least memory it has, with the loss in slices where that is tried) did not fit.
+  assert re.search(r"did not fit with .*full( with loss_chunks=\d+)? \(", choice.summary), choice.summary
 
 
 def test_auto_without_a_known_limit_is_none_and_says_why(tmp_path):
@@ -158,3 +160,31 @@ def test_limit_comes_from_the_setting_else_the_devices_reported_bytes_limit():
   assert footprint.verdict(97 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Fits with little margin')
   assert footprint.verdict(90 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Fits: 90.00 GiB of 100.00 GiB')
   assert footprint.verdict(101 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Does not fit: 101.00 GiB')
+
+
+def test_auto_takes_a_chunked_loss_when_it_lets_a_faster_policy_fit(tmp_path):
+  """Logits that dominate (vocab 4096 on d_model 32): 'none' fits only with the loss in slices, which beats 'full'."""
+  config = _config(tmp_path, device_memory_gb=None)
+  config.model.vocab_size = 4096
+  config.data.source = 'synthetic'
+  one = jax.devices()[:1]
+  need = lambda policy, chunks: remat.step_bytes(plan.with_overrides(config, {
+      'train.remat_policy': policy, 'train.grad_accum_steps': 1, 'train.loss_chunks': chunks}), one)[0]
+  chunks = 8  # What measure.loss_chunks_worth_trying offers for seq_len 128.
+  none_whole, none_sliced = need('none', 1), need('none', chunks)
+  assert none_sliced < 0.8 * none_whole  # The premise: the logits are a large share of the step.
+  config.train.device_memory_gb = (none_sliced / (1 - footprint.MARGIN) + 1024) / GIB
+  resolved, choice = remat.resolve(config, one, log_fn=lambda line: None)
+  assert (choice.remat_policy, choice.loss_chunks) == ('none', chunks), choice
+  assert resolved.train.loss_chunks == chunks and resolved.train.remat_policy == 'none'
+  assert f"'none' with grad_accum_steps=1 and train.loss_chunks={chunks} (the logits in slices)" in choice.summary
+  assert choice.record()['loss_chunks'] == chunks
+
+
+def test_plan_and_remat_do_not_import_each_other():
+  import ast
+  def imports(path):
+    tree = ast.parse((REPO / path).read_text())
+    return {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names} | {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+  assert 'plan' not in imports('trainer/memory/remat.py') and 'trainer.plan' not in imports('trainer/memory/remat.py')

@@ -29,56 +29,22 @@ lives in libtpu, whose own logging this does not reach; its start-up complaints
 about the missing TPU metadata are answered instead (`_describe_host_to_libtpu`).
 """
 
-import copy
-import dataclasses
 import importlib.util
 import math
 import os
-from collections.abc import Sequence
 
 import jax
 
-from parallel import sharding
-from trainer import attention, flops, gpu_targets, traced_flops
-from trainer import job as job_lib
+from trainer import attention, flops, gpu_targets
 from trainer.errors import UserError
 from trainer.memory import footprint
+from trainer.memory import measure, remat
+from trainer.memory.measure import Plan, Refused, make_plan, total_or_refused, with_overrides  # noqa: F401  (API)
 
 GIB = footprint.GIB
 # HBM per chip in GiB, for --topology runs without --plan_memory_gb.
 HBM_GIB = {'h100': 80, 'h200': 141, 'v4': 32, 'v5e': 16, 'v5p': 95, 'v6e': 32}
 ASSUMED_MFU = 0.5  # The step time printed next to the compute-bound one: the MFU a well-tuned run reaches.
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """Per-device memory of the compiled step, and its FLOPs."""
-  mesh_shape: dict[str, int]
-  device_kind: str
-  params_bytes: int
-  opt_state_bytes: int
-  argument_bytes: int  # Everything passed in: state and batch.
-  output_bytes: int
-  alias_bytes: int  # Outputs written into donated inputs' buffers (the state).
-  temp_bytes: int  # Activations, gradients and scratch, live only during the step.
-  code_bytes: int
-  flops: flops.StepFlops | None  # The analytic counts: the built-in llama only.
-  traced: traced_flops.Count | None = None  # Any model; None where the step does not trace without a mesh.
-  attention: str | None = None  # The kernel a built-in model's attention runs on this mesh, and why; None otherwise.
-
-  @property
-  def total_bytes(self) -> int:
-    """Peak bytes per device while the step runs: inputs, outputs not aliased to them, temporaries, code."""
-    return footprint.step_bytes(self.argument_bytes, self.output_bytes, self.alias_bytes, self.temp_bytes,
-                                self.code_bytes)
-
-
-class Refused(UserError):
-  """The compiler refused the step for memory (footprint.CompilerRefused), with the mesh it was built for."""
-
-  def __init__(self, refused: footprint.CompilerRefused, mesh_shape: dict[str, int]):
-    super().__init__(str(refused))
-    self.needed_bytes, self.available_bytes, self.mesh_shape = refused.needed_bytes, refused.available_bytes, mesh_shape
 
 
 def topology_devices(topology: str) -> list[jax.Device]:
@@ -129,38 +95,6 @@ def _describe_host_to_libtpu(topology: str) -> None:
   name, per_chip = _ACCELERATOR_TYPE.get(generation, (generation, 1))
   os.environ.setdefault('TPU_ACCELERATOR_TYPE', f'{name}-{chips * per_chip}')
   os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
-
-
-def make_plan(config, devices: Sequence[jax.Device] | None = None) -> Plan:
-  """Builds the job on `devices` (default: this machine's), compiles its train step and measures it.
-
-  Raises Refused when the compiler itself finds that the step cannot fit.
-  """
-  job = job_lib.build_job(config, devices)
-  try:
-    memory = footprint.compile_step(job).memory_analysis()
-  except footprint.CompilerRefused as e:
-    raise Refused(e, dict(job.mesh.shape)) from e
-  except jax.errors.JaxRuntimeError as e:
-    if not gpu_targets.is_deviceless(job.mesh.devices.flat[0]):
-      raise
-    raise gpu_targets.compiler_failed(e) from e
-  _, totals = sharding.sharding_table(job.abstract, job.shardings)
-  return Plan(
-      mesh_shape=dict(job.mesh.shape), device_kind=job.mesh.devices.flat[0].device_kind,
-      params_bytes=totals['params_bytes_per_device'], opt_state_bytes=totals['opt_state_bytes_per_device'],
-      argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
-      alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
-      code_bytes=memory.generated_code_size_in_bytes,
-      flops=(flops.step_flops(config.model, config.train.batch_size, config.data.seq_len)
-             if config.model.name == 'llama' else None),
-      traced=flops.job_step_flops(job, log=False),  # report() prints it, once, not once per candidate.
-      attention=_attention(config, job.mesh))
-
-
-def _attention(config, mesh) -> str | None:
-  choice = attention.check_config(config, mesh)  # For the mesh's platform: a --topology plan names TPU kernels.
-  return choice.describe() if choice else None
 
 
 _gib = footprint.gib
@@ -226,12 +160,11 @@ def report(plan: Plan, config) -> str:
 
 def _candidates(config, mesh_shape: dict[str, int], budget: int | None = None) -> list[tuple[str, dict[str, object]]]:
   """Config changes that lower per-device memory, each as (flags, overrides)."""
-  from trainer.memory import remat  # Here: remat imports this module.
   out = []
   if config.train.remat_policy != 'full' and remat.policies(config.model.name) is not None:  # Only where it applies.
     out.append({'train.remat_policy': 'full'})
   data, fsdp = mesh_shape['data'], mesh_shape['fsdp']
-  chunks = _loss_chunks_worth_trying(config, mesh_shape, budget)
+  chunks = measure.loss_chunks_worth_trying(config, mesh_shape, budget)
   if chunks:
     out.append({'train.loss_chunks': chunks})
   if data % 2 == 0:
@@ -245,37 +178,6 @@ def _candidates(config, mesh_shape: dict[str, int], budget: int | None = None) -
   if len(together) > 1 and len(out) > 2:
     out.append(together)
   return [(' '.join(f'--config.{k}={v}' for k, v in o.items()), o) for o in out]
-
-
-def _loss_chunks_worth_trying(config, mesh_shape: dict[str, int], budget: int | None) -> int | None:
-  """Slices for train.loss_chunks where one device's whole float32 logits are 5% of the budget or more.
-
-  Only the built-in Llama is offered it (a brought model must take hidden_and_head; its class is not known here).
-  """
-  if config.model.name != 'llama' or config.train.get('loss_chunks', 1) != 1 or budget is None:
-    return None
-  rows = config.train.batch_size // (mesh_shape['data'] * mesh_shape['fsdp'])
-  logits_bytes = 4 * rows * config.data.seq_len * config.model.vocab_size // mesh_shape['tensor']
-  divisors = [n for n in range(2, 9) if config.data.seq_len % n == 0]
-  return divisors[-1] if divisors and logits_bytes >= 0.05 * budget else None
-
-
-def with_overrides(config, overrides: dict[str, object]):
-  """A copy of `config` with {'section.key': value} changed; the original is untouched."""
-  config = copy.deepcopy(config)
-  with config.unlocked():
-    for key, value in overrides.items():
-      section, name = key.split('.')
-      config[section][name] = value
-  return config
-
-
-def total_or_refused(config, devices) -> tuple[int, Refused | None]:
-  """Per-device bytes of `config`'s compiled step, or (the compiler's lower bound, the refusal)."""
-  try:
-    return make_plan(config, devices).total_bytes, None
-  except Refused as e:
-    return e.needed_bytes, e
 
 
 def fixes(config, mesh_shape: dict[str, int], budget: int, devices=None, print_fn=print) -> str:
@@ -316,7 +218,6 @@ def run(config, memory_gb: float | None = None, topology: str | None = None, pri
   Returns None when the compiler refused the step and no budget was given to judge it by (cannot happen
   with --topology, whose chips have a known HBM).
   """
-  from trainer.memory import remat  # Here: remat 'auto' compiles its candidates through make_plan above.
   devices = None
   if topology:
     devices = topology_devices(topology)

@@ -2,8 +2,15 @@
 
 `resolve(config, devices)` turns 'auto' into a concrete policy (and maybe a
 larger `train.grad_accum_steps`) before the run's Job is built, so the model
-builders never see 'auto'. Candidates are compiled ahead of time through plan
-mode's `make_plan` (the persistent compilation cache, when on, keeps them).
+builders never see 'auto'. Candidates are compiled ahead of time through
+trainer/memory/measure.py, the measurement plan mode reports (the persistent
+compilation cache, when on, keeps them).
+
+Where one device's float32 logits are a large part of the memory (the built-in
+Llama, `train.loss_chunks` left at 1: measure.loss_chunks_worth_trying), each
+policy is also tried with the loss computed in slices of positions: a chunked
+loss costs one more head matmul per token, recomputation costs a block's forward,
+so a faster policy with a chunked loss is preferred to a slower one without it.
 
 Order, least recomputed first. Basis: the matmul FLOPs per token and layer the
 backward pass redoes of a Llama block's forward (multi-head, L tokens, width d,
@@ -30,9 +37,9 @@ import jax
 from absl import logging
 
 from parallel import mesh as mesh_lib
-from trainer import checkpoint, plan
+from trainer import checkpoint
 from trainer.errors import UserError
-from trainer.memory import footprint
+from trainer.memory import footprint, measure
 from trainer.models import checkpoint_policies
 
 RECOMPUTE_ORDER = ('none', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'save_qkv_proj',
@@ -52,6 +59,7 @@ class Choice:
   needed_bytes: int | None  # The chosen step's per-device bytes; None when nothing was compiled.
   summary: str
   fingerprint: str = ''  # Of the requested config, devices and limit: a resumed run reuses a matching choice.
+  loss_chunks: int = 1  # train.loss_chunks chosen with the policy (1 = the whole logits at once).
 
   def record(self) -> dict:
     """For the run manifest (checkpoint.run_manifest's 'memory' entry)."""
@@ -107,14 +115,15 @@ def step_bytes(config, devices: Sequence[jax.Device]) -> tuple[int, bool]:
   """(per-device bytes of `config`'s compiled step, whether the compiler refused it); UserError if impossible."""
   key = (config.to_json_best_effort(sort_keys=True), tuple(d.id for d in devices))
   if key not in _MEASURED:
-    total, refused = plan.total_or_refused(config, devices)
+    total, refused = measure.total_or_refused(config, devices)
     _MEASURED[key] = -(total + 1) if refused else total
   value = _MEASURED[key]
   return (-value - 1, True) if value < 0 else (value, False)
 
 
-def _with(config, policy: str, accum: int):
-  return plan.with_overrides(config, {'train.remat_policy': policy, 'train.grad_accum_steps': accum})
+def _with(config, policy: str, accum: int, chunks: int | None = None):
+  return measure.with_overrides(config, {'train.remat_policy': policy, 'train.grad_accum_steps': accum,
+                                         'train.loss_chunks': chunks or config.train.loss_chunks})
 
 
 def resolve(config, devices: Sequence[jax.Device] | None = None, limit: footprint.Limit | None = None,
@@ -129,17 +138,18 @@ def resolve(config, devices: Sequence[jax.Device] | None = None, limit: footprin
   key = fingerprint(config, devices, limit)
   if order is None or limit.bytes is None:
     why = (f'model.name={config.model.name!r} takes no remat policy' if order is None else limit.source)
-    choice = Choice('none', t.grad_accum_steps, None, f"remat 'auto': 'none' ({why}).", key)
+    choice = Choice('none', t.grad_accum_steps, None, f"remat 'auto': 'none' ({why}).", key, t.loss_chunks)
   else:
     saved = previous_choice(workdir)
     if saved and saved.get('fingerprint') == key:
-      choice = Choice(**{**saved, 'summary': f"remat 'auto': {saved['remat_policy']!r} with grad_accum_steps="
-                                             f"{saved['grad_accum_steps']}, as chosen when this run started "
-                                             f"(its config, devices and memory are unchanged)."})
+      choice = Choice(**{'loss_chunks': t.loss_chunks, **saved,
+                         'summary': f"remat 'auto': {saved['remat_policy']!r} with grad_accum_steps="
+                                    f"{saved['grad_accum_steps']}, as chosen when this run started "
+                                    f"(its config, devices and memory are unchanged)."})
     else:
       choice = _search(config, devices, limit, order, key)
   log_fn(choice.summary)
-  return _with(config, choice.remat_policy, choice.grad_accum_steps), choice
+  return _with(config, choice.remat_policy, choice.grad_accum_steps, choice.loss_chunks), choice
 
 
 def _search(config, devices, limit: footprint.Limit, order: tuple[str, ...], key: str) -> Choice:
@@ -149,35 +159,42 @@ def _search(config, devices, limit: footprint.Limit, order: tuple[str, ...], key
   first = config.train.grad_accum_steps
   accums = [first] + [a for a in range(first + 1, per_device + 1) if per_device % a == 0]
   budget = int(limit.bytes * (1 - footprint.MARGIN))
-  tried: dict[tuple[str, int], int | None] = {}
+  chunked = measure.loss_chunks_worth_trying(config, dict(mesh.shape), budget)
+  chunk_options = [config.train.loss_chunks] + ([chunked] if chunked else [])
+  tried: dict[tuple[str, int, int], int | None] = {}
 
-  def need(policy, accum):
-    if (policy, accum) not in tried:
+  def need(policy, accum, chunks):
+    if (policy, accum, chunks) not in tried:
       try:
-        total, refused = step_bytes(_with(config, policy, accum), devices)
+        total, refused = step_bytes(_with(config, policy, accum, chunks), devices)
       except UserError:  # This accumulation or policy is not possible here (validation says why).
         total, refused = None, False
-      tried[policy, accum] = max(total, limit.bytes + 1) if refused else total
-    return tried[policy, accum]
+      tried[policy, accum, chunks] = max(total, limit.bytes + 1) if refused else total
+    return tried[policy, accum, chunks]
 
   for accum in accums:
-    probe = need(order[-1], accum)
+    probe = need(order[-1], accum, chunk_options[-1])
     if probe is None or probe > budget:
       continue
     for policy in order:
-      total = need(policy, accum)
-      if total is not None and total <= budget:
-        return Choice(policy, accum, total, _summary(policy, accum, total, limit, tried, budget), key)
-  return Choice(order[-1], first, tried.get((order[-1], first)),
-                _summary(None, first, None, limit, tried, budget), key)
+      for chunks in chunk_options:
+        total = need(policy, accum, chunks)
+        if total is not None and total <= budget:
+          return Choice(policy, accum, total, _summary((policy, accum, chunks), total, limit, tried, budget), key,
+                        chunks)
+  return Choice(order[-1], first, tried.get((order[-1], first, chunk_options[-1])),
+                _summary(None, None, limit, tried, budget), key, chunk_options[-1])
 
 
-def _summary(policy, accum, total, limit, tried, budget) -> str:
-  rejected = ', '.join(f'{p}{f" x{a} microbatches" if a > 1 else ""} ({footprint.gib(b)})'
-                       for (p, a), b in tried.items() if b is not None and b > budget)
+def _summary(chosen, total, limit, tried, budget) -> str:
+  def name(p, a, c):
+    return f'{p}{f" x{a} microbatches" if a > 1 else ""}{f" with loss_chunks={c}" if c > 1 else ""}'
+  rejected = ', '.join(f'{name(*k)} ({footprint.gib(b)})' for k, b in tried.items() if b is not None and b > budget)
   not_fitting = f'; did not fit with {footprint.MARGIN:.0%} free: {rejected}' if rejected else ''
-  if policy is None:
+  if chosen is None:
     return (f"remat 'auto': no policy fits in {footprint.gib(limit.bytes)} ({limit.source}) at any accumulation"
             f"{not_fitting}; trying 'full'.")
-  return (f"remat 'auto': {policy!r} with grad_accum_steps={accum}, {footprint.gib(total)} of "
-          f"{footprint.gib(limit.bytes)} per device ({limit.source}){not_fitting}.")
+  policy, accum, chunks = chosen
+  return (f"remat 'auto': {policy!r} with grad_accum_steps={accum}"
+          f"{f' and train.loss_chunks={chunks} (the logits in slices)' if chunks > 1 else ''}, "
+          f"{footprint.gib(total)} of {footprint.gib(limit.bytes)} per device ({limit.source}){not_fitting}.")
