@@ -133,7 +133,7 @@ def test_a_user_error_is_not_restarted(text_dir, tmp_path):
 
 
 def test_a_stalled_input_pipeline_is_named_stacks_written_and_the_run_restarted(text_dir, tmp_path):
-  result = _launch(_args(tmp_path, text_dir, '--config.train.hang_timeout_s=20'),
+  result = _launch(_args(tmp_path, text_dir, '--config.train.hang_timeout_s=10'),
                    fault='stall_data@3,attempt=1')
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'the input pipeline stalled: no batch for' in result.stderr and 'after step 1' in result.stderr  # Step 2's metrics are fetched with step 3's.
