@@ -12,6 +12,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from configs import base as base_config
 from parallel import mesh as mesh_lib
 from parallel import sharding, strategy
 from trainer import guardrails, optimizer, validation
@@ -62,7 +63,8 @@ def build_job(config, devices: Sequence[jax.Device] | None = None) -> Job:
   rules = sharding.rules_from_config(config.parallel)
   task = task_lib.build_task(config, mesh, rules)
   sharding.check_divisible(task.model.abstract_boxed, mesh, rules)
-  tx, schedule = optimizer.build_optimizer(config.train)
+  optimizer.validate(config.train, base_config.get_config().train)
+  tx, schedule = optimizer.build_optimizer(config.train, task.model.abstract_boxed)
   guardrails.validate(config.train.on_nonfinite)
   tx = guardrails.guard_optimizer(tx)  # A non-finite update is never applied, in any train.on_nonfinite mode.
   abstract, shardings = state_lib.abstract_state(task.model, tx, mesh, rules)

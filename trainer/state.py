@@ -17,6 +17,7 @@ import optax
 from jax.sharding import Mesh
 
 from parallel import sharding
+from trainer import optimizer
 from trainer.models.adapters import AdaptedModel
 
 
@@ -44,6 +45,7 @@ def _init_boxed(seed: jax.Array, model: AdaptedModel, tx: optax.GradientTransfor
 def abstract_state(model: AdaptedModel, tx, mesh: Mesh, rules) -> tuple[TrainState, TrainState]:
   """(abstract state, its NamedShardings), both as TrainState trees; nothing is allocated."""
   boxed = jax.eval_shape(lambda s: _init_boxed(s, model, tx), jnp.zeros((), jnp.uint32))
+  boxed = boxed.replace(opt_state=optimizer.fit_state_axes(boxed.opt_state))
   shardings = sharding.tree_shardings(boxed, mesh, rules)
   return nn.meta.unbox(boxed), shardings
 
