@@ -65,7 +65,7 @@ def learning_rate_schedule(train_config) -> optax.Schedule:
     after = optax.constant_schedule(peak)
   elif train_config.schedule == 'rsqrt':
     # peak * sqrt(warmup / step): continuous at the end of warmup.
-    after = lambda count: peak * jnp.sqrt(max(warmup, 1) / (count + max(warmup, 1)))
+    after = lambda count: peak * jnp.sqrt(max(warmup, 1) / jnp.maximum(count + max(warmup, 1), 1))
   else:  # 'wsd': the decay's start depends only on steps, so a longer run stays stable longer.
     decay = max(round(train_config.decay_fraction * steps), 1)
     stable = max(steps - decay - warmup, 0)
