@@ -17,7 +17,7 @@ from absl import logging
 from parallel import sharding
 from trainer import checkpoint, compilation_cache, data, flops, guardrails, objectives, preemption
 from trainer import goodput as goodput_lib
-from trainer import profiling, progress, storage
+from trainer import optimizer, profiling, progress, storage
 from trainer import job as job_lib
 from trainer.memory import preflight, remat
 from trainer.models import contract
@@ -183,7 +183,8 @@ def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
   logging.info('Mesh %s over %d devices (%d processes); model: %s (%s, %s), %s parameters', dict(mesh.shape),
                mesh.size, jax.process_count(), config.model.name, job.task.model.framework, config.model.task,
                f'{num_params:,}')
-  table, _ = sharding.sharding_table(job.abstract, job.shardings, job.task.param_notes)
+  table, _ = sharding.sharding_table(job.abstract, job.shardings, job.task.param_notes,
+                                     optimizer.decaying_params(job.config.train, job.task.model.abstract_boxed))
   if write:
     logging.info('Sharding (also in %s/sharding.txt):\n%s', workdir, table)
     storage.path(workdir).mkdir(parents=True, exist_ok=True)

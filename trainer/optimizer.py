@@ -108,6 +108,12 @@ def _base(train_config, schedule, infos):
   return optax.chain(decay, optax.sgd(schedule, momentum=t.sgd_momentum or None, nesterov=t.sgd_nesterov))
 
 
+def decaying_params(train_config, abstract_params) -> dict[str, bool]:
+  """'/'-joined parameter path -> whether weight decay applies to it (the sharding table's 'decay' column)."""
+  return {path: param_groups.decays(info, train_config.weight_decay_exclude) and train_config.weight_decay > 0
+          for path, info in param_groups.describe(abstract_params).items()}
+
+
 def build_optimizer(train_config, abstract_params=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """The clipped optimizer and its schedule.
 

@@ -54,9 +54,15 @@ def describe(abstract_boxed_params) -> dict[str, ParamInfo]:
   return infos
 
 
+# Flax's names for biases and norm scales: a multi-head attention bias is
+# (heads, head_dim), rank 2, yet a bias all the same.
+_BIAS_OR_SCALE = re.compile(r'(^|/)(bias|scale)$')
+
+
 def decays(info: ParamInfo, exclude: Sequence[str]) -> bool:
-  """Weight decay on matrices only: norm scales and biases (rank 1 per layer) keep their values."""
-  return len(info.weight_axes) >= 2 and not any(re.search(p, info.path) for p in exclude)
+  """Weight decay on weight matrices only: norm scales and biases keep their values."""
+  return (len(info.weight_axes) >= 2 and not _BIAS_OR_SCALE.search(info.path)
+          and not any(re.search(p, info.path) for p in exclude))
 
 
 def muon_dimensions(info: ParamInfo) -> MuonDimensionNumbers | None:
