@@ -106,6 +106,16 @@ def safe_differences(saved: dict[str, Any], manifest: dict[str, Any]) -> list[st
           if not k.startswith(skip) and _normal(old.get(k)) != _normal(new.get(k))]
 
 
+def _check_same_optimizer(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
+  """Another optimizer's state cannot be restored into this one's (a schedule change can, and is logged)."""
+  # Checkpoints written before train.optimizer existed were AdamW's.
+  before = saved.get('config', {}).get('train', {}).get('optimizer', 'adamw')
+  now = manifest.get('config', {}).get('train', {}).get('optimizer', 'adamw')
+  if before != now:
+    raise UserError(f'--workdir {directory.parent} was trained with train.optimizer={before!r}, not {now!r}: resume '
+                    f'with --config.train.optimizer={before}, or use a fresh --workdir to start with {now!r}.')
+
+
 def _normal(value):
   return list(value) if isinstance(value, tuple) else value
 
@@ -211,6 +221,7 @@ class Checkpointer:
       raise UserError(f'--workdir holds checkpoints of a different model ({"; ".join(diffs[:4])}) in '
                       f'{self.directory}. Resume with the config it was trained with, or use a fresh --workdir; '
                       f'nothing was changed.')
+    _check_same_optimizer(saved, manifest, self.directory)
     # Another process count is fine: the data position is a count of global examples (trainer/data/pipeline.py).
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator, manifest: dict[str, Any],
