@@ -35,6 +35,7 @@ def get_config() -> config_dict.ConfigDict:
   c.train.muon_consistent_rms = 0.2  # 'muon': matrix updates scaled to this RMS, so one learning_rate serves Muon and AdamW parameters.
   c.train.sgd_momentum = 0.9  # 'sgd': momentum; 0 = plain SGD.
   c.train.sgd_nesterov = False  # 'sgd': Nesterov momentum.
+  c.train.ema_decay = 0.0  # > 0: keep a float32 moving average of the parameters (ema = d x ema + (1 - d) x params), checkpointed, evaluated as eval_ema_loss; 0 = off.
   c.train.grad_clip_norm = 1.0  # Clip gradients to this global norm; 0 disables clipping.
   c.train.compute_dtype = 'auto'  # 'auto' (bfloat16 on GPU/TPU, float32 on CPU), 'float32' or 'bfloat16'.
   c.train.param_dtype = 'float32'  # Storage dtype of parameters and optimizer state.

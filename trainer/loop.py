@@ -233,6 +233,9 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
       run.hang.phase('eval')
       evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
+      if state.ema_params is not None:  # The same eval step, on the average cast to the parameters' dtypes.
+        ema = jax.tree.map(lambda e, p: e.astype(p.dtype), state.ema_params, state.params)
+        evals[step]['eval_ema_loss'] = _evaluate(run.eval_step, ema, run.eval_set, run.objective)['eval_loss']
     noticed = run.notices.reached(step)
     preempted = preempt.reached(step) or noticed
     t_ckpt = time.perf_counter()

@@ -43,6 +43,8 @@ def validate(train_config, defaults) -> None:
     raise UserError(f'train.decay_shape={train_config.decay_shape!r} is not one of {", ".join(DECAY_SHAPES)}.')
   if not 0 < train_config.decay_fraction <= 1:
     raise UserError(f'train.decay_fraction={train_config.decay_fraction} must be in (0, 1].')
+  if not 0 <= train_config.ema_decay < 1:
+    raise UserError(f'train.ema_decay={train_config.ema_decay} must be in [0, 1) (0 = no average; 0.999 is typical).')
   for key, owners in OWN_KEYS.items():
     if train_config.optimizer not in owners and train_config[key] != defaults[key]:
       raise UserError(f'train.{key}={train_config[key]!r} applies only to train.optimizer={" or ".join(owners)}, '

@@ -1,0 +1,66 @@
+"""train.ema_decay: a float32 moving average of the parameters, updated by the step and evaluated."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import read_metrics
+
+from configs import tiny
+from parallel import sharding
+from trainer import checkpoint
+from trainer import job as job_lib
+from trainer import loop
+from trainer.errors import UserError
+from test_strategies import TEXT_DIR
+
+DECAY = 0.75
+
+
+def _config(**train):
+  c = tiny.get_config()
+  c.train.ema_decay = DECAY
+  c.train.compute_dtype = 'float32'
+  c.data.text_dir = str(TEXT_DIR)
+  for key, value in train.items():
+    c.train[key] = value
+  return c
+
+
+def test_ema_equals_hand_computed_average_after_3_steps():
+  job = job_lib.build_job(_config(), jax.devices()[:2])
+  state = job.init_state(0)
+  compiled = job.compile_train_step()
+  history = [jax.device_get(state.params)]
+  for i in range(3):
+    batch = {k: jax.device_put(jax.random.randint(jax.random.key(i), s.shape, 0, 256).astype(s.dtype), s.sharding)
+             for k, s in job.abstract_batch.items()}
+    state, _ = compiled(state, batch)
+    history.append(jax.device_get(state.params))
+  # ema_0 = params_0; ema_t = d ema_{t-1} + (1 - d) params_t, here summed in closed form.
+  for path, ema in jax.tree_util.tree_leaves_with_path(jax.device_get(state.ema_params)):
+    p = [np.asarray(dict(jax.tree_util.tree_leaves_with_path(h))[path], np.float64) for h in history]
+    expected = DECAY ** 3 * p[0] + (1 - DECAY) * (DECAY ** 2 * p[1] + DECAY * p[2] + p[3])
+    assert ema.dtype == jnp.float32
+    np.testing.assert_allclose(ema, expected, rtol=1e-5, atol=1e-7)
+  # Sharded like the parameters.
+  assert jax.tree.map(lambda s: s.spec, job.shardings.ema_params) == jax.tree.map(lambda s: s.spec,
+                                                                                   job.shardings.params)
+  assert not np.allclose(jax.tree.leaves(state.ema_params)[0], jax.tree.leaves(state.params)[0])
+
+
+def test_ema_is_evaluated_and_survives_resume(tmp_path):
+  loop.run(_config(steps=4), str(tmp_path))  # Checkpoints at step 4 (ckpt.every_steps=4).
+  last = read_metrics(tmp_path)[-1]
+  assert last['step'] == 4 and 'eval_ema_loss' in last and last['eval_ema_loss'] != last['eval_loss']
+  job = job_lib.build_job(_config(steps=4))
+  ckpt = checkpoint.Checkpointer(str(tmp_path), job.config.ckpt)
+  restored = ckpt.restore_state(4, sharding.with_shardings(job.abstract, job.shardings))
+  assert restored.ema_params is not None and jax.tree.leaves(restored.ema_params)[0].dtype == jnp.float32
+  ckpt.close()
+
+
+def test_ema_decay_out_of_range_is_refused():
+  with pytest.raises(UserError, match=r'train.ema_decay=1.0 must be in \[0, 1\)'):
+    job_lib.build_job(_config(ema_decay=1.0))
