@@ -90,11 +90,11 @@ def _base(train_config, schedule, infos):
     return optax.adamw(schedule, b1=t.adam_b1, b2=t.adam_b2, weight_decay=t.weight_decay, mu_dtype=mu_dtype,
                        mask=decay_mask)
   if t.optimizer == 'adafactor':
+    # optax adds Adafactor's decay after the learning-rate scaling (at a constant 0.1 the tiny LM's
+    # loss rose within 30 steps): scaled here by the schedule, so it means AdamW's lr x weight_decay.
+    decay_rate = (lambda count: t.weight_decay * schedule(count)) if t.weight_decay else None
     return optax.adafactor(schedule, min_dim_size_to_factor=t.adafactor_min_dim_size_to_factor,
-                           decay_rate=t.adafactor_decay_rate,
-                           # optax adds Adafactor's decay after the learning-rate scaling: scaled here
-                           # by the schedule, so it means what AdamW's does (lr x weight_decay x param).
-                           weight_decay_rate=(lambda count: t.weight_decay * schedule(count)) if t.weight_decay else None,
+                           decay_rate=t.adafactor_decay_rate, weight_decay_rate=decay_rate,
                            weight_decay_mask=decay_mask)
   if t.optimizer == 'lion':
     return optax.lion(schedule, b1=t.lion_b1, b2=t.lion_b2, weight_decay=t.weight_decay, mask=decay_mask)
