@@ -50,15 +50,25 @@ def test_ema_equals_hand_computed_average_after_3_steps():
   assert not np.allclose(jax.tree.leaves(state.ema_params)[0], jax.tree.leaves(state.params)[0])
 
 
-def test_ema_is_evaluated_and_survives_resume(tmp_path):
-  loop.run(_config(steps=4), str(tmp_path))  # Checkpoints at step 4 (ckpt.every_steps=4).
-  last = read_metrics(tmp_path)[-1]
-  assert last['step'] == 4 and 'eval_ema_loss' in last and last['eval_ema_loss'] != last['eval_loss']
-  job = job_lib.build_job(_config(steps=4))
-  ckpt = checkpoint.Checkpointer(str(tmp_path), job.config.ckpt)
-  restored = ckpt.restore_state(4, sharding.with_shardings(job.abstract, job.shardings))
-  assert restored.ema_params is not None and jax.tree.leaves(restored.ema_params)[0].dtype == jnp.float32
+def _ema_at(workdir, step):
+  job = job_lib.build_job(_config(steps=step))
+  ckpt = checkpoint.Checkpointer(str(workdir), job.config.ckpt)
+  restored = ckpt.restore_state(step, sharding.with_shardings(job.abstract, job.shardings))
   ckpt.close()
+  return jax.device_get(restored.ema_params)
+
+
+def test_ema_is_evaluated_and_survives_resume_bit_exactly(tmp_path):
+  straight, resumed = tmp_path / 'straight', tmp_path / 'resumed'
+  loop.run(_config(steps=4), str(straight))  # Checkpoints at step 4 (ckpt.every_steps=4).
+  last = read_metrics(straight)[-1]
+  assert last['step'] == 4 and 'eval_ema_loss' in last and last['eval_ema_loss'] != last['eval_loss']
+  loop.run(_config(steps=2), str(resumed))  # Stops (and saves) at step 2 ...
+  assert (resumed / 'checkpoints' / '2').is_dir()
+  loop.run(_config(steps=4), str(resumed))  # ... and goes on to 4 from that checkpoint.
+  ema, again = _ema_at(straight, 4), _ema_at(resumed, 4)
+  assert jax.tree.leaves(ema)[0].dtype == np.float32
+  jax.tree.map(np.testing.assert_array_equal, ema, again)
 
 
 def test_ema_decay_out_of_range_is_refused():
