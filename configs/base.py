@@ -17,9 +17,25 @@ def get_config() -> config_dict.ConfigDict:
   c.train.learning_rate = 3e-4  # Peak learning rate, reached after warmup.
   c.train.warmup_steps = 100  # Linear warmup from 0, then cosine decay to end_learning_rate_ratio.
   c.train.end_learning_rate_ratio = 0.1  # Final learning rate as a fraction of the peak.
-  c.train.weight_decay = 0.1  # AdamW decoupled weight decay (applied to every parameter).
+  c.train.weight_decay = 0.1  # Decoupled weight decay (L2 for sgd), on matrices only: see train.weight_decay_exclude.
   c.train.adam_b1 = 0.9  # AdamW first-moment decay.
   c.train.adam_b2 = 0.95  # AdamW second-moment decay.
+  # optimizers and schedules (issue 30)
+  c.train.optimizer = 'adamw'  # 'adamw', 'adafactor', 'lion', 'muon' (Muon on weight matrices, AdamW on embeddings, head, norms) or 'sgd'.
+  c.train.schedule = 'cosine'  # After warmup: 'cosine', 'linear', 'constant', 'wsd' (stable, then decay over decay_fraction) or 'rsqrt'.
+  c.train.decay_fraction = 0.2  # 'wsd': the last fraction of train.steps that decays to end_learning_rate_ratio.
+  c.train.decay_shape = 'linear'  # 'wsd': shape of the decay, 'linear' or '1-sqrt'.
+  c.train.weight_decay_exclude = ()  # Regexes over '/'-joined parameter paths that get no decay (rank-1 parameters never do), e.g. ('embed',).
+  c.train.adafactor_min_dim_size_to_factor = 128  # 'adafactor': dimensions at least this long get factored second moments.
+  c.train.adafactor_decay_rate = 0.8  # 'adafactor': second-moment decay exponent (beta2_t = 1 - t^-rate).
+  c.train.lion_b1 = 0.9  # 'lion': interpolation of gradient and momentum for the update's sign.
+  c.train.lion_b2 = 0.99  # 'lion': momentum decay.
+  c.train.muon_beta = 0.95  # 'muon': momentum decay of the matrices (Nesterov).
+  c.train.muon_ns_steps = 5  # 'muon': Newton-Schulz iterations that orthogonalize each update.
+  c.train.muon_consistent_rms = 0.2  # 'muon': matrix updates scaled to this RMS, so one learning_rate serves Muon and AdamW parameters.
+  c.train.sgd_momentum = 0.9  # 'sgd': momentum; 0 = plain SGD.
+  c.train.sgd_nesterov = False  # 'sgd': Nesterov momentum.
+  c.train.ema_decay = 0.0  # > 0: keep a float32 moving average of the parameters (ema = d x ema + (1 - d) x params), checkpointed, evaluated as eval_ema_loss; 0 = off.
   c.train.grad_clip_norm = 1.0  # Clip gradients to this global norm; 0 disables clipping.
   c.train.compute_dtype = 'auto'  # 'auto' (bfloat16 on GPU/TPU, float32 on CPU), 'float32' or 'bfloat16'.
   c.train.param_dtype = 'float32'  # Storage dtype of parameters and optimizer state.

@@ -73,19 +73,23 @@ def _bytes_per_device(abstract, named: NamedSharding) -> int:
   return math.prod(named.shard_shape(abstract.shape)) * abstract.dtype.itemsize
 
 
-def sharding_table(abstract_state, shardings, notes: dict[str, str] | None = None) -> tuple[str, dict[str, int]]:
+def sharding_table(abstract_state, shardings, notes: dict[str, str] | None = None,
+                   decays: dict[str, bool] | None = None) -> tuple[str, dict[str, int]]:
   """A table of every parameter (path, shape, PartitionSpec, bytes per device) and per-device totals.
 
   `notes` ({path: text}, from parallel/param_names.py) adds a column saying how
-  the names of parameters the model did not fully name were chosen.
+  the names of parameters the model did not fully name were chosen; `decays`
+  ({path: bool}, from trainer/optimizer.py) a 'decay' column marking which get weight decay.
   Returns (text, totals) where totals has params / opt_state bytes per device and in total.
   """
   notes = notes or {}
-  rows = [('parameter', 'shape', 'spec', 'bytes/device') + (('names',) if notes else ())]
+  rows = [('parameter', 'shape', 'spec', 'bytes/device') + (('decay',) if decays else ())
+          + (('names',) if notes else ())]
   for (path, leaf), named in zip(jax.tree_util.tree_flatten_with_path(abstract_state.params)[0],
                                  jax.tree.leaves(shardings.params)):
     where = path_name(path)
     rows.append((where, str(tuple(leaf.shape)), str(tuple(named.spec)), f'{_bytes_per_device(leaf, named):,}')
+                + (('yes' if decays.get(where) else 'no',) if decays else ())
                 + ((notes.get(where, 'from the model'),) if notes else ()))
   totals = {}
   for part in ('params', 'opt_state'):

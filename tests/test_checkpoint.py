@@ -224,6 +224,13 @@ def test_manifest_records_the_run_and_logs_the_changes(saved_2x4, text_dir, capl
     checkpoint.Checkpointer(str(tmp_path), config.ckpt).check_compatible(
         7, checkpoint.run_manifest(bigger_vocab, job.abstract, job.mesh))
 
+  lion = _config(text_dir, train__optimizer='lion')
+  job = job_lib.build_job(lion)
+  with pytest.raises(UserError, match=r"trained with train.optimizer='adamw', not 'lion': resume with "
+                                      r"--config.train.optimizer=adamw"):
+    checkpoint.Checkpointer(str(tmp_path), config.ckpt).check_compatible(
+        7, checkpoint.run_manifest(lion, job.abstract, job.mesh))
+
 
 def test_keep_period_keeps_old_multiples_beyond_max_to_keep(tmp_path, text_dir):
   config = _config(text_dir, ckpt__max_to_keep=2, ckpt__keep_period=4, ckpt__every_steps=1, ckpt__async_save=False)

@@ -129,6 +129,16 @@ def _check_schedule(step: int, saved: dict[str, Any], manifest: dict[str, Any]) 
                   f'take it, or with the checkpoint\'s values to keep the schedule it was trained on.')
 
 
+def _check_same_optimizer(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
+  """Another optimizer's state cannot be restored into this one's (a schedule change can, and is logged)."""
+  # Checkpoints written before train.optimizer existed were AdamW's.
+  before = saved.get('config', {}).get('train', {}).get('optimizer', 'adamw')
+  now = manifest.get('config', {}).get('train', {}).get('optimizer', 'adamw')
+  if before != now:
+    raise UserError(f'--workdir {directory.parent} was trained with train.optimizer={before!r}, not {now!r}: resume '
+                    f'with --config.train.optimizer={before}, or use a fresh --workdir to start with {now!r}.')
+
+
 def _normal(value):
   return list(value) if isinstance(value, tuple) else value
 
@@ -261,6 +271,7 @@ class Checkpointer:
       raise UserError(f'--workdir holds checkpoints of a different model ({"; ".join(diffs[:4])}) in '
                       f'{self.directory}. Resume with the config it was trained with, or use a fresh --workdir; '
                       f'nothing was changed.')
+    _check_same_optimizer(saved, manifest, self.directory)
     # Another process count is fine: the data position is a count of global examples (trainer/data/pipeline.py).
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator, manifest: dict[str, Any],

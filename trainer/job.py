@@ -12,6 +12,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from configs import base as base_config
 from parallel import mesh as mesh_lib
 from parallel import sharding, strategy
 from trainer import guardrails, optimizer, validation
@@ -44,7 +45,7 @@ class Job:
     return self.train_step.lower(sharding.with_shardings(self.abstract, self.shardings), self.abstract_batch).compile()
 
   def init_state(self, seed: int) -> state_lib.TrainState:
-    return state_lib.create_state(seed, self.task.model, self.tx, self.shardings)
+    return state_lib.create_state(seed, self.task.model, self.tx, self.shardings, self.config.train.ema_decay)
 
 
 def batch_shardings(mesh: Mesh, rules, shapes: dict[str, jax.ShapeDtypeStruct]) -> dict[str, NamedSharding]:
@@ -62,10 +63,11 @@ def build_job(config, devices: Sequence[jax.Device] | None = None) -> Job:
   rules = sharding.rules_from_config(config.parallel)
   task = task_lib.build_task(config, mesh, rules)
   sharding.check_divisible(task.model.abstract_boxed, mesh, rules)
-  tx, schedule = optimizer.build_optimizer(config.train)
+  optimizer.validate(config.train, base_config.get_config().train)
+  tx, schedule = optimizer.build_optimizer(config.train, task.model.abstract_boxed)
   guardrails.validate(config.train.on_nonfinite)
   tx = guardrails.guard_optimizer(tx)  # A non-finite update is never applied, in any train.on_nonfinite mode.
-  abstract, shardings = state_lib.abstract_state(task.model, tx, mesh, rules)
+  abstract, shardings = state_lib.abstract_state(task.model, tx, mesh, rules, config.train.ema_decay)
   shapes = task.batch_shapes()
   per_key = batch_shardings(mesh, rules, shapes)
   abstract_batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=per_key[k]) for k, s in shapes.items()}

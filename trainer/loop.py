@@ -17,7 +17,7 @@ from absl import logging
 from parallel import sharding
 from trainer import checkpoint, compilation_cache, data, flops, guardrails, objectives, preemption
 from trainer import goodput as goodput_lib
-from trainer import profiling, progress, storage
+from trainer import optimizer, profiling, progress, storage
 from trainer import job as job_lib
 from trainer.memory import preflight, remat
 from trainer.models import contract
@@ -190,7 +190,8 @@ def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
   logging.info('Mesh %s over %d devices (%d processes); model: %s (%s, %s), %s parameters', dict(mesh.shape),
                mesh.size, jax.process_count(), config.model.name, job.task.model.framework, config.model.task,
                f'{num_params:,}')
-  table, totals = sharding.sharding_table(job.abstract, job.shardings, job.task.param_notes)
+  table, totals = sharding.sharding_table(job.abstract, job.shardings, job.task.param_notes,
+                                          optimizer.decaying_params(job.config.train, job.task.model.abstract_boxed))
   if write:  # The table is a line per parameter: the console gets one line, the file all of them.
     storage.path(workdir).mkdir(parents=True, exist_ok=True)
     (storage.path(workdir) / 'sharding.txt').write_text(table + '\n')
@@ -252,6 +253,9 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
       run.hang.phase('eval')
       evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
+      if state.ema_params is not None:  # The same eval step, on the average cast to the parameters' dtypes.
+        ema = jax.tree.map(lambda e, p: e.astype(p.dtype), state.ema_params, state.params)
+        evals[step]['eval_ema_loss'] = _evaluate(run.eval_step, ema, run.eval_set, run.objective)['eval_loss']
     run.writer.goodput.record_side(eval_s=time.perf_counter() - t_eval, checkpoint_s=t_eval - t_side)
     side_time += time.perf_counter() - t_side
     if preempted:

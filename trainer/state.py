@@ -17,6 +17,7 @@ import optax
 from jax.sharding import Mesh
 
 from parallel import sharding
+from trainer import optimizer
 from trainer.models.adapters import AdaptedModel
 
 
@@ -26,9 +27,14 @@ class TrainState:
   params: Any  # The model's parameter tree (plain arrays, no metadata boxes).
   opt_state: optax.OptState
   rng: jax.Array  # uint32[2] key for any randomness in the step (e.g. dropout).
+  # train.ema_decay > 0: a float32 exponential moving average of the parameters,
+  # sharded like them (mapped over their boxes) and checkpointed with the state.
+  ema_params: Any = None
+  ema_decay: float = flax.struct.field(pytree_node=False, default=0.0)
 
 
-def _init_boxed(seed: jax.Array, model: AdaptedModel, tx: optax.GradientTransformation) -> TrainState:
+def _init_boxed(seed: jax.Array, model: AdaptedModel, tx: optax.GradientTransformation,
+                ema_decay: float = 0.0) -> TrainState:
   """The initial state with Flax's logical-axis boxes still on the parameter leaves.
 
   The parameters come from `jax.random.key(seed)` itself (see adapters.py), so a
@@ -37,18 +43,20 @@ def _init_boxed(seed: jax.Array, model: AdaptedModel, tx: optax.GradientTransfor
   key = jax.random.key(seed)
   params = model.box(model.init(key))
   # optax maps over the boxes, so Adam's moments inherit the parameters' logical axes.
+  ema = jax.tree.map(lambda p: p.astype(jnp.float32), params) if ema_decay else None
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                    rng=jax.random.key_data(jax.random.fold_in(key, 1)))
+                    rng=jax.random.key_data(jax.random.fold_in(key, 1)), ema_params=ema, ema_decay=ema_decay)
 
 
-def abstract_state(model: AdaptedModel, tx, mesh: Mesh, rules) -> tuple[TrainState, TrainState]:
+def abstract_state(model: AdaptedModel, tx, mesh: Mesh, rules, ema_decay: float = 0.0) -> tuple[TrainState, TrainState]:
   """(abstract state, its NamedShardings), both as TrainState trees; nothing is allocated."""
-  boxed = jax.eval_shape(lambda s: _init_boxed(s, model, tx), jnp.zeros((), jnp.uint32))
+  boxed = jax.eval_shape(lambda s: _init_boxed(s, model, tx, ema_decay), jnp.zeros((), jnp.uint32))
+  boxed = boxed.replace(opt_state=optimizer.fit_state_axes(boxed.opt_state))
   shardings = sharding.tree_shardings(boxed, mesh, rules)
   return nn.meta.unbox(boxed), shardings
 
 
-def create_state(seed: int, model: AdaptedModel, tx, shardings: TrainState) -> TrainState:
+def create_state(seed: int, model: AdaptedModel, tx, shardings: TrainState, ema_decay: float = 0.0) -> TrainState:
   """Initializes the state directly into its shardings."""
-  init = jax.jit(lambda s: nn.meta.unbox(_init_boxed(s, model, tx)), out_shardings=shardings)
+  init = jax.jit(lambda s: nn.meta.unbox(_init_boxed(s, model, tx, ema_decay)), out_shardings=shardings)
   return init(jnp.asarray(seed, jnp.uint32))

@@ -92,7 +92,10 @@ def apply_gradients(state: TrainState, grads, metrics: Metrics, *, tx: optax.Gra
   metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step),
                  grads_finite=guardrails.leaf_finite(grads))  # Names non-finite leaves on the host.
   metrics['param_norm'] = optax.tree.norm(params)  # Of the updated parameters.
-  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  ema = state.ema_params
+  if ema is not None:  # In float32 whatever the parameters' dtype: bfloat16 would round away (1 - decay) x update.
+    ema = jax.tree.map(lambda e, p: state.ema_decay * e + (1 - state.ema_decay) * p.astype(jnp.float32), ema, params)
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema), metrics
 
 
 def train_step(state: TrainState, batch: Batch, *, task: LossTask, tx: optax.GradientTransformation,

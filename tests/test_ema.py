@@ -1,0 +1,76 @@
+"""train.ema_decay: a float32 moving average of the parameters, updated by the step and evaluated."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import read_metrics
+
+from configs import tiny
+from parallel import sharding
+from trainer import checkpoint
+from trainer import job as job_lib
+from trainer import loop
+from trainer.errors import UserError
+from test_strategies import TEXT_DIR
+
+DECAY = 0.75
+
+
+def _config(**train):
+  c = tiny.get_config()
+  c.train.ema_decay = DECAY
+  c.train.compute_dtype = 'float32'
+  c.data.text_dir = str(TEXT_DIR)
+  for key, value in train.items():
+    c.train[key] = value
+  return c
+
+
+def test_ema_equals_hand_computed_average_after_3_steps():
+  job = job_lib.build_job(_config(), jax.devices()[:2])
+  state = job.init_state(0)
+  compiled = job.compile_train_step()
+  history = [jax.device_get(state.params)]
+  for i in range(3):
+    batch = {k: jax.device_put(jax.random.randint(jax.random.key(i), s.shape, 0, 256).astype(s.dtype), s.sharding)
+             for k, s in job.abstract_batch.items()}
+    state, _ = compiled(state, batch)
+    history.append(jax.device_get(state.params))
+  # ema_0 = params_0; ema_t = d ema_{t-1} + (1 - d) params_t, here summed in closed form.
+  for path, ema in jax.tree_util.tree_leaves_with_path(jax.device_get(state.ema_params)):
+    p = [np.asarray(dict(jax.tree_util.tree_leaves_with_path(h))[path], np.float64) for h in history]
+    expected = DECAY ** 3 * p[0] + (1 - DECAY) * (DECAY ** 2 * p[1] + DECAY * p[2] + p[3])
+    assert ema.dtype == jnp.float32
+    np.testing.assert_allclose(ema, expected, rtol=1e-5, atol=1e-7)
+  # Sharded like the parameters.
+  assert jax.tree.map(lambda s: s.spec, job.shardings.ema_params) == jax.tree.map(lambda s: s.spec,
+                                                                                   job.shardings.params)
+  assert not np.allclose(jax.tree.leaves(state.ema_params)[0], jax.tree.leaves(state.params)[0])
+
+
+def _ema_at(workdir, step):
+  job = job_lib.build_job(_config(steps=step))
+  ckpt = checkpoint.Checkpointer(str(workdir), job.config.ckpt)
+  restored = ckpt.restore_state(step, sharding.with_shardings(job.abstract, job.shardings))
+  ckpt.close()
+  return jax.device_get(restored.ema_params)
+
+
+def test_ema_is_evaluated_and_survives_resume_bit_exactly(tmp_path):
+  straight, resumed = tmp_path / 'straight', tmp_path / 'resumed'
+  loop.run(_config(steps=4), str(straight))  # Checkpoints at step 4 (ckpt.every_steps=4).
+  last = read_metrics(straight)[-1]
+  assert last['step'] == 4 and 'eval_ema_loss' in last and last['eval_ema_loss'] != last['eval_loss']
+  loop.run(_config(steps=2), str(resumed))  # Stops (and saves) at step 2 ...
+  assert (resumed / 'checkpoints' / '2').is_dir()
+  loop.run(_config(steps=4), str(resumed))  # ... and goes on to 4 from that checkpoint.
+  ema, again = _ema_at(straight, 4), _ema_at(resumed, 4)
+  assert jax.tree.leaves(ema)[0].dtype == np.float32
+  jax.tree.map(np.testing.assert_array_equal, ema, again)
+
+
+def test_ema_decay_out_of_range_is_refused():
+  with pytest.raises(UserError, match=r'train.ema_decay=1.0 must be in \[0, 1\)'):
+    job_lib.build_job(_config(ema_decay=1.0))
