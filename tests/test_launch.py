@@ -57,7 +57,7 @@ def test_a_default_launch_says_nothing_a_user_reads_as_a_fault(finished_run):
     assert '12 parameter arrays' in summary
     assert 'embed/embedding' not in launch.stderr
   table = (workdir / 'sharding.txt').read_text().splitlines()
-  assert table[0].split() == ['parameter', 'shape', 'spec', 'bytes/device']
+  assert table[0].split() == ['parameter', 'shape', 'spec', 'bytes/device', 'decay']
   assert len(table) == 1 + 12 + 2 and 'embed/embedding' in table[1]
 
 

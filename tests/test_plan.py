@@ -21,6 +21,13 @@ FAKE = plan.Plan(mesh_shape={'data': 8, 'fsdp': 1, 'tensor': 1}, device_kind='cp
                  flops=flops.StepFlops(1.0, 1.0, 1))
 
 
+def _fake_compiles(monkeypatch, make_plan):
+  """Plan mode compiles through trainer/memory/measure.py (its fixes too): both names see the fake."""
+  from trainer.memory import measure
+  monkeypatch.setattr(plan, 'make_plan', make_plan)
+  monkeypatch.setattr(measure, 'make_plan', make_plan)
+
+
 def test_plan_reports_mesh_memory_and_flops_of_the_compiled_step():
   config = tiny.get_config()
   config.mesh.fsdp = 2
@@ -60,7 +67,7 @@ def test_plan_over_budget_fails_naming_the_changes_that_fit(monkeypatch):
     gib = (8 / config.mesh.fsdp) * (0.5 if t.remat_policy == 'full' else 1) / t.grad_accum_steps * t.batch_size / 8
     return dataclasses.replace(FAKE, argument_bytes=int(gib * plan.GIB))
 
-  monkeypatch.setattr(plan, 'make_plan', fake_make_plan)
+  _fake_compiles(monkeypatch, fake_make_plan)
   config = tiny.get_config()
   config.train.batch_size = 16  # 2 sequences per device: accumulation over 2 microbatches is possible.
   lines = []
@@ -79,7 +86,7 @@ def test_plan_over_budget_fails_naming_the_changes_that_fit(monkeypatch):
 
 
 def test_plan_candidates_that_the_mesh_cannot_take_are_reported_not_raised(monkeypatch):
-  monkeypatch.setattr(plan, 'make_plan', lambda config, devices=None: (
+  _fake_compiles(monkeypatch, lambda config, devices=None: (
       job_lib.build_job(config), dataclasses.replace(FAKE, argument_bytes=plan.GIB))[1])
   lines = []
   with pytest.raises(UserError, match='None of remat, a chunked loss, more fsdp, accumulation or a smaller batch fits'):
@@ -185,7 +192,7 @@ def test_compiler_refusal_is_the_same_verdict_with_fixes(monkeypatch):
                          {'data': 8, 'fsdp': 1, 'tensor': 1})
     return dataclasses.replace(FAKE, argument_bytes=int(63.1 * plan.GIB) if config.train.batch_size == 8 else 2**40)
 
-  monkeypatch.setattr(plan, 'make_plan', fake_make_plan)
+  _fake_compiles(monkeypatch, fake_make_plan)
   config = tiny.get_config()
   config.train.batch_size, config.train.remat_policy = 16, 'full'
   lines = []
