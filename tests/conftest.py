@@ -75,6 +75,36 @@ def launcher():
   return run_launcher
 
 
+def watch_command(command: list[str], env: dict[str, str], on_line=None,
+                  timeout: float = 300) -> tuple[subprocess.CompletedProcess, list[tuple[float, str]]]:
+  """Runs `command` (a launcher), timing each stderr line; `on_line(proc, line)` may act on it (send a signal).
+
+  Returns the result (stderr as text) and the (time, line) pairs, the last one '<exit>' at the exit. The whole
+  process group is killed, and the test fails, past `timeout` seconds.
+  """
+  import signal
+  import threading
+  import time
+  proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
+  timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+  timer.start()
+  lines = []
+  try:
+    for line in proc.stderr:
+      lines.append((time.monotonic(), line))
+      if on_line:
+        on_line(proc, line)
+    proc.wait()
+    ended = time.monotonic()
+  finally:
+    timed_out = not timer.is_alive()
+    timer.cancel()
+  text = ''.join(l for _, l in lines)
+  assert not timed_out, f'ran past {timeout}s:\n{text[-4000:]}'
+  return subprocess.CompletedProcess(command, proc.returncode, '', text), [*lines, (ended, '<exit>')]
+
+
 class ApplyTask:
   """A bare Linen-style `apply_fn` under the LM objective: the step's task (trainer.step.LossTask) for step tests."""
 

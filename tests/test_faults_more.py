@@ -1,18 +1,16 @@
 """Faults of issue 25 as real processes: write permission lost mid-run, signals before the step loop, torn logs."""
 
 import os
-import pathlib
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from conftest import REPO, launcher_env, make_text_dir
+from conftest import REPO, launcher_env, make_text_dir, watch_command
 
 TIMEOUT_S = 240
 
@@ -23,25 +21,7 @@ def text_dir(tmp_path_factory):
 
 
 def _watch(args, on_line=None, env=None) -> tuple[subprocess.CompletedProcess, list[tuple[float, str]]]:
-  """Runs launch.py, timing each stderr line; `on_line(proc, line)` may act on it. Killed past TIMEOUT_S."""
-  proc = subprocess.Popen([sys.executable, str(REPO / 'launch.py'), *args], cwd=REPO, env=env or launcher_env(),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-  timer = threading.Timer(TIMEOUT_S, lambda: os.killpg(proc.pid, signal.SIGKILL))
-  timer.start()
-  lines = []
-  try:
-    for line in proc.stderr:
-      lines.append((time.monotonic(), line))
-      if on_line:
-        on_line(proc, line)
-    proc.wait()
-    ended = time.monotonic()
-  finally:
-    timed_out = not timer.is_alive()
-    timer.cancel()
-  text = ''.join(l for _, l in lines)
-  assert not timed_out, f'ran past {TIMEOUT_S}s:\n{text[-4000:]}'
-  return subprocess.CompletedProcess(args, proc.returncode, '', text), [*lines, (ended, '<exit>')]
+  return watch_command([sys.executable, str(REPO / 'launch.py'), *args], env or launcher_env(), on_line, TIMEOUT_S)
 
 
 def _chattr(path, flag: str) -> bool:
@@ -99,14 +79,39 @@ def test_a_stuck_non_daemon_thread_cannot_hold_the_exit_after_the_error_line(tex
   assert time.monotonic() - start < 60
 
 
-@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP])
-def test_a_stop_signal_during_start_up_ends_in_one_line(text_dir, tmp_path, sig):
+# launch.py with the job's build held until a SIGUSR1 arrives (or 120 s pass): a signal sent on the marker line lands
+# during start-up by construction, however fast the machine compiles.
+HELD_START = f'''
+import runpy, sys, time
+sys.path.insert(0, {str(REPO)!r})
+from trainer import job, startup_signals
+build = job.build_job
+
+def held_build(*args, **kwargs):
+  print('held: building the job', file=sys.stderr, flush=True)
+  for _ in range(1200):
+    if startup_signals.profile_requested_early():
+      break
+    time.sleep(0.1)
+  return build(*args, **kwargs)
+
+job.build_job = held_build
+sys.argv = ['launch.py', *sys.argv[1:]]
+runpy.run_path({str(REPO / 'launch.py')!r}, run_name='__main__')
+'''
+
+
+def _held_start(args, sig):
   def on_line(proc, line):
-    if 'Attention kernel' in line:  # Building the job, before the compile.
+    if line.startswith('held: building the job'):
       os.kill(proc.pid, sig)
 
-  result, _ = _watch(['--config=configs/tiny.py', f'--workdir={tmp_path}', f'--config.data.text_dir={text_dir}'],
-                     on_line)
+  return watch_command([sys.executable, '-c', HELD_START, *args], launcher_env(), on_line, TIMEOUT_S)[0]
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_during_start_up_ends_in_one_line(text_dir, tmp_path, sig):
+  result = _held_start(['--config=configs/tiny.py', f'--workdir={tmp_path}', f'--config.data.text_dir={text_dir}'], sig)
   assert result.returncode == 128 + sig, result.stderr[-3000:]
   [line] = [l for l in result.stderr.splitlines() if l.startswith('launch.py: interrupted:')]
   assert line.startswith(f'launch.py: interrupted: {signal.Signals(sig).name} received outside the step loop')
@@ -114,12 +119,8 @@ def test_a_stop_signal_during_start_up_ends_in_one_line(text_dir, tmp_path, sig)
 
 
 def test_sigusr1_during_start_up_profiles_the_first_steps_instead_of_killing(text_dir, tmp_path):
-  def on_line(proc, line):
-    if 'Attention kernel' in line:
-      os.kill(proc.pid, signal.SIGUSR1)
-
-  result, _ = _watch(['--config=configs/tiny.py', f'--workdir={tmp_path}', f'--config.data.text_dir={text_dir}',
-                      '--config.profile.num_steps=2'], on_line)
+  result = _held_start(['--config=configs/tiny.py', f'--workdir={tmp_path}', f'--config.data.text_dir={text_dir}',
+                        '--config.profile.num_steps=2'], signal.SIGUSR1)
   assert result.returncode == 0, result.stderr[-3000:]
   assert list(tmp_path.rglob('*.xplane.pb'))
 
