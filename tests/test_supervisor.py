@@ -230,3 +230,24 @@ def test_a_signal_that_cannot_be_a_notice_is_refused_in_one_line(launcher, tmp_p
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1].startswith(
       'launch.py: error: train.preemption_signals: SIGUSR1 cannot be a preemption notice')
+
+
+def test_a_non_finite_stop_is_not_restarted(text_dir, tmp_path):
+  result = _launch(_args(tmp_path, text_dir, '--config.train.learning_rate=1e9', '--config.train.warmup_steps=0'))
+  assert result.returncode == 3, result.stderr[-3000:]
+  assert 'restarting' not in result.stderr
+  assert [(a['cause'], a['retried']) for a in _attempts(tmp_path)] == [('non-finite loss', False)]
+
+
+def test_two_processes_wedged_in_the_step_are_ended_and_restarted_together(text_dir, tmp_path):
+  """Process 1 sleeps inside step 5 (a wedged collective for process 0): the hang watch ends the attempt."""
+  args = [sys.executable, str(REPO / 'scripts' / 'launch_local.py'), '--num_processes=2',
+          '--devices_per_process=4', '--timeout_s=280',
+          *_args(tmp_path, text_dir, '--config.train.hang_timeout_s=30')]
+  result = _launch(None, fault='stall@5,process=1,attempt=1', command=args)
+  assert result.returncode == 0, result.stderr[-4000:]
+  first, second = _attempts(tmp_path)
+  assert first['cause'] in ('hang', 'lost peer') and first['retried'] and second['cause'] == 'finished'
+  assert 'hang: no progress for' in result.stderr
+  stacks = [p.read_text() for p in (tmp_path / 'hangs').iterdir()]
+  assert stacks and any('in inject' in s or 'device_get' in s or 'block_until_ready' in s for s in stacks), stacks
