@@ -119,3 +119,18 @@ def test_other_optimizers_key_is_refused():
   c.train.sgd_momentum = 0.5
   with pytest.raises(UserError, match=r"train.sgd_momentum=0.5 applies only to train.optimizer=sgd, not 'lion'"):
     job_lib.build_job(c)
+
+
+@pytest.mark.parametrize('optimizer', ['lion', 'sgd', 'adafactor'])
+def test_a_presets_bfloat16_first_moment_does_not_block_switching_optimizer(optimizer, caplog):
+  """configs/llama_1b.py sets adam_mu_dtype='bfloat16': switching it to another optimizer by one flag must build."""
+  c = _config(optimizer)
+  c.train.adam_mu_dtype = 'bfloat16'
+  with caplog.at_level('INFO'):
+    job = job_lib.build_job(c)
+  dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(job.abstract.opt_state) if leaf.ndim >= 2}
+  if optimizer == 'adafactor':  # No first moment: the factored second moments stay float32, and the log says why.
+    assert dtypes == {'float32'}
+    assert "train.adam_mu_dtype='bfloat16' is unused: train.optimizer='adafactor' keeps no first moment" in caplog.text
+  else:  # Lion's and SGD's momentum (every matrix-shaped state leaf) in bfloat16.
+    assert dtypes == {'bfloat16'}
