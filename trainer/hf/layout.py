@@ -73,6 +73,16 @@ class Placement:
     layers = range(len(self.hf_names))[index[0]]
     return np.stack([self._read_layer(self.hf_names[i], index[1:], read_block) for i in layers])
 
+  def to_hf(self, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """(Hugging Face name, tensor) pairs of our whole parameter `value`: the inverse of `read`."""
+    layers = list(value) if self.stacked else [value]
+    shape = self.layer_shape
+    out = []
+    for name, layer in zip(self.hf_names, layers):
+      matrix = layer.reshape(math.prod(shape[:self.split]), -1) if self.split < len(shape) else layer.reshape(-1)
+      out.append((name, np.ascontiguousarray(matrix.T if self.transpose else matrix)))
+    return out
+
   def _read_layer(self, name: str, index: tuple[slice, ...], read_block) -> np.ndarray:
     shape = self.layer_shape
     groups = [range(0, self.split), range(self.split, len(shape))]
