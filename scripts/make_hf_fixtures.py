@@ -15,6 +15,9 @@ around 1 (not exactly 1), non-zero q/k/v biases, logits of a few units.
 
 `llama3_rope` keeps its config.json in the form published checkpoints have it (`rope_theta` and `rope_scaling`, as
 Llama 3.2's), rewritten after saving and checked by loading it back; the others are as this transformers writes them.
+`tokenizer/` is a tiny BPE (120 tokens: fits every fixture's vocabulary of 256) trained here with the tokenizers
+library on sentences of a few dozen words, with its tokenizer_config.json (BOS `<s>` and EOS `</s>` per document).
+
 --compare loads a folder (an export of an imported fixture) with transformers and prints the largest absolute
 difference of its logits from the golden ones.
 """
@@ -23,7 +26,10 @@ import argparse
 import json
 import pathlib
 
+import random
+
 import numpy as np
+import tokenizers
 import torch
 import transformers
 
@@ -103,6 +109,30 @@ def build(output: pathlib.Path) -> None:
     assert reloaded == 0.0, (name, reloaded)  # The folder, read back by transformers, is the model.
     np.save(output / f'{name}.logits.npy', golden.astype(np.float32))
     print(f'{name}: {sorted(p.name for p in folder.iterdir())}, logits std {golden.std():.2f}')
+  build_tokenizer(output / 'tokenizer')
+
+
+WORDS = ('the quick brown fox jumps over lazy dog . what is two plus three ? it four five six seven . name a colour : '
+         'red green blue yellow and or not , Question Answer : yes no').split()
+
+
+def build_tokenizer(folder: pathlib.Path) -> None:
+  """A BPE over a small alphabet, Metaspace-split like SentencePiece models, with <s>/</s> added per document."""
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  tok = tokenizers.Tokenizer(models.BPE(unk_token='<unk>'))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace()
+  tok.decoder = decoders.Metaspace()
+  rng = random.Random(0)
+  corpus = [' '.join(rng.choice(WORDS) for _ in range(12)) for _ in range(300)]
+  alphabet = list('abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:;?!\'"-()')
+  tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=['<unk>', '<s>', '</s>'],
+                                                      initial_alphabet=alphabet))
+  folder.mkdir(parents=True, exist_ok=True)
+  tok.save(str(folder / 'tokenizer.json'))
+  config = {'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': '<s>', 'eos_token': '</s>',
+            'unk_token': '<unk>', 'add_bos_token': True, 'add_eos_token': True}
+  (folder / 'tokenizer_config.json').write_text(json.dumps(config, indent=2) + '\n')
+  print(f'tokenizer: {tok.get_vocab_size()} tokens')
 
 
 def compare(folder: str, name: str, fixtures: pathlib.Path) -> None:

@@ -4,9 +4,12 @@
       [--num_shards=8] [--eval_percent=5]
 
 Each input file is one document. Text is tokenized as raw bytes (vocabulary
-256) unless --tokenizer names a LOCAL tokenizer file: a SentencePiece model
-(`*.model`, needs the sentencepiece package) or a tiktoken BPE file
-(`*.tiktoken`, needs tiktoken; the cl100k split pattern is used). Nothing is
+256) unless --tokenizer names a LOCAL tokenizer: a Hugging Face model folder
+holding tokenizer.json, or a tokenizer.json file (the tokenizers package; BOS and
+EOS around each document as the tokenizer_config.json beside it says; the files
+are kept in OUT/tokenizer/ for scripts/export_hf.py and scripts/sample.py), a
+SentencePiece model (`*.model`, needs the sentencepiece package) or a tiktoken BPE
+file (`*.tiktoken`, needs tiktoken; the cl100k split pattern is used). Nothing is
 downloaded. `.npy` files (1-D integer arrays) are taken as tokens already.
 A hash of each file's path holds --eval_percent of the files out as the eval
 split. Documents of fewer than 2 tokens (no next-token target) are skipped and
@@ -17,6 +20,7 @@ counted. Then train with:
 
 import argparse
 import pathlib
+import shutil
 import sys
 import zlib
 
@@ -26,6 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from trainer.data import token_shards  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
+from trainer.hf import tokenizer as hf_tokenizer  # noqa: E402
 
 CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
                   r"""\s*[\r\n]|\s+(?!\S)|\s+""")
@@ -35,9 +40,13 @@ def load_tokenizer(path: str | None):
   """(encode: str -> list[int], vocab_size, description) from a local file; bytes when `path` is None."""
   if not path:
     return (lambda text: np.frombuffer(text.encode(), np.uint8)), 256, 'bytes'
+  if hf_tokenizer.is_hf_tokenizer(path):
+    tok = hf_tokenizer.load(path)
+    return tok.encode, tok.vocab_size, f'hf:{pathlib.Path(path).resolve()}'
   file = pathlib.Path(path)
   if not file.is_file():
-    raise UserError(f'--tokenizer={path!r} is not a file; give a local SentencePiece .model or tiktoken file.')
+    raise UserError(f'--tokenizer={path!r} is not a file; give a local tokenizer.json (or its folder), SentencePiece '
+                    f'.model or tiktoken file.')
   if file.suffix == '.model':
     try:
       import sentencepiece
@@ -56,7 +65,8 @@ def load_tokenizer(path: str | None):
     ranks = load_tiktoken_bpe(str(file))
     encoding = tiktoken.Encoding(file.stem, pat_str=CL100K_PATTERN, mergeable_ranks=ranks, special_tokens={})
     return encoding.encode_ordinary, encoding.n_vocab, f'tiktoken:{file.name}'
-  raise UserError(f'--tokenizer={path!r}: unknown kind; use a SentencePiece .model or a .tiktoken file.')
+  raise UserError(f'--tokenizer={path!r}: unknown kind; use a tokenizer.json (or its folder), a SentencePiece .model '
+                  f'or a .tiktoken file.')
 
 
 def read_documents(root: pathlib.Path, glob: str, encode) -> list[tuple[str, np.ndarray]]:
@@ -113,6 +123,10 @@ def main(argv=None) -> None:
       raise UserError(f'all {len(kept)} documents fell in the eval split; lower --eval_percent or add files.')
     out.mkdir(parents=True, exist_ok=True)
     token_shards.write_shards(out, splits, vocab_size, tokenizer, args.num_shards)
+    if tokenizer.startswith('hf:'):  # Kept with the data: export_hf.py ships them, sample.py decodes with them.
+      (out / 'tokenizer').mkdir()
+      for file in hf_tokenizer.load(args.tokenizer).files:
+        shutil.copy2(file, out / 'tokenizer' / file.name)
   except UserError as e:
     sys.exit(f'prepare_data.py: error: {e}')
   counts = {split: f'{len(d)} documents, {sum(map(len, d))} tokens' for split, d in splits.items()}

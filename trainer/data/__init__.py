@@ -153,8 +153,10 @@ def _token_shards(config):
     raise UserError(f'data.path={str(root)!r} has no train split; {token_shards.REPREPARE}.')
   vocab = token_shards.read_meta(root)['vocab_size']
   if vocab > config.model.vocab_size:
+    fix = (f"prepare the data with model.init_from's own tokenizer (scripts/prepare_data.py --tokenizer=FOLDER)"
+           if config.model.get('init_from') else f'set --config.model.vocab_size={vocab} (or more)')
     raise UserError(f'the shards in {str(root)!r} use a vocabulary of {vocab} tokens but model.vocab_size='
-                    f'{config.model.vocab_size}; set --config.model.vocab_size={vocab} (or more).')
+                    f'{config.model.vocab_size}; {fix}.')
   eval_docs = token_shards.load_documents(root, 'eval') if config.data.eval_percent else None
   return train_docs, eval_docs, (f'{len(train_docs.lengths)} train documents ({train_docs.num_tokens} tokens), '
                                  f'{0 if eval_docs is None else len(eval_docs.lengths)} held out, from {root}')
