@@ -112,6 +112,7 @@ def get_config() -> config_dict.ConfigDict:
   # Packed positions for brought models (issue 24)
   c.data.packed_positions = 'document'  # Packing: 'document' (offset in the document) or 'row' (offset in its piece of the row, < seq_len: for learned position tables).
   c.data.max_documents_per_row = 64  # Packing: most documents in a row, checked before compile; sizes cuDNN's attention.
+  c.data.loss_mask = False  # True: only targets the shards mark count in the loss (completions of prepare_data.py's prompt/completion JSONL); metric trained_tokens.
   c.data.worker_count = 0  # Grain worker processes per process; 0 reads in-process (threads only).
   c.data.prefetch = 2  # Batches read ahead of the train step (by a thread, or per worker); 0 = off.
   c.data.file_glob = '**/*.py'  # Files under text_dir to read, as a pathlib glob.

@@ -5,7 +5,8 @@ Llama 3 and Qwen ship only tokenizer.json (no SentencePiece model); the
 EOS is what tokenizer_config.json (beside tokenizer.json) says: `add_bos_token` /
 `add_eos_token` with `bos_token` / `eos_token`. Without those keys, the
 tokenizer's own post-processor decides (Llama 3's adds <|begin_of_text|>), as
-transformers does. Nothing is downloaded.
+transformers does. A fine-tuning completion always ends with `eos_token`, so the
+model learns to stop. Nothing is downloaded.
 """
 
 import dataclasses
@@ -20,8 +21,9 @@ FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', '
 @dataclasses.dataclass(frozen=True)
 class HfTokenizer:
   tokenizer: object  # tokenizers.Tokenizer
-  bos_id: int | None  # Prepended to each document when tokenizer_config.json says add_bos_token.
-  eos_id: int | None  # Appended to each document when it says add_eos_token.
+  prefix: tuple[int, ...]  # Special tokens before each document (BOS), as the config or post-processor says.
+  suffix: tuple[int, ...]  # And after it (EOS).
+  eos_id: int | None  # tokenizer_config.json's eos_token: ends every fine-tuning completion.
   files: tuple[pathlib.Path, ...]  # The tokenizer's files, to keep with prepared data and exported models.
   config: dict  # tokenizer_config.json ({} when there is none).
 
@@ -30,17 +32,9 @@ class HfTokenizer:
     return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
   def encode(self, text: str, document: bool = True) -> list[int]:
-    """Token ids of `text`; a whole `document` gets BOS/EOS as the config says (a piece of one gets neither)."""
-    if not document:
-      return self.tokenizer.encode(text, add_special_tokens=False).ids
-    # A config that names add_bos_token/add_eos_token decides alone; else the tokenizer's post-processor does.
-    own = 'add_bos_token' in self.config or 'add_eos_token' in self.config
-    ids = self.tokenizer.encode(text, add_special_tokens=not own).ids
-    if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
-      ids = [self.bos_id] + ids
-    if self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
-      ids = ids + [self.eos_id]
-    return ids
+    """Token ids of `text`; a whole `document` between the prefix and suffix (a piece of one without them)."""
+    ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+    return [*self.prefix, *ids, *self.suffix] if document else ids
 
   def decode(self, ids: list[int]) -> str:
     return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -51,16 +45,30 @@ def is_hf_tokenizer(path: str) -> bool:
   return p.is_dir() or p.name.endswith('tokenizer.json')
 
 
-def _special_id(tok, config: dict, key: str, path) -> int | None:
-  if not config.get(f'add_{key}_token'):
-    return None
+def _special_id(tok, config: dict, key: str, where: str) -> int | None:
+  """The id of tokenizer_config.json's `{key}_token`; None when it names none."""
   token = config.get(f'{key}_token')
   token = token.get('content') if isinstance(token, dict) else token
-  token_id = tok.token_to_id(token) if token else None
-  if token_id is None:
-    raise UserError(f'{path}: tokenizer_config.json sets add_{key}_token but its {key}_token {token!r} is not in '
-                    f'tokenizer.json.')
-  return token_id
+  if not token:
+    return None
+  if tok.token_to_id(token) is None:
+    raise UserError(f'{where}: tokenizer_config.json names {key}_token {token!r}, which tokenizer.json lacks.')
+  return tok.token_to_id(token)
+
+
+def _around(tok, config: dict, where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(prefix, suffix) of a document: add_bos_token/add_eos_token when the config names them, else what the
+  tokenizer's post-processor adds around a text."""
+  if 'add_bos_token' in config or 'add_eos_token' in config:
+    ids = {key: _special_id(tok, config, key, where) for key in ('bos', 'eos')}
+    for key, token_id in ids.items():
+      if config.get(f'add_{key}_token') and token_id is None:
+        raise UserError(f'{where}: tokenizer_config.json sets add_{key}_token but names no {key}_token.')
+    return (((ids['bos'],) if config.get('add_bos_token') else ()),
+            ((ids['eos'],) if config.get('add_eos_token') else ()))
+  plain, full = tok.encode('a', add_special_tokens=False).ids, tok.encode('a', add_special_tokens=True).ids
+  at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+  return tuple(full[:at]), tuple(full[at + len(plain):])
 
 
 def load(path: str, flag: str = '--tokenizer') -> HfTokenizer:
@@ -82,5 +90,6 @@ def load(path: str, flag: str = '--tokenizer') -> HfTokenizer:
   config_file = file.parent / 'tokenizer_config.json'
   config = json.loads(config_file.read_text()) if config_file.is_file() else {}
   files = tuple(file.parent / name for name in FILES if (file.parent / name).is_file())
-  return HfTokenizer(tok, _special_id(tok, config, 'bos', f'{flag}={path!r}'),
-                     _special_id(tok, config, 'eos', f'{flag}={path!r}'), files, config)
+  where = f'{flag}={path!r}'
+  prefix, suffix = _around(tok, config, where)
+  return HfTokenizer(tok, prefix, suffix, _special_id(tok, config, 'eos', where), files, config)
