@@ -27,23 +27,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # Restored onto one CPU device; don't claim an accelerator.
 
+# Copied beside the weights when the run's tokenizer folder has them (generation_config.json: the imported model's).
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'tokenizer.model',
                    'generation_config.json', 'chat_template.jinja')
 
 
 def tokenizer_files(config) -> tuple[pathlib.Path, ...]:
   """The tokenizer files to copy: the prepared data's, else the imported model folder's."""
-  from trainer.hf import load as hf_load
-  folders = []
-  if config.data.source == 'array_record' and config.data.path:
-    folders.append(pathlib.Path(config.data.path) / 'tokenizer')
-  if config.model.get('init_from'):
-    folders.append(hf_load.folder_of(config.model.init_from))
-  for folder in folders:
-    found = tuple(folder / n for n in TOKENIZER_FILES if (folder / n).is_file())
-    if found:
-      return found
-  return ()
+  from trainer.hf import tokenizer as hf_tokenizer
+  folder = hf_tokenizer.run_folder(config)
+  return () if folder is None else tuple(folder / n for n in TOKENIZER_FILES if (folder / n).is_file())
 
 
 def export(workdir: str, output: str, step: str = 'latest', dtype: str = 'float32', max_shard_gb: float = 5.0):

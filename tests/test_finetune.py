@@ -98,6 +98,11 @@ def test_a_short_finetune_of_the_imported_model_lowers_the_completion_loss(tmp_p
   assert last['step'] == 16 and last['loss'] < 0.5 * first['loss'], (first['loss'], last['loss'])
   # Each prompt is ~30 tokens and its completion 2-3 (a colour, EOS): a small share of the 256 tokens a step.
   assert all(0 < r['trained_tokens'] < 64 for r in records)
+  # sample.py reads the tokenizer kept with the data: text in, text out.
+  import sample
+  prompt = 'Question : name a colour for the fox ? Answer :'
+  text = sample.sample(str(tmp_path / 'run'), prompt, 2, 0.0, 0, 'latest').decode()
+  assert text.startswith(prompt + ' ') and len(text) > len(prompt) + 1, text
 
 
 def test_bad_lines_and_unmasked_shards_fail_in_one_line(tmp_path):

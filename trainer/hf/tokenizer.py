@@ -40,6 +40,18 @@ class HfTokenizer:
     return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def run_folder(config) -> pathlib.Path | None:
+  """The folder of the Hugging Face tokenizer a run's tokens came from: the one scripts/prepare_data.py kept with
+  the data (DATA/tokenizer/), else model.init_from's; None when neither has a tokenizer.json."""
+  folders = []
+  if config.data.source == 'array_record' and config.data.path:
+    folders.append(pathlib.Path(config.data.path) / 'tokenizer')
+  init_from = config.model.get('init_from')
+  if init_from and init_from.startswith('hf:'):
+    folders.append(pathlib.Path(init_from[len('hf:'):]).expanduser())
+  return next((f for f in folders if (f / 'tokenizer.json').is_file()), None)
+
+
 def is_hf_tokenizer(path: str) -> bool:
   p = pathlib.Path(path)
   return p.is_dir() or p.name.endswith('tokenizer.json')
