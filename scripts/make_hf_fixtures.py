@@ -16,7 +16,8 @@ around 1 (not exactly 1), non-zero q/k/v biases, logits of a few units.
 `llama3_rope` keeps its config.json in the form published checkpoints have it (`rope_theta` and `rope_scaling`, as
 Llama 3.2's), rewritten after saving and checked by loading it back; the others are as this transformers writes them.
 `tokenizer/` is a tiny BPE (120 tokens: fits every fixture's vocabulary of 256) trained here with the tokenizers
-library on sentences of a few dozen words, with its tokenizer_config.json (BOS `<s>` and EOS `</s>` per document).
+library on sentences of a few dozen words, with its tokenizer_config.json (BOS `<s>` and EOS `</s>` per document,
+and a chat template).
 
 --compare loads a folder (an export of an imported fixture) with transformers and prints the largest absolute
 difference of its logits from the golden ones.
@@ -116,6 +117,12 @@ WORDS = ('the quick brown fox jumps over lazy dog . what is two plus three ? it 
          'red green blue yellow and or not , Question Answer : yes no').split()
 
 
+# A chat template in the Jinja form transformers renders: user turns as questions, assistant turns as answers.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %} Question : {{ m['content'] }}"
+                 "{% elif m['role'] == 'assistant' %} Answer : {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %} Answer :{% endif %}")
+
+
 def build_tokenizer(folder: pathlib.Path) -> None:
   """A BPE over a small alphabet, Metaspace-split like SentencePiece models, with <s>/</s> added per document."""
   from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -130,7 +137,7 @@ def build_tokenizer(folder: pathlib.Path) -> None:
   folder.mkdir(parents=True, exist_ok=True)
   tok.save(str(folder / 'tokenizer.json'))
   config = {'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': '<s>', 'eos_token': '</s>',
-            'unk_token': '<unk>', 'add_bos_token': True, 'add_eos_token': True}
+            'unk_token': '<unk>', 'add_bos_token': True, 'add_eos_token': True, 'chat_template': CHAT_TEMPLATE}
   (folder / 'tokenizer_config.json').write_text(json.dumps(config, indent=2) + '\n')
   print(f'tokenizer: {tok.get_vocab_size()} tokens')
 

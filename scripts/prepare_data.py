@@ -4,8 +4,10 @@
       [--num_shards=8] [--eval_percent=5]
 
 --input=FILE.jsonl reads fine-tuning pairs instead: one {"prompt": ...,
-"completion": ...} object a line, each a document whose tokens carry a loss
-mask (1 on the completion and its EOS, 0 on the prompt; trainer/data/finetune_jsonl.py),
+"completion": ...} object a line, or a chat {"messages": [...]} rendered with the
+tokenizer's chat template, each a document whose tokens carry a loss mask (1 on
+the completion and its EOS or on the assistant turns, 0 on the rest;
+trainer/data/finetune_jsonl.py),
 for runs with --config.data.loss_mask=True (configs/finetune_llama.py).
 
 Each input file is one document. Text is tokenized as raw bytes (vocabulary
@@ -102,12 +104,13 @@ def read_finetune_jsonl(path: pathlib.Path, tokenizer_path: str | None, encode, 
   before the prompt and its EOS after the completion."""
   if not path.is_file():
     raise UserError(f'--input={str(path)!r} is not a file; give a .jsonl file of {{"prompt", "completion"}} lines.')
-  prefix, end = (), ()
+  prefix, end, render = (), (), None
   if tokenizer.startswith('hf:'):
     tok = hf_tokenizer.load(tokenizer_path)
     encode = functools.partial(tok.encode, document=False)
     prefix, end = tok.prefix, ((tok.eos_id,) if tok.eos_id is not None else tok.suffix)
-  return finetune_jsonl.read(path, lambda text: np.asarray(encode(text)).tolist(), prefix, end)
+    render = tok.render_chat if tok.chat_template else None
+  return finetune_jsonl.read(path, lambda text: np.asarray(encode(text)).tolist(), prefix, end, render)
 
 
 def main(argv=None) -> None:

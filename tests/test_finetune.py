@@ -118,3 +118,36 @@ def test_bad_lines_and_unmasked_shards_fail_in_one_line(tmp_path):
   config.data.source, config.data.path, config.data.loss_mask = 'array_record', str(tmp_path / 'plain'), True
   with pytest.raises(UserError, match='data.loss_mask=True needs documents with a loss mask'):
     data.load_sources(config)
+
+
+# transformers 5.24's apply_chat_template(MESSAGES, tokenize=True) on tests/fixtures/hf/tokenizer (run once in the
+# fixtures' venv): the ids a chat must become, and its rendering '<s> Question : what colour ? Answer : red</s>
+# Question : and now ? Answer : blue</s>'.
+MESSAGES = [{'role': 'user', 'content': 'what colour ?'}, {'role': 'assistant', 'content': 'red'},
+            {'role': 'user', 'content': 'and now ?'}, {'role': 'assistant', 'content': 'blue'}]
+TRANSFORMERS_IDS = [1, 117, 116, 119, 85, 101, 76, 52, 64, 61, 92, 76, 23, 76, 24, 63, 68, 72, 54, 67, 85, 113, 2, 117,
+                    116, 119, 85, 86, 63, 53, 78, 83, 76, 23, 76, 24, 63, 68, 72, 54, 67, 85, 84, 61, 87, 2]
+
+
+def test_a_chat_is_rendered_by_its_template_and_only_assistant_turns_are_trained(tmp_path):
+  out = _prepare(tmp_path, [{'messages': MESSAGES}] * 2, f'--tokenizer={FIXTURES / "tokenizer"}')
+  config = base.get_config()
+  config.data.source, config.data.path, config.data.loss_mask = 'array_record', str(out), True
+  docs = data.load_sources(config)  # Checks the shards.
+  from trainer.data import token_shards
+  shard_docs = token_shards.load_documents(out, 'train')
+  n = int(shard_docs.lengths[0])
+  tokens, mask = shard_docs.span(0, 0, n).tolist(), shard_docs.mask_span(0, 0, n)
+  assert tokens == TRANSFORMERS_IDS and docs.train is not None
+  import tokenizers
+  tok = tokenizers.Tokenizer.from_file(str(FIXTURES / 'tokenizer' / 'tokenizer.json'))
+  trained = ''.join(tok.id_to_token(t) for t, m in zip(tokens, mask) if m)
+  assert trained == '▁red</s>▁blue</s>'  # The answers and their end of turn, nothing else.
+
+
+def test_a_chat_without_a_template_or_an_assistant_fails_in_one_line(tmp_path):
+  with pytest.raises(SystemExit, match=r'train.jsonl:1 is a chat \("messages"\), which needs --tokenizer with a chat '
+                                       r'template'):
+    _prepare(tmp_path, [{'messages': MESSAGES}])
+  with pytest.raises(SystemExit, match='train.jsonl:1: the conversation has no assistant message'):
+    _prepare(tmp_path, [{'messages': MESSAGES[:1]}], f'--tokenizer={FIXTURES / "tokenizer"}')

@@ -39,6 +39,29 @@ class HfTokenizer:
   def decode(self, ids: list[int]) -> str:
     return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+  @property
+  def chat_template(self) -> str | None:
+    """tokenizer_config.json's chat_template (its 'default' one when it names several), else chat_template.jinja."""
+    template = self.config.get('chat_template')
+    if isinstance(template, list):
+      template = next((t['template'] for t in template if t.get('name') == 'default'), None)
+    jinja = next((f for f in self.files if f.name == 'chat_template.jinja'), None)
+    return template or (jinja.read_text() if jinja else None)
+
+  def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    """`messages` rendered by the chat template, as transformers' apply_chat_template(tokenize=False) does."""
+    import jinja2.sandbox
+
+    def raise_exception(message):
+      raise UserError(f'the chat template refused the conversation: {message}')
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals['raise_exception'] = raise_exception
+    specials = {k: (v.get('content') if isinstance(v, dict) else v) for k, v in self.config.items()
+                if k.endswith('_token') and isinstance(v, (str, dict))}
+    return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                      **specials)
+
 
 def run_folder(config) -> pathlib.Path | None:
   """The folder of the Hugging Face tokenizer a run's tokens came from: the one scripts/prepare_data.py kept with
