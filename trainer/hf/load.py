@@ -16,6 +16,7 @@ The run calls `load_params` only when it starts fresh; a resumed run restores it
 checkpoint and says that init_from was not read (trainer/loop.py).
 """
 
+import collections
 import copy
 import pathlib
 
@@ -92,6 +93,11 @@ def check_weights(config, abstract_params) -> tuple[dict, list[layout.Placement]
   return tensors, placements
 
 
+def _key(index: tuple[slice, ...], shape) -> tuple[tuple[int, int], ...]:
+  """A device's slice as ((start, stop), ...) per dimension, None bounds resolved."""
+  return tuple(tuple(s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
 def load_params(config, abstract_params, shardings):
   """The parameters from init_from's safetensors, each already in its sharding (a tree like `abstract_params`)."""
   tensors, placements = check_weights(config, abstract_params)
@@ -103,15 +109,20 @@ def load_params(config, abstract_params, shardings):
   flat_abstract = dict(layout.flatten(abstract_params))
   loaded = {}
   for placement in placements:
-    leaf, cache = flat_abstract[placement.path], {}
+    leaf, sharding = flat_abstract[placement.path], flat_shardings[placement.path]
+    # Devices holding the same slice (replicas) read it once; it is dropped when the last of them has it, so a
+    # process holds at most the slices of one parameter beside the device copies.
+    waiting = collections.Counter(_key(i, leaf.shape) for i in sharding.addressable_devices_indices_map(leaf.shape)
+                                  .values())
+    cache = {}
 
-    def callback(index, placement=placement, leaf=leaf, cache=cache):
-      resolved = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, leaf.shape))
-      key = tuple((s.start, s.stop) for s in resolved)
-      if key not in cache:  # Devices holding the same slice (replicas) read it once.
-        cache[key] = np.ascontiguousarray(placement.read(resolved, read_block).astype(leaf.dtype))
-      return cache[key]
+    def callback(index, placement=placement, leaf=leaf, cache=cache, waiting=waiting):
+      key = _key(index, leaf.shape)
+      if key not in cache:
+        cache[key] = np.ascontiguousarray(placement.read(tuple(slice(*k) for k in key), read_block).astype(leaf.dtype))
+      waiting[key] -= 1
+      return cache.pop(key) if waiting[key] <= 0 else cache[key]
 
-    loaded[placement.path] = jax.make_array_from_callback(leaf.shape, flat_shardings[placement.path], callback)
+    loaded[placement.path] = jax.make_array_from_callback(leaf.shape, sharding, callback)
   logging.info('%s: read %d parameters into the run\'s shardings.', _where(config), len(placements))
   return layout.unflatten(loaded)
