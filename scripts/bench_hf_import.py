@@ -67,6 +67,11 @@ def write_model(folder: pathlib.Path, max_file_bytes: int = 1 << 30) -> int:
   return total
 
 
+def _status_bytes(field: str) -> int:
+  status = pathlib.Path('/proc/self/status').read_text()
+  return int(next(line.split()[1] for line in status.splitlines() if line.startswith(field + ':'))) * 1024
+
+
 def child(model: str, process_id: int, num_processes: int, port: int) -> None:
   """One process of the measured import: joins the others, imports, prints one JSON line."""
   import jax
@@ -81,15 +86,14 @@ def child(model: str, process_id: int, num_processes: int, port: int) -> None:
   c.mesh.data, c.mesh.fsdp = 1, -1
   config = hf_load.configure(c)
   job = job_lib.build_job(config)
+  before = _status_bytes('VmRSS')  # jax, the Job and Python: what any run holds before reading a weight.
   start = time.perf_counter()
   params = hf_load.load_params(config, job.abstract.params, job.shardings.params)
   jax.block_until_ready(params)
   seconds = time.perf_counter() - start
   held = sum(s.data.nbytes for p in jax.tree.leaves(params) for s in p.addressable_shards)
-  status = pathlib.Path('/proc/self/status').read_text()
-  peak_kb = int(next(line.split()[1] for line in status.splitlines() if line.startswith('VmHWM')))
-  print(json.dumps({'process': process_id, 'peak_rss_bytes': peak_kb * 1024, 'params_held_bytes': held,
-                    'import_s': round(seconds, 1)}), flush=True)
+  print(json.dumps({'process': process_id, 'peak_rss_bytes': _status_bytes('VmHWM'), 'params_held_bytes': held,
+                    'rss_before_import_bytes': before, 'import_s': round(seconds, 1)}), flush=True)
   jax.distributed.shutdown()
 
 
@@ -121,7 +125,8 @@ def main() -> None:
   for r in results:
     print(f"process {r['process']}: peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB = "
           f"{r['peak_rss_bytes'] / checkpoint_bytes:.2f}x the checkpoint's {checkpoint_bytes / 1e9:.2f} GB; its "
-          f"devices hold {r['params_held_bytes'] / 1e9:.2f} GB of parameters; import {r['import_s']} s")
+          f"devices hold {r['params_held_bytes'] / 1e9:.2f} GB of parameters; RSS before the import "
+          f"{r['rss_before_import_bytes'] / 1e9:.2f} GB; import {r['import_s']} s")
 
 
 if __name__ == '__main__':
