@@ -112,6 +112,7 @@ def get_config() -> config_dict.ConfigDict:
   # Packed positions for brought models (issue 24)
   c.data.packed_positions = 'document'  # Packing: 'document' (offset in the document) or 'row' (offset in its piece of the row, < seq_len: for learned position tables).
   c.data.max_documents_per_row = 64  # Packing: most documents in a row, checked before compile; sizes cuDNN's attention.
+  c.data.loss_mask = False  # True: only targets the shards mark count in the loss (completions of prepare_data.py's prompt/completion JSONL); metric trained_tokens.
   c.data.worker_count = 0  # Grain worker processes per process; 0 reads in-process (threads only).
   c.data.prefetch = 2  # Batches read ahead of the train step (by a thread, or per worker); 0 = off.
   c.data.file_glob = '**/*.py'  # Files under text_dir to read, as a pathlib glob.
@@ -129,8 +130,16 @@ def get_config() -> config_dict.ConfigDict:
   c.model.num_heads = 4  # Attention heads; d_model must divide by it.
   c.model.mlp_dim = 1024  # Hidden width of the SwiGLU MLP.
   c.model.vocab_size = 256  # Vocabulary; 256 = raw bytes, no tokenizer.
-  c.model.rope_max_wavelength = 10_000  # RoPE base wavelength.
+  c.model.rope_max_wavelength = 10_000.0  # RoPE base wavelength (a float: published configs give e.g. 500000.0).
   c.model.norm_eps = 1e-6  # RMSNorm epsilon.
+  # Published weights (issue 26; trainer/hf/, docs/hf.md)
+  c.model.init_from = config_dict.placeholder(str)  # 'hf:/local/model_dir': a fresh run starts from its config.json and safetensors weights; None = random init.
+  c.model.rope_scaling = 'none'  # 'none' or 'llama3' (Llama 3.1+ RoPE frequencies, set by the four keys below).
+  c.model.rope_scaling_factor = 8.0  # 'llama3': how many times slower the long-wavelength pairs turn.
+  c.model.rope_low_freq_factor = 1.0  # 'llama3': wavelengths above original_max_positions / this are slowed fully.
+  c.model.rope_high_freq_factor = 4.0  # 'llama3': wavelengths below original_max_positions / this are unchanged.
+  c.model.rope_original_max_positions = 8192  # 'llama3': the context the model was first trained at.
+  c.model.qkv_bias = False  # Biases on the query, key and value projections (Qwen2); none on the output projection.
   c.model.num_kv_heads = 0  # Grouped-query attention: key/value heads, dividing num_heads; 0 = num_heads (multi-head).
   c.model.tie_embeddings = False  # The output head reuses the input embedding table (GPT-2, Llama 3.2 1B) instead of its own.
   c.model.num_classes = 10  # Classifier output classes; labels are integers in [0, num_classes).

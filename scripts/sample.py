@@ -12,8 +12,12 @@ likeliest tokens, --top_p the smallest set whose probabilities reach p (nucleus
 sampling), both before the temperature's softmax draw.
 
 Runs on byte-level text (data.source='text', or prepare_data.py shards
-tokenized as bytes) take the prompt as text and print text. Other runs know no
-tokenizer here: the prompt is token ids ('15 27 3') and the output is ids.
+tokenized as bytes) take the prompt as text and print text; so do runs whose
+shards prepare_data.py made with a Hugging Face tokenizer (kept in DATA/tokenizer/)
+or that started from a Hugging Face folder holding tokenizer.json
+(model.init_from): the prompt is encoded after the tokenizer's document prefix
+(BOS), the output decoded. Other runs know no tokenizer here: the prompt is token
+ids ('15 27 3') and the output is ids.
 """
 
 import functools
@@ -189,12 +193,22 @@ def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed:
   workdir = storage.path(workdir)  # A local folder or gs://bucket/run.
   config = load_run_config(workdir)
   as_bytes = byte_level(config)
-  tokens = encode_prompt(prompt, as_bytes, config.model.vocab_size)
+  from trainer.hf import tokenizer as hf_tokenizer
+  folder = None if as_bytes else hf_tokenizer.run_folder(config)
+  tok = None if folder is None else hf_tokenizer.load(str(folder), flag='the run\'s tokenizer')
+  if tok is not None:
+    if not prompt:
+      raise UserError('--prompt is empty; give at least one token to continue.')
+    tokens = [*tok.prefix, *tok.encode(prompt, document=False)]
+  else:
+    tokens = encode_prompt(prompt, as_bytes, config.model.vocab_size)
   _, bind, weights = restore_model(config, workdir, step, params)
   with jax.default_device(jax.devices('cpu')[0]):
     new = generate(bind, weights, tokens, num_tokens, config.data.seq_len, temperature, seed, top_k, top_p)
   if as_bytes:
     return bytes(tokens + new)
+  if tok is not None:
+    return tok.decode(tokens[len(tok.prefix):] + new).encode()
   return ' '.join(map(str, tokens + new)).encode()
 
 

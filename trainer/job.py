@@ -20,6 +20,7 @@ from trainer import guardrails, optimizer, validation
 from trainer import step as step_lib
 from trainer import state as state_lib
 from trainer import task as task_lib
+from trainer.hf import load as hf_load
 from trainer.models import contract, registry
 
 
@@ -46,7 +47,11 @@ class Job:
     return self.train_step.lower(sharding.with_shardings(self.abstract, self.shardings), self.abstract_batch).compile()
 
   def init_state(self, seed: int) -> state_lib.TrainState:
-    return state_lib.create_state(seed, self.task.model, self.tx, self.shardings, self.config.train.ema_decay)
+    """The fresh state: random parameters, or model.init_from's weights read straight into their shardings."""
+    params = None
+    if self.config.model.get('init_from'):
+      params = hf_load.load_params(self.config, self.abstract.params, self.shardings.params)
+    return state_lib.create_state(seed, self.task.model, self.tx, self.shardings, self.config.train.ema_decay, params)
 
 
 def batch_shardings(mesh: Mesh, rules, shapes: dict[str, jax.ShapeDtypeStruct]) -> dict[str, NamedSharding]:

@@ -20,6 +20,7 @@ from trainer import goodput as goodput_lib
 from trainer import optimizer, profiling, progress, storage
 from trainer import job as job_lib
 from trainer import state as state_lib
+from trainer.hf import load as hf_load
 from trainer.memory import preflight, remat
 from trainer.models import contract
 from trainer.supervision import attempt, faults, hang, notices, stragglers
@@ -96,6 +97,7 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
 
 def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangWatch) -> None:
   compilation_cache.enable(config.train.compilation_cache_dir)
+  config = hf_load.configure(config)  # model.init_from: config.json's model keys (weights come at init_state).
   # 'auto' becomes a concrete policy before the Job exists; a resumed run reads its earlier choice back.
   config, memory_choice = remat.resolve(config, devices, workdir=None if start_over else workdir)
   job = job_lib.build_job(config, devices)
@@ -115,6 +117,8 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   ckpt = None if start_over else checkpoint.Checkpointer(workdir, config.ckpt)
   resumable = [] if start_over else storage.within_deadline("reading the checkpoints' manifests", workdir,
                                                              ckpt.resumable_steps, manifest)
+  if config.model.init_from and not resumable:
+    hf_load.check_weights(config, job.abstract.params)  # Headers only: a wrong folder fails before the compile.
   if (not resumable and job.brought_model and objective.kind == 'lm' and not job.task.custom_loss
       and config.model.check_alignment):
     contract.check_alignment(job, config.train.seed)  # Seconds, and before the long compile.
@@ -139,6 +143,9 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
     latest, state = ckpt.restore_newest_intact(resumable, sharding.with_shardings(abstract, shardings), train_iter)
     logging.info('Resuming from checkpoint at step %d in %s (data iterator position restored)',
                  latest, ckpt.directory)
+    if config.model.init_from:
+      logging.info('model.init_from=%r is not read: a resumed run continues from its checkpoint\'s weights.',
+                   config.model.init_from)
   else:
     state = job.init_state(config.train.seed)
 

@@ -30,10 +30,14 @@ TASKS = ('lm', 'classifier')
 
 
 def token_weights(batch: Batch) -> jax.Array:
-  """1.0 for tokens that count in the loss, 0.0 for padding (segment id 0 in packed batches)."""
+  """1.0 for tokens that count in the loss, 0.0 for padding (segment id 0 in packed batches) and for targets the
+  batch's `loss_mask` leaves out (prompt tokens of fine-tuning data)."""
+  weights = jnp.ones(batch['targets'].shape, jnp.float32)
   if 'segment_ids' in batch:
-    return (batch['segment_ids'] != 0).astype(jnp.float32)
-  return jnp.ones(batch['targets'].shape, jnp.float32)
+    weights = (batch['segment_ids'] != 0).astype(jnp.float32)
+  if 'loss_mask' in batch:
+    weights = weights * (batch['loss_mask'] != 0).astype(jnp.float32)
+  return weights
 
 
 def _cross_entropy_sums(logits_BLV, targets_BL, weights_BL, with_z: bool) -> tuple[jax.Array, jax.Array]:
@@ -116,10 +120,15 @@ class LanguageModeling:
       logits_BLV = model(*args, **kwargs).astype(jnp.float32)
       loss, z_loss = _cross_entropy_sums(logits_BLV, batch['targets'], weights_BL, with_z=bool(self.z_loss_weight))
     loss = loss / num_tokens
+    metrics = {'loss': loss}
+    if 'loss_mask' in batch:  # Scaled from these rows to the global batch: the count itself under jit, and after
+      # the per-device strategies' mean over devices (with train.grad_accum_steps > 1, a weighted mean of the
+      # microbatches' counts).
+      metrics['trained_tokens'] = jnp.sum(weights_BL) * (self.batch_size / weights_BL.shape[0])
     if not self.z_loss_weight:
-      return loss, {'loss': loss}
+      return loss, metrics
     z_loss = self.z_loss_weight * z_loss / num_tokens
-    return loss + z_loss, {'loss': loss, 'z_loss': z_loss}
+    return loss + z_loss, {**metrics, 'z_loss': z_loss}
 
   def eval_summary(self, means: dict[str, float]) -> dict[str, float]:
     return {'eval_loss': means['loss'], 'eval_perplexity': float(math.exp(min(means['loss'], 80.0)))}

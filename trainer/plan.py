@@ -40,6 +40,7 @@ from trainer.errors import UserError
 from trainer.memory import footprint
 from trainer.memory import measure, remat
 from trainer.memory.measure import Plan, Refused, make_plan, total_or_refused, with_overrides  # noqa: F401  (API)
+from trainer.hf import load as hf_load
 
 GIB = footprint.GIB
 # HBM per chip in GiB, for --topology runs without --plan_memory_gb.
@@ -220,6 +221,7 @@ def run(config, memory_gb: float | None = None, topology: str | None = None, pri
   with --topology, whose chips have a known HBM).
   """
   devices = None
+  config = hf_load.configure(config)  # model.init_from: the imported model's shape, from config.json alone.
   if topology:
     devices = topology_devices(topology)
     if config.train.compute_dtype == 'auto':  # 'auto' looks at this machine's backend; the target is a TPU or GPU.

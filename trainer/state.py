@@ -37,14 +37,15 @@ class TrainState:
 
 
 def _init_boxed(seed: jax.Array, model: AdaptedModel, tx: optax.GradientTransformation,
-                ema_decay: float = 0.0) -> TrainState:
+                ema_decay: float = 0.0, params=None) -> TrainState:
   """The initial state with Flax's logical-axis boxes still on the parameter leaves.
 
   The parameters come from `jax.random.key(seed)` itself (see adapters.py), so a
-  user's own loop reproduces them; the step's key is folded off it.
+  user's own loop reproduces them, unless `params` are given (imported weights);
+  the step's key is folded off it.
   """
   key = jax.random.key(seed)
-  params = model.box(model.init(key))
+  params = model.box(model.init(key) if params is None else params)
   # optax maps over the boxes, so Adam's moments inherit the parameters' logical axes.
   ema = jax.tree.map(lambda p: p.astype(jnp.float32), params) if ema_decay else None
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
@@ -59,10 +60,16 @@ def abstract_state(model: AdaptedModel, tx, mesh: Mesh, rules, ema_decay: float 
   return nn.meta.unbox(boxed), shardings
 
 
-def create_state(seed: int, model: AdaptedModel, tx, shardings: TrainState, ema_decay: float = 0.0) -> TrainState:
-  """Initializes the state directly into its shardings."""
-  init = jax.jit(lambda s: nn.meta.unbox(_init_boxed(s, model, tx, ema_decay)), out_shardings=shardings)
-  return init(jnp.asarray(seed, jnp.uint32))
+def create_state(seed: int, model: AdaptedModel, tx, shardings: TrainState, ema_decay: float = 0.0,
+                 params=None) -> TrainState:
+  """Initializes the state directly into its shardings; `params` (already in shardings.params, e.g. a published
+  model's weights from trainer/hf/) replace the random init and are donated to the state."""
+  seed = jnp.asarray(seed, jnp.uint32)
+  if params is None:
+    return jax.jit(lambda s: nn.meta.unbox(_init_boxed(s, model, tx, ema_decay)), out_shardings=shardings)(seed)
+  init = jax.jit(lambda s, p: nn.meta.unbox(_init_boxed(s, model, tx, ema_decay, p)), out_shardings=shardings,
+                 donate_argnums=1)
+  return init(seed, params)
 
 
 def params_of(state: TrainState, which: str = 'raw') -> Any:

@@ -19,6 +19,7 @@ import functools
 import pathlib
 
 import jax
+from absl import logging
 from jax.sharding import NamedSharding
 
 from trainer.data import arrays, pipeline, synthetic_pool, token_shards
@@ -49,8 +50,10 @@ def check_config(data_config) -> None:
 
 
 def batch_keys(data_config) -> tuple[str, ...]:
-  """The keys of every LM batch: inputs and targets, plus segment ids and positions when packing."""
-  return ('inputs', 'targets') + (PACKED_KEYS if data_config.packing else ())
+  """The keys of every LM batch: inputs and targets, plus segment ids and positions when packing, plus the
+  targets' loss mask with data.loss_mask."""
+  masked = ('loss_mask',) if data_config.get('loss_mask', False) else ()  # A run from before the key: none.
+  return ('inputs', 'targets') + (PACKED_KEYS if data_config.packing else ()) + masked
 
 
 def check_task(config) -> None:
@@ -114,13 +117,14 @@ def load_sources(config) -> Sources:
       eval_docs = None
   else:
     train_docs, eval_docs, where = _token_shards(config)
+  masked = _check_loss_mask(d, train_docs)
   if d.packing:
     positions = d.get('packed_positions', 'document')  # A run's config.json from before the key has none.
     if positions not in PACKED_POSITIONS:
       raise UserError(f'data.packed_positions={positions!r}: choose one of {PACKED_POSITIONS}.')
-    cut = functools.partial(PackedRows, positions=positions)
+    cut = functools.partial(PackedRows, positions=positions, loss_mask=masked)
   else:
-    cut = StreamWindows
+    cut = functools.partial(StreamWindows, loss_mask=masked)
   train = cut(train_docs, d.seq_len)
   eval_ = cut(eval_docs, d.seq_len) if eval_docs is not None and eval_docs.num_tokens else None
   if d.packing:
@@ -129,6 +133,19 @@ def load_sources(config) -> Sources:
         _check_documents_per_row(rows, d, split)
   how = f'packed by document into rows of {d.seq_len}' if d.packing else f'windows of {d.seq_len} over the stream'
   return Sources(train, eval_, f'{where}; {how}')
+
+
+def _check_loss_mask(d, documents) -> bool:
+  """Whether batches carry a loss mask: data.loss_mask, which needs documents that have one."""
+  if not d.get('loss_mask', False):
+    if getattr(documents, 'has_mask', False):
+      logging.warning('%s carry a loss mask (fine-tuning data), but data.loss_mask=False: every token is trained, '
+                      'prompts too. Set --config.data.loss_mask=True to train on completions only.', documents.name)
+    return False
+  if not getattr(documents, 'has_mask', False):
+    raise UserError(f"data.loss_mask=True needs documents with a loss mask: shards that scripts/prepare_data.py wrote "
+                    f"from prompt/completion JSONL (data.source='array_record'); {documents.name} have none.")
+  return True
 
 
 def _check_documents_per_row(rows: PackedRows, d, split: str) -> None:
@@ -153,8 +170,10 @@ def _token_shards(config):
     raise UserError(f'data.path={str(root)!r} has no train split; {token_shards.REPREPARE}.')
   vocab = token_shards.read_meta(root)['vocab_size']
   if vocab > config.model.vocab_size:
+    fix = (f"prepare the data with model.init_from's own tokenizer (scripts/prepare_data.py --tokenizer=FOLDER)"
+           if config.model.get('init_from') else f'set --config.model.vocab_size={vocab} (or more)')
     raise UserError(f'the shards in {str(root)!r} use a vocabulary of {vocab} tokens but model.vocab_size='
-                    f'{config.model.vocab_size}; set --config.model.vocab_size={vocab} (or more).')
+                    f'{config.model.vocab_size}; {fix}.')
   eval_docs = token_shards.load_documents(root, 'eval') if config.data.eval_percent else None
   return train_docs, eval_docs, (f'{len(train_docs.lengths)} train documents ({train_docs.num_tokens} tokens), '
                                  f'{0 if eval_docs is None else len(eval_docs.lengths)} held out, from {root}')

@@ -13,7 +13,12 @@ held in memory and over ArrayRecord shards read lazily from disk.
   carries `segment_ids` (1, 2, ... per document piece in the row) and
   `positions` (the token's offset in its document, or with
   data.packed_positions='row' in its piece of the row), which the model's
-  attention mask and RoPE use. Nothing is padded; only the final partial row is
+  attention mask and RoPE use.
+
+Documents with a loss mask (fine-tuning shards: 1 on completion tokens, 0 on
+prompt tokens) give both cutters a `loss_mask` row when asked (data.loss_mask):
+the mask of each pair's target, cut exactly as the targets are, so it survives
+packing and windows. Nothing is padded; only the final partial row is
   dropped (the description says how many pairs). This is concat-then-split
   packing with a precomputed index, chosen over Grain's iterator-level packers
   (FirstFitPackIterDataset, ConcatThenSplitIterDataset) because it keeps the
@@ -29,12 +34,18 @@ class Documents:
 
   lengths: np.ndarray
   name: str  # Where the documents come from, for messages.
+  has_mask: bool = False  # `mask_span` reads a per-token loss mask.
 
   def span(self, d: int, a: int, b: int) -> np.ndarray:
     raise NotImplementedError
 
-  def stream(self, start: int, stop: int) -> np.ndarray:
-    """Tokens [start, stop) of all documents laid end to end."""
+  def mask_span(self, d: int, a: int, b: int) -> np.ndarray:
+    """The loss mask of tokens [a, b) of document d (1 = the token is trained as a target)."""
+    raise NotImplementedError
+
+  def stream(self, start: int, stop: int, mask: bool = False) -> np.ndarray:
+    """Tokens [start, stop) of all documents laid end to end (their loss mask when `mask`)."""
+    read = self.mask_span if mask else self.span
     ends = np.cumsum(self.lengths)
     d = int(np.searchsorted(ends, start, side='right'))
     parts, pos = [], start
@@ -42,7 +53,7 @@ class Documents:
       doc_start = ends[d] - self.lengths[d]
       take_to = min(stop, ends[d])
       if take_to > pos:
-        parts.append(self.span(d, int(pos - doc_start), int(take_to - doc_start)))
+        parts.append(read(d, int(pos - doc_start), int(take_to - doc_start)))
         pos = take_to
       d += 1
     return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
@@ -64,17 +75,18 @@ class InMemoryDocuments(Documents):
   def span(self, d, a, b):
     return self.tokens[self.starts[d] + a:self.starts[d] + b]
 
-  def stream(self, start, stop):
+  def stream(self, start, stop, mask=False):
     return self.tokens[start:stop]  # Contiguous already: one slice, as fast as the old byte windows.
 
 
 class StreamWindows:
   """Grain random-access source: example i is stream tokens [i*L, i*L + L + 1) as inputs/targets."""
 
-  def __init__(self, documents: Documents, seq_len: int):
+  def __init__(self, documents: Documents, seq_len: int, loss_mask: bool = False):
     self._documents = documents
     self._seq_len = seq_len
     self._num_tokens = documents.num_tokens
+    self._loss_mask = loss_mask
 
   def __len__(self) -> int:
     return max(0, (self._num_tokens - 1) // self._seq_len)
@@ -82,7 +94,10 @@ class StreamWindows:
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     start = index * self._seq_len
     window = self._documents.stream(start, start + self._seq_len + 1).astype(np.int32)
-    return {'inputs': window[:-1], 'targets': window[1:]}
+    example = {'inputs': window[:-1], 'targets': window[1:]}
+    if self._loss_mask:
+      example['loss_mask'] = self._documents.stream(start + 1, start + self._seq_len + 1, mask=True).astype(np.int32)
+    return example
 
   def __repr__(self) -> str:
     return f'StreamWindows(num_tokens={self._num_tokens}, seq_len={self._seq_len})'
@@ -91,12 +106,13 @@ class StreamWindows:
 class PackedRows:
   """Grain random-access source: row i holds (input, target) pairs [i*L, (i+1)*L) of the per-document pair stream."""
 
-  def __init__(self, documents: Documents, seq_len: int, positions: str = 'document'):
+  def __init__(self, documents: Documents, seq_len: int, positions: str = 'document', loss_mask: bool = False):
     """`positions`: 'document' (a token's offset in its document) or 'row' (its offset in its piece of this row,
     always < seq_len: what a model with a learned table of seq_len positions can read)."""
     self._documents = documents
     self._seq_len = seq_len
     self._row_positions = positions == 'row'
+    self._loss_mask = loss_mask
     self._pairs = np.maximum(documents.lengths - 1, 0)  # A document of n tokens has n-1 next-token pairs.
     self._first_pair = np.concatenate([[0], np.cumsum(self._pairs)])
     self.num_pairs = int(self._first_pair[-1])
@@ -122,7 +138,7 @@ class PackedRows:
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     lo, hi = index * self._seq_len, (index + 1) * self._seq_len
     d = int(np.searchsorted(self._first_pair, lo, side='right')) - 1
-    inputs, targets, segments, positions = [], [], [], []
+    inputs, targets, segments, positions, masks = [], [], [], [], []
     while lo < hi:
       a, b = lo - self._first_pair[d], min(hi - self._first_pair[d], self._pairs[d])
       if b > a:
@@ -132,10 +148,15 @@ class PackedRows:
         segments.append(np.full(b - a, len(segments) + 1, np.int32))
         first = 0 if self._row_positions else a
         positions.append(np.arange(first, first + b - a, dtype=np.int32))
+        if self._loss_mask:  # The targets' mask: tokens a+1 .. b of the document.
+          masks.append(self._documents.mask_span(d, int(a) + 1, int(b) + 1).astype(np.int32))
         lo += b - a
       d += 1
-    return {'inputs': np.concatenate(inputs), 'targets': np.concatenate(targets),
-            'segment_ids': np.concatenate(segments), 'positions': np.concatenate(positions)}
+    row = {'inputs': np.concatenate(inputs), 'targets': np.concatenate(targets),
+           'segment_ids': np.concatenate(segments), 'positions': np.concatenate(positions)}
+    if self._loss_mask:
+      row['loss_mask'] = np.concatenate(masks)
+    return row
 
   def __repr__(self) -> str:
     return f'PackedRows(num_pairs={self.num_pairs}, seq_len={self._seq_len})'

@@ -1,8 +1,10 @@
 """ArrayRecord token shards, as written by scripts/prepare_data.py: one record per document.
 
 Layout of a prepared folder (`data.path`):
-  meta.json                                   {"format": ..., "dtype", "vocab_size", "tokenizer", "splits"}
-  train-00000-of-00004.array_record, ...      records: the document's tokens, raw little-endian `dtype`
+  meta.json                                   {"format": ..., "dtype", "vocab_size", "tokenizer", "splits",
+                                               "loss_mask" (fine-tuning data: true)}
+  train-00000-of-00004.array_record, ...      records: the document's tokens, raw little-endian `dtype`; with
+                                              "loss_mask", followed by as many mask values (1 = trained)
   train.lengths.npy                           tokens per document, in shard order
   eval-00000-of-00001.array_record, eval.lengths.npy   (when prepare_data held files out)
 
@@ -32,8 +34,9 @@ def shard_name(split: str, index: int, count: int) -> str:
 class ShardDocuments(Documents):
   """Documents read lazily, record by record, from ArrayRecord shards (picklable for Grain workers)."""
 
-  def __init__(self, paths: list[pathlib.Path], lengths: np.ndarray, dtype: str, name: str):
+  def __init__(self, paths: list[pathlib.Path], lengths: np.ndarray, dtype: str, name: str, has_mask: bool = False):
     self.paths, self.lengths, self.dtype, self.name = paths, lengths, np.dtype(dtype), name
+    self.has_mask = has_mask
     self._source = None
 
   def _records(self):
@@ -43,6 +46,10 @@ class ShardDocuments(Documents):
 
   def span(self, d, a, b):
     return np.frombuffer(self._records()[d], self.dtype)[a:b]
+
+  def mask_span(self, d, a, b):
+    n = int(self.lengths[d])
+    return np.frombuffer(self._records()[d], self.dtype)[n + a:n + b]
 
   def __getstate__(self):
     return dict(self.__dict__, _source=None)
@@ -75,9 +82,9 @@ def load_documents(root: pathlib.Path, split: str) -> ShardDocuments | None:
     lengths = np.load(lengths_path).astype(np.int64)
   except (OSError, ValueError) as e:
     raise UserError(f'{str(lengths_path)!r} is missing or damaged ({type(e).__name__}); {REPREPARE}.') from e
-  first = 0
+  first, arrays = 0, 2 if meta.get('loss_mask') else 1  # Tokens, and their mask.
   for path, count in zip(paths, info['records_per_shard']):
-    _check_shard(path, count, lengths[first:first + count], meta['dtype'])
+    _check_shard(path, count, lengths[first:first + count] * arrays, meta['dtype'])
     first += count
   if first != len(lengths):
     raise UserError(f'{str(lengths_path)!r} lists {len(lengths)} documents but the shards hold {first}; {REPREPARE}.')
@@ -87,7 +94,8 @@ def load_documents(root: pathlib.Path, split: str) -> ShardDocuments | None:
     raise UserError(f'{str(path)!r} record {record} holds {lengths[short[0]]} token(s) ({short.size} such document(s) '
                     f'in the {split} split): a document needs at least 2 tokens (an input and its next-token target). '
                     f'scripts/prepare_data.py drops such documents; {REPREPARE}.')
-  return ShardDocuments(paths, lengths, meta['dtype'], f'the {split} shards in {str(root)!r}')
+  return ShardDocuments(paths, lengths, meta['dtype'], f'the {split} shards in {str(root)!r}',
+                        has_mask=bool(meta.get('loss_mask')))
 
 
 def _check_shard(path: pathlib.Path, count: int, lengths: np.ndarray, dtype: str) -> None:
@@ -115,11 +123,16 @@ def _locate(paths, records_per_shard, index: int) -> tuple[pathlib.Path, int]:
 
 
 def write_shards(root: pathlib.Path, splits: dict[str, list[np.ndarray]], vocab_size: int, tokenizer: str,
-                 num_shards: int) -> dict:
-  """Writes each split's documents round-robin into `num_shards` shards, plus lengths and meta.json; returns meta."""
+                 num_shards: int, masks: dict[str, list[np.ndarray]] | None = None) -> dict:
+  """Writes each split's documents round-robin into `num_shards` shards, plus lengths and meta.json; returns meta.
+
+  `masks` (per split, one array per document, as long as it): each record then holds the tokens and their mask.
+  """
   from array_record.python.array_record_module import ArrayRecordWriter  # Only the writer needs it directly.
   dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
   meta = {'format': FORMAT, 'dtype': dtype.name, 'vocab_size': vocab_size, 'tokenizer': tokenizer, 'splits': {}}
+  if masks is not None:
+    meta['loss_mask'] = True
   for split, docs in splits.items():
     count = max(1, min(num_shards, len(docs)))
     # Contiguous runs of documents per shard, so document order = shard order = the lengths index.
@@ -127,8 +140,9 @@ def write_shards(root: pathlib.Path, splits: dict[str, list[np.ndarray]], vocab_
     names = [shard_name(split, i, count) for i in range(count)]
     for name, lo, hi in zip(names, bounds[:-1], bounds[1:]):
       writer = ArrayRecordWriter(str(root / name), 'group_size:1')
-      for doc in docs[lo:hi]:
-        writer.write(np.asarray(doc, dtype).tobytes())
+      for i in range(lo, hi):
+        record = docs[i] if masks is None else np.concatenate([docs[i], masks[split][i]])
+        writer.write(np.asarray(record, dtype).tobytes())
       writer.close()
     np.save(root / f'{split}.lengths.npy', np.array([len(d) for d in docs], np.int64))
     meta['splits'][split] = {'shards': names, 'records_per_shard': np.diff(bounds).tolist(),

@@ -59,6 +59,13 @@ class LlamaConfig:
   num_kv_heads: int = 0  # Key/value heads of grouped-query attention, dividing num_heads; 0 = num_heads.
   tie_embeddings: bool = False  # Logits from the embedding table (transposed) instead of a separate head.
   rope_max_wavelength: float = 10_000.0
+  # Llama 3.1+'s long-context RoPE frequencies (model.rope_scaling): 'none' or 'llama3' with its four numbers.
+  rope_scaling: str = 'none'
+  rope_scaling_factor: float = 8.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
+  qkv_bias: bool = False  # Biases on the query, key and value projections (Qwen2); the output projection has none.
   norm_eps: float = 1e-6
   dtype: jnp.dtype = jnp.float32  # Compute dtype of matmuls; norms, softmax and logits stay float32.
   param_dtype: jnp.dtype = jnp.float32
@@ -102,11 +109,27 @@ class RMSNorm(nn.Module):
     return (x * scale.astype(jnp.float32)).astype(self.cfg.dtype)
 
 
-def rope(x_BLHK, positions_BL, max_wavelength: float):
-  """Rotates channel pairs (first half, second half) by position-dependent angles."""
-  half = x_BLHK.shape[-1] // 2
-  freq = max_wavelength ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle_BLK = positions_BL[..., None].astype(jnp.float32) * freq
+def rope_frequencies(head_dim: int, cfg: LlamaConfig) -> jax.Array:
+  """Angle per position of each of the head_dim / 2 channel pairs (radians), with cfg.rope_scaling applied.
+
+  'llama3' (Llama 3.1+): pairs whose wavelength is longer than the original context / low_freq_factor turn
+  `factor` times slower, those shorter than original context / high_freq_factor stay, and those between blend
+  the two linearly in (original context / wavelength).
+  """
+  half = head_dim // 2
+  freq = cfg.rope_max_wavelength ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  if cfg.rope_scaling == 'none':
+    return freq
+  turns_in_context = cfg.rope_original_max_positions * freq / (2 * jnp.pi)  # Full turns over the original context.
+  blend = (turns_in_context - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+  blend = jnp.clip(blend, 0.0, 1.0)  # 0: long wavelengths, all slowed; 1: short ones, unchanged.
+  return freq * (blend + (1.0 - blend) / cfg.rope_scaling_factor)
+
+
+def rope(x_BLHK, positions_BL, freq_K):
+  """Rotates channel pairs (channel i with channel i + head_dim / 2: Hugging Face's `rotate_half` layout) by
+  position x freq_K[i]."""
+  angle_BLK = positions_BL[..., None].astype(jnp.float32) * freq_K
   sin, cos = jnp.sin(angle_BLK)[:, :, None, :], jnp.cos(angle_BLK)[:, :, None, :]
   x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHK.dtype)
@@ -119,15 +142,16 @@ class Attention(nn.Module):
   def __call__(self, x_BLD, positions_BL, segment_ids_BL=None):
     cfg = self.cfg
     dense = lambda heads, name, axes: nn.DenseGeneral(
-        (heads, cfg.head_dim), use_bias=False, kernel_init=_init(axes),
+        (heads, cfg.head_dim), use_bias=cfg.qkv_bias, kernel_init=_init(axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
         dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
     q_BLHK = checkpoint_name(dense(cfg.num_heads, 'query', ('embed', 'heads', 'head_dim'))(x_BLD), 'query_proj')
     k_BLGK = checkpoint_name(dense(cfg.kv_heads, 'key', ('embed', 'kv_heads', 'head_dim'))(x_BLD), 'key_proj')
     v_BLGK = checkpoint_name(dense(cfg.kv_heads, 'value', ('embed', 'kv_heads', 'head_dim'))(x_BLD), 'value_proj')
     kv_axes = ('batch', 'length', 'kv_heads', 'head_dim')
-    q_BLHK = constrain(rope(q_BLHK, positions_BL, cfg.rope_max_wavelength), ('batch', 'length', 'heads', 'head_dim'),
-                       cfg)
-    k_BLGK = constrain(rope(k_BLGK, positions_BL, cfg.rope_max_wavelength), kv_axes, cfg)
+    freq_K = rope_frequencies(cfg.head_dim, cfg)
+    q_BLHK = constrain(rope(q_BLHK, positions_BL, freq_K), ('batch', 'length', 'heads', 'head_dim'), cfg)
+    k_BLGK = constrain(rope(k_BLGK, positions_BL, freq_K), kv_axes, cfg)
     v_BLGK = constrain(v_BLGK, kv_axes, cfg)
     # Packed rows: a token attends only to earlier tokens of its own document (segment), on every kernel.
     out_BLHK = attention_lib.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, causal=True, segment_ids_BL=segment_ids_BL,
@@ -268,6 +292,9 @@ class Llama(nn.Module):
     return constrain(logits_BLV, ('batch', 'length', 'vocab'), cfg).astype(jnp.float32)
 
 
+ROPE_SCALINGS = ('none', 'llama3')
+
+
 def _require(ok: bool, message: str) -> None:
   if not ok:
     raise UserError(message)
@@ -286,6 +313,8 @@ def check_config(config) -> None:
   if config.data.source == 'text':  # Byte-level: every byte value is a token.
     _require(m.vocab_size >= 256,
              f'model.vocab_size={m.vocab_size} is too small for byte-level text; use at least 256.')
+  _require(m.get('rope_scaling', 'none') in ROPE_SCALINGS,
+           f"model.rope_scaling={m.get('rope_scaling')!r}: choose one of {ROPE_SCALINGS}.")
   policies = ('none',) + tuple(REMAT_POLICIES)
   _require(config.train.remat_policy in policies,
            f'train.remat_policy={config.train.remat_policy!r}: choose one of {policies}.')
@@ -303,7 +332,11 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
   return Llama(LlamaConfig(
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
       vocab_size=m.vocab_size, num_kv_heads=m.num_kv_heads, tie_embeddings=m.tie_embeddings,
-      rope_max_wavelength=m.rope_max_wavelength, norm_eps=m.norm_eps,
+      rope_max_wavelength=m.rope_max_wavelength, norm_eps=m.norm_eps, qkv_bias=m.get('qkv_bias', False),
+      # A run's config.json from before these keys has none: plain RoPE.
+      rope_scaling=m.get('rope_scaling', 'none'), rope_scaling_factor=m.get('rope_scaling_factor', 8.0),
+      rope_low_freq_factor=m.get('rope_low_freq_factor', 1.0), rope_high_freq_factor=m.get('rope_high_freq_factor', 4.0),
+      rope_original_max_positions=m.get('rope_original_max_positions', 8192),
       dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
       remat_policy=config.train.remat_policy, scan_layers=layer_scan.scans(m), attention=m.attention,
       max_segments=config.data.max_documents_per_row if config.data.packing else None, mesh=mesh, rules=tuple(rules)))

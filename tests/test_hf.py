@@ -1,0 +1,155 @@
+"""Hugging Face import: the tiny fixtures (scripts/make_hf_fixtures.py) imported give transformers' own logits.
+
+Golden logits were computed by transformers in float32 on tests/fixtures/hf/input_ids.npy; here the built-in
+Llama, configured from each config.json and loaded from its safetensors, must reproduce them within 1e-4, on one
+device and on a (data 2, fsdp 2, tensor 2) mesh whose every parameter is read slice by slice.
+"""
+
+import json
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from configs import base
+from trainer import job as job_lib
+from trainer.errors import UserError
+from trainer.hf import load as hf_load
+from trainer.hf import safetensors_files
+
+FIXTURES = pathlib.Path(__file__).parent / 'fixtures' / 'hf'
+NAMES = ('llama', 'llama_tied', 'llama3_rope', 'qwen2', 'mistral')
+
+
+def import_config(folder, **mesh):
+  c = base.get_config()
+  c.model.init_from = f'hf:{folder}'
+  c.data.source = 'synthetic'
+  c.data.seq_len = 24
+  c.train.batch_size = 4
+  c.train.compute_dtype = 'float32'
+  c.model.scan_layers = True
+  for axis, size in mesh.items():
+    c.mesh[axis] = size
+  return c
+
+
+def imported_logits(config, devices):
+  config = hf_load.configure(config)
+  job = job_lib.build_job(config, devices)
+  params = hf_load.load_params(config, job.abstract.params, job.shardings.params)
+  tokens = np.tile(np.load(FIXTURES / 'input_ids.npy').astype(np.int32), (2, 1))  # Rows of 4: every mesh splits it.
+  logits = jax.jit(lambda p, x: job.task.outputs(p, {'inputs': x}))(params, tokens)
+  return np.asarray(logits)[:2], params
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_imported_logits_equal_transformers_on_one_device(name):
+  logits, _ = imported_logits(import_config(FIXTURES / name, data=1), jax.devices()[:1])
+  golden = np.load(FIXTURES / f'{name}.logits.npy')
+  assert logits.shape == golden.shape
+  np.testing.assert_allclose(logits, golden, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_imported_logits_equal_transformers_on_a_2x2x2_mesh(name):
+  config = import_config(FIXTURES / name, data=2, fsdp=2, tensor=2)
+  config.model.scan_layers = name != 'llama'  # The unrolled blocks' names ('block_<i>') too.
+  logits, params = imported_logits(config, jax.devices())
+  sharded = [p for p in jax.tree.leaves(params) if len(p.sharding.device_set) == 8 and not p.is_fully_replicated]
+  assert sharded  # Split parameters were read slice by slice.
+  np.testing.assert_allclose(logits, np.load(FIXTURES / f'{name}.logits.npy'), atol=1e-4, rtol=0)
+
+
+def test_llama3_rope_scaling_is_visible_in_the_logits():
+  """The golden llama3_rope logits are not those of the same weights with plain RoPE: the scaling is proven."""
+  config = import_config(FIXTURES / 'llama3_rope', data=1)
+  plain = hf_load.configure(config)
+  with plain.unlocked():
+    plain.model.init_from = None
+    plain.model.rope_scaling = 'none'
+  job = job_lib.build_job(plain, jax.devices()[:1])
+  params = hf_load.load_params(config, job.abstract.params, job.shardings.params)
+  tokens = np.load(FIXTURES / 'input_ids.npy').astype(np.int32)
+  with plain.unlocked():
+    plain.train.batch_size = 2
+  job = job_lib.build_job(plain, jax.devices()[:1])
+  logits = np.asarray(jax.jit(lambda p, x: job.task.outputs(p, {'inputs': x}))(params, tokens))
+  assert np.abs(logits - np.load(FIXTURES / 'llama3_rope.logits.npy')).max() > 1e-2
+
+
+def test_config_json_sets_the_model_and_a_contradicting_override_is_refused():
+  config = hf_load.configure(import_config(FIXTURES / 'qwen2'))
+  m = config.model
+  assert (m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.mlp_dim, m.vocab_size) == (2, 64, 4, 2, 128, 256)
+  assert m.qkv_bias and not m.tie_embeddings and m.rope_max_wavelength == 1e6 and m.norm_eps == 1e-5
+  rope = hf_load.configure(import_config(FIXTURES / 'llama3_rope')).model
+  assert (rope.rope_scaling, rope.rope_scaling_factor, rope.rope_original_max_positions) == ('llama3', 8.0, 64)
+  bad = import_config(FIXTURES / 'llama')
+  bad.model.d_model = 128
+  with pytest.raises(UserError, match=r"model.d_model=128 \(config.json: 64\).*drop that override"):
+    hf_load.configure(bad)
+
+
+def _copy(name, tmp_path):
+  return pathlib.Path(shutil.copytree(FIXTURES / name, tmp_path / name))
+
+
+def _check(folder):
+  config = hf_load.configure(import_config(folder))
+  job = job_lib.build_job(config, jax.devices()[:1] * 1)
+  hf_load.check_weights(config, job.abstract.params)
+
+
+def test_bad_folders_fail_in_one_line(tmp_path):
+  with pytest.raises(UserError, match='has no config.json'):
+    hf_load.configure(import_config(tmp_path))
+  with pytest.raises(UserError, match="give 'hf:'"):
+    c = import_config(FIXTURES / 'llama')
+    c.model.init_from = str(FIXTURES / 'llama')
+    hf_load.configure(c)
+  folder = _copy('llama', tmp_path)
+  cfg = json.loads((folder / 'config.json').read_text())
+  (folder / 'config.json').write_text(json.dumps({**cfg, 'architectures': ['GemmaForCausalLM']}))
+  with pytest.raises(UserError, match='names architecture GemmaForCausalLM.*supported: LlamaForCausalLM, '
+                                      'Qwen2ForCausalLM, MistralForCausalLM'):
+    hf_load.configure(import_config(folder))
+  (folder / 'config.json').write_text(json.dumps(cfg))
+  (folder / 'model.safetensors').unlink()
+  with pytest.raises(UserError, match='has no weights: neither model.safetensors.index.json nor model.safetensors'):
+    _check(folder)
+
+
+def _rewrite(folder, change):
+  """Rewrites model.safetensors with `change(tensors)` applied (numpy, through the safetensors package)."""
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(folder / 'model.safetensors')
+  change(tensors)
+  save_file(tensors, folder / 'model.safetensors', metadata={'format': 'pt'})
+
+
+def test_missing_extra_and_misshapen_tensors_fail_in_one_line(tmp_path):
+  folder = _copy('llama', tmp_path)
+  _rewrite(folder, lambda t: t.pop('model.layers.1.mlp.up_proj.weight'))
+  with pytest.raises(UserError, match=r"lack 1 tensor\(s\).*'model.layers.1.mlp.up_proj.weight'"):
+    _check(folder)
+  shutil.rmtree(folder)
+  folder = _copy('llama', tmp_path)
+  _rewrite(folder, lambda t: t.update({'model.layers.0.self_attn.q_norm.weight': np.ones(16, np.float32)}))
+  with pytest.raises(UserError, match=r"hold 1 tensor\(s\) the model has no place for.*q_norm"):
+    _check(folder)
+  shutil.rmtree(folder)
+  folder = _copy('llama', tmp_path)
+  _rewrite(folder, lambda t: t.update({'model.layers.0.mlp.down_proj.weight': np.ones((64, 64), np.float32)}))
+  with pytest.raises(UserError, match=r"'model.layers.0.mlp.down_proj.weight'.*shape \(64, 64\), but config.json "
+                                      r"makes it \(64, 128\)"):
+    _check(folder)
+
+
+def test_column_slices_read_only_what_is_asked(tmp_path):
+  info = safetensors_files.read_tensors(FIXTURES / 'llama', 'test')['model.layers.0.mlp.up_proj.weight']
+  from safetensors.numpy import load_file
+  whole = load_file(FIXTURES / 'llama' / 'model.safetensors')['model.layers.0.mlp.up_proj.weight']
+  np.testing.assert_array_equal(safetensors_files.read_block(info, slice(3, 70), slice(5, 37)), whole[3:70, 5:37])

@@ -1,0 +1,128 @@
+"""Import: `model.init_from='hf:/local/folder'` -> the built-in Llama's config keys and its weights, sharded.
+
+Two calls, at two moments of a run:
+- `configure(config)` reads config.json only (so `--plan` sizes an imported model
+  without reading a weight): the model.* keys it stands for replace those left at
+  configs/base.py's defaults; a key set to anything else must agree with it, or the
+  launch is refused naming both.
+- `load_params(config, abstract_params, shardings)` reads the safetensors headers,
+  checks every tensor's name and shape against the model (one line for a missing,
+  extra or misshapen tensor, before any compile), then builds each parameter with
+  `jax.make_array_from_callback`: every process reads only the slices its own
+  devices hold (trainer/hf/safetensors_files.py reads them without mapping the
+  file), so no host ever holds the whole model.
+
+The run calls `load_params` only when it starts fresh; a resumed run restores its
+checkpoint and says that init_from was not read (trainer/loop.py).
+"""
+
+import collections
+import copy
+import pathlib
+
+import jax
+import numpy as np
+from absl import logging
+
+from configs import base as base_config
+from trainer.errors import UserError
+from trainer.hf import architectures, layout, safetensors_files
+
+PREFIX = 'hf:'
+# Tensors some checkpoints carry that the model computes itself or shares: never a reason to refuse.
+IGNORED_SUFFIXES = ('.rotary_emb.inv_freq',)
+
+
+def folder_of(source: str) -> pathlib.Path:
+  if not source.startswith(PREFIX):
+    raise UserError(f"model.init_from={source!r}: give 'hf:' and a local Hugging Face model folder, e.g. "
+                    f"--config.model.init_from=hf:/models/Llama-3.2-1B.")
+  return pathlib.Path(source[len(PREFIX):]).expanduser()
+
+
+def _where(config) -> str:
+  return f'model.init_from={config.model.init_from!r}'
+
+
+def configure(config):
+  """`config` with the model.* keys of init_from's config.json; `config` itself when init_from is None."""
+  source = config.model.get('init_from')
+  if not source:
+    return config
+  folder, where = folder_of(source), _where(config)
+  if config.model.name != 'llama':
+    raise UserError(f"{where} loads into the built-in Llama, but model.name={config.model.name!r}; set "
+                    f"--config.model.name=llama.")
+  keys = architectures.model_keys(architectures.read_config(folder, where), config.data.seq_len, where)
+  defaults = base_config.get_config().model
+  contradictions = [f'model.{k}={config.model[k]!r} (config.json: {v!r})' for k, v in keys.items()
+                    if config.model[k] != defaults[k] and config.model[k] != v]
+  if contradictions:
+    raise UserError(f'{where}: the config sets {", ".join(contradictions)}; config.json decides the model, so drop '
+                    f'{"that override" if len(contradictions) == 1 else "those overrides"}.')
+  config = copy.deepcopy(config)
+  with config.unlocked():
+    config.model.update(keys)
+  return config
+
+
+def _check_tensors(placements: list[layout.Placement], tensors: dict, tied: bool, where: str) -> None:
+  wanted = {name: p for p in placements for name in p.hf_names}
+  missing = [n for n in wanted if n not in tensors]
+  if missing:
+    raise UserError(f'{where}: the weights lack {len(missing)} tensor(s) the model needs, e.g. {missing[0]!r}; the '
+                    f'folder is incomplete or of another model than its config.json.')
+  spare = {'lm_head.weight'} if tied else set()  # Some tied checkpoints store the shared table twice.
+  extra = [n for n in tensors if n not in wanted and n not in spare and not n.endswith(IGNORED_SUFFIXES)]
+  if extra:
+    raise UserError(f'{where}: the weights hold {len(extra)} tensor(s) the model has no place for, e.g. '
+                    f'{extra[0]!r} (in {tensors[extra[0]].file.name}); the model would not be the checkpoint '
+                    f'(config.json and the weights disagree, or the architecture has parts this Llama lacks).')
+  for name, placement in wanted.items():
+    if tensors[name].shape != placement.hf_shape:
+      raise UserError(f'{where}: tensor {name!r} in {tensors[name].file.name} has shape {tensors[name].shape}, but '
+                      f'config.json makes it {placement.hf_shape}; config.json and the weights disagree.')
+
+
+def check_weights(config, abstract_params) -> tuple[dict, list[layout.Placement]]:
+  """(tensors by name, placements) after checking init_from's weights against the model, from the headers alone."""
+  where = _where(config)
+  tensors = safetensors_files.read_tensors(folder_of(config.model.init_from), where)
+  placements = layout.placements(abstract_params)
+  _check_tensors(placements, tensors, bool(config.model.tie_embeddings), where)
+  return tensors, placements
+
+
+def _key(index: tuple[slice, ...], shape) -> tuple[tuple[int, int], ...]:
+  """A device's slice as ((start, stop), ...) per dimension, None bounds resolved."""
+  return tuple(tuple(s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+def load_params(config, abstract_params, shardings):
+  """The parameters from init_from's safetensors, each already in its sharding (a tree like `abstract_params`)."""
+  tensors, placements = check_weights(config, abstract_params)
+
+  def read_block(name, rows, cols):
+    return safetensors_files.read_block(tensors[name], rows, cols)
+
+  flat_shardings = dict(layout.flatten(shardings))
+  flat_abstract = dict(layout.flatten(abstract_params))
+  loaded = {}
+  for placement in placements:
+    leaf, sharding = flat_abstract[placement.path], flat_shardings[placement.path]
+    # Devices holding the same slice (replicas) read it once; it is dropped when the last of them has it, so a
+    # process holds at most the slices of one parameter beside the device copies.
+    waiting = collections.Counter(_key(i, leaf.shape) for i in sharding.addressable_devices_indices_map(leaf.shape)
+                                  .values())
+    cache = {}
+
+    def callback(index, placement=placement, leaf=leaf, cache=cache, waiting=waiting):
+      key = _key(index, leaf.shape)
+      if key not in cache:
+        cache[key] = np.ascontiguousarray(placement.read(tuple(slice(*k) for k in key), read_block).astype(leaf.dtype))
+      waiting[key] -= 1
+      return cache.pop(key) if waiting[key] <= 0 else cache[key]
+
+    loaded[placement.path] = jax.make_array_from_callback(leaf.shape, sharding, callback)
+  logging.info('%s: read %d parameters into the run\'s shardings.', _where(config), len(placements))
+  return layout.unflatten(loaded)
