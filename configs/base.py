@@ -70,7 +70,7 @@ def get_config() -> config_dict.ConfigDict:
   c.parallel.strategy = 'jit'  # 'jit' (GSPMD), 'shard_map' (explicit collectives; tensor=1) or 'pmap' (replicated; fsdp=tensor=1).
   # Logical axis name -> mesh axis (or tuple of axes, or None = replicated).
   c.parallel.logical_axis_rules = (
-      ('batch', ('data', 'fsdp')),
+      ('batch', ('data', 'fsdp', 'expert')),  # The expert axis splits the batch too (parallel/mesh.py says why).
       ('embed', 'fsdp'),
       ('heads', 'tensor'),
       ('mlp', 'tensor'),
@@ -98,6 +98,7 @@ def get_config() -> config_dict.ConfigDict:
 
   c.log = config_dict.ConfigDict()
   c.log.every_steps = 50  # Write metrics and a progress line every N steps (and at step 1).
+  c.log.idle_expert_steps = 100  # MoE: warn when an expert receives no tokens this many steps in a row; 0 = off.
   c.log.progress_bar = 'auto'  # 'auto': a live bar when stderr is a terminal; 'on'; 'off' (log lines only).
 
   c.profile = config_dict.ConfigDict()

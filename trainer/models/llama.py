@@ -30,7 +30,8 @@ from jax.sharding import Mesh
 
 from trainer import attention as attention_lib
 from trainer.errors import UserError
-from trainer.models import checkpoint_policies, layer_scan, moe, sown
+from trainer.models import checkpoint_policies, layer_scan, sown
+from trainer.models import moe as moe_lib
 from trainer.precision import compute_dtype
 
 # What each block keeps for the backward pass; everything else is recomputed there.
@@ -69,7 +70,7 @@ class LlamaConfig:
   mesh: Mesh | None = None  # Set to pin activation shardings under jit; None leaves them to the caller.
   rules: tuple = ()  # Logical axis rules for the activation constraints.
   # Mixture of experts (trainer/models/moe.py): None = every block has the dense MLP.
-  moe: moe.MoeConfig | None = None
+  moe: moe_lib.MoeConfig | None = None
   moe_interval: int = 1  # Every moe_interval-th block (blocks k-1, 2k-1, ...) is an MoE block.
   shared_expert: bool = False  # MoE blocks also run a dense MLP of moe.expert_mlp_dim on every token.
 
@@ -185,7 +186,7 @@ class Block(nn.Module):
     h_BLD = RMSNorm(cfg, name='mlp_norm')(x_BLD)
     if not self.moe:
       return constrain(x_BLD + Mlp(cfg, name='mlp')(h_BLD), ('batch', 'length', 'embed'), cfg), None
-    y_BLD = moe.MoeMlp(cfg.moe, name='moe')(h_BLD)
+    y_BLD = moe_lib.MoeMlp(cfg.moe, name='moe')(h_BLD)
     if cfg.shared_expert:
       y_BLD = y_BLD + Mlp(dataclasses.replace(cfg, mlp_dim=cfg.moe.expert_mlp_dim), name='shared_expert')(h_BLD)
     return constrain(x_BLD + y_BLD, ('batch', 'length', 'embed'), cfg), None
@@ -320,7 +321,7 @@ def check_config(config) -> None:
   if config.data.source == 'text':  # Byte-level: every byte value is a token.
     _require(m.vocab_size >= 256,
              f'model.vocab_size={m.vocab_size} is too small for byte-level text; use at least 256.')
-  moe.check_config(m, layer_scan.scans(m))
+  moe_lib.check_config(m, layer_scan.scans(m))
   policies = ('none',) + tuple(REMAT_POLICIES)
   _require(config.train.remat_policy in policies,
            f'train.remat_policy={config.train.remat_policy!r}: choose one of {policies}.')
@@ -342,4 +343,4 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
       dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
       remat_policy=config.train.remat_policy, scan_layers=layer_scan.scans(m), attention=m.attention,
       max_segments=config.data.max_documents_per_row if config.data.packing else None, mesh=mesh, rules=tuple(rules),
-      **moe.llama_fields(m, compute_dtype(config.train.compute_dtype), jnp.dtype(config.train.param_dtype))))
+      **moe_lib.llama_fields(m, compute_dtype(config.train.compute_dtype), jnp.dtype(config.train.param_dtype))))

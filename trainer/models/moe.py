@@ -162,7 +162,7 @@ class MoeMlp(nn.Module):
 
 def _interval(model_config) -> int | None:
   """model.moe_layers as k (every k-th layer is MoE), or None when it is neither 'all' nor a positive int."""
-  layers = model_config.get('moe_layers', 'all')
+  layers = getattr(model_config, 'moe_layers', 'all')
   if layers == 'all':
     return 1
   return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
@@ -186,6 +186,18 @@ def llama_fields(model_config, dtype, param_dtype) -> dict:
     return {}
   return {'moe': moe_config, 'moe_interval': _interval(model_config),
           'shared_expert': bool(model_config.shared_expert)}
+
+
+def num_moe_layers(model_config) -> int:
+  return model_config.num_layers // _interval(model_config) if getattr(model_config, 'num_experts', 0) else 0
+
+
+def inactive_params(model_config) -> int:
+  """Parameters a token does not use: the experts it is not routed to, in every MoE layer (0 for a dense model)."""
+  m = model_config
+  if not getattr(m, 'num_experts', 0):
+    return 0
+  return num_moe_layers(m) * (m.num_experts - m.experts_per_token) * 3 * m.d_model * (m.expert_mlp_dim or m.mlp_dim)
 
 
 def check_config(model_config, scanned: bool) -> None:
