@@ -75,3 +75,25 @@ def test_an_expert_idle_for_the_limit_is_warned_once_by_layer_and_index():
       f'step 4: MoE layer layers_1/moe: expert {e} has received no tokens for 3 steps in a row'[:80] for e in (2, 3)]
   assert said[4] == []  # Once, not every step it stays idle.
   assert expert_load.IdleExperts(steps=0).step_done(1, {key: idle}) == []
+
+
+def test_the_log_says_which_dispatch_runs(caplog):
+  with caplog.at_level('INFO'):
+    llama.build(_config())
+    llama.build(_config(expert_capacity_factor=1.25))
+  assert 'MoE: 4 experts, top-2, dropless on jax.lax.ragged_dot (grouped matmuls); on cpu XLA pads' in caplog.text
+  assert '--config.model.expert_capacity_factor=1.25 runs near 1.3x' in caplog.text
+  assert 'MoE: 4 experts, top-2, capacity mode (factor 1.25: (experts, capacity, d_model) buffers' in caplog.text
+
+
+def test_a_brought_models_expert_named_weights_get_the_expert_axis():
+  """Any model naming a dimension 'expert' (and 'expert_mlp') is split by the default rules like the Llama's experts."""
+  from parallel import mesh as mesh_lib
+  from parallel import sharding
+  config = configs.tiny.get_config()
+  config.mesh.data, config.mesh.expert, config.mesh.tensor = 2, 2, 2
+  mesh = mesh_lib.build_mesh(config.mesh)
+  boxed = {'experts': nn.LogicallyPartitioned(jax.ShapeDtypeStruct((8, 16, 32), jnp.float32),
+                                              ('expert', 'embed', 'expert_mlp'))}
+  spec = sharding.tree_shardings(boxed, mesh, sharding.rules_from_config(config.parallel))['experts'].spec
+  assert tuple(spec) == ('expert', 'fsdp', 'tensor')

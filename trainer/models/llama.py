@@ -25,6 +25,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from absl import logging
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
@@ -336,6 +337,10 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
   check_config(config)  # Mesh fit (e.g. fewer kv heads than the tensor axis) is parallel/sharding.check_divisible's.
   attention_lib.check_config(config, mesh)  # A named kernel that cannot run this model fails here, not in compile.
   m = config.model
+  moe_fields = moe_lib.llama_fields(m, compute_dtype(config.train.compute_dtype), jnp.dtype(config.train.param_dtype))
+  if moe_fields:
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    logging.info(moe_lib.dispatch_note(moe_fields['moe'], platform))
   return Llama(LlamaConfig(
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
       vocab_size=m.vocab_size, num_kv_heads=m.num_kv_heads, tie_embeddings=m.tie_embeddings,
@@ -343,4 +348,4 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
       dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
       remat_policy=config.train.remat_policy, scan_layers=layer_scan.scans(m), attention=m.attention,
       max_segments=config.data.max_documents_per_row if config.data.packing else None, mesh=mesh, rules=tuple(rules),
-      **moe_lib.llama_fields(m, compute_dtype(config.train.compute_dtype), jnp.dtype(config.train.param_dtype))))
+      **moe_fields))

@@ -15,11 +15,18 @@ router probability; 1 when balanced) and the router z-loss mean(logsumexp^2).
 Dispatch:
 - dropless (`capacity_factor` None or 0): assignments are sorted by expert and run
   through `jax.lax.ragged_dot`, one grouped matmul per projection whose group sizes
-  are the experts' token counts; no token is dropped and no FLOP is spent on padding.
-  Chosen over (a) a dense einsum of every expert on every token and (b) the capacity
-  buffers below by measurement (scripts/bench_moe.py, BENCHMARKS.md "MoE dispatch"):
-  on CPU it costs about what the buffers cost at capacity factor 1 and avoids the
-  E/K-fold work of (a); XLA lowers it to a loop of dots on CPU and to grouped GEMMs on GPU/TPU.
+  are the experts' token counts: no token is dropped, and the primitive's contract
+  (and the traced FLOPs count, trainer/traced_flops.py) is the active experts' work.
+  Why ragged_dot, given what it costs here: it is the one XLA primitive with that
+  contract whose fast lowerings are owned upstream (TPU; cuDNN, hipBLASLt and Triton
+  grouped GEMMs on GPUs), so the layer gets them without a kernel of its own. Where a
+  backend has none, XLA pads each group to all tokens and runs a dense batched dot:
+  measured on this CPU (scripts/bench_moe.py, BENCHMARKS.md "MoE dispatch"), forward
+  and backward take 7.0x a loop of plain matmuls over each expert's tokens (the same
+  active FLOPs), more than running every expert on every token (4.9x), while the
+  capacity mode below takes 1.14x at factor 1.0 and 1.26x at 1.25. So on CPU (and on
+  GPUs whose jaxlib pads it too) the capacity mode is the fast one; `dispatch_note`
+  says so in the log.
 - capacity (`capacity_factor` > 0): each expert takes at most C = ceil(factor * A / E)
   assignments, first choices of all tokens before any second choice (GShard's priority),
   in token order within a choice; the rest are dropped (the token keeps its residual
@@ -62,6 +69,20 @@ class MoeConfig:
   def capacity(self, num_tokens: int) -> int:
     """Assignments one expert takes in capacity mode: ceil(factor * T * K / E)."""
     return max(1, math.ceil(self.capacity_factor * num_tokens * self.experts_per_token / self.num_experts))
+
+
+def dispatch_note(cfg: MoeConfig, platform: str) -> str:
+  """One log line: the dispatch mode and kernel the MoE layers run, and on CPU what dropless costs."""
+  if not cfg.dropless:
+    return (f'MoE: {cfg.num_experts} experts, top-{cfg.experts_per_token}, capacity mode (factor '
+            f'{cfg.capacity_factor:g}: (experts, capacity, d_model) buffers on batched matmuls, overflow dropped and '
+            f'logged as */dropped_fraction)')
+  note = (f'MoE: {cfg.num_experts} experts, top-{cfg.experts_per_token}, dropless on jax.lax.ragged_dot '
+          f'(grouped matmuls)')
+  if platform == 'cpu':
+    note += ('; on cpu XLA pads ragged_dot to every expert, about 7x the time of the active FLOPs (BENCHMARKS.md "MoE '
+             'dispatch"): --config.model.expert_capacity_factor=1.25 runs near 1.3x')
+  return note
 
 
 def route(x_TD, router_DE, k: int):
