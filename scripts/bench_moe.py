@@ -81,7 +81,7 @@ def main():
       _, w, ex = _routing(x, p, K)
       experts_args = (p['gate'], p['up'], p['down'])
       if kind == 'dropless':
-        return moe.dropless(x, ex, w, *experts_args)[0]
+        return moe.dropless(x, ex, w, *experts_args)
       if kind.startswith('capacity'):
         cfg = moe.MoeConfig(E, K, F, capacity_factor=float(kind.split()[1]))
         return moe.with_capacity(x, ex, w, *experts_args, cfg.capacity(T))[0]

@@ -107,7 +107,7 @@ def dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD):
   group_sizes_E = jnp.bincount(experts_A, length=E).astype(jnp.int32)
   out_AD = _swiglu_ragged(x_TD[order_A // K], gate_EDF, up_EDF, down_EFD, group_sizes_E)
   out_TKD = out_AD[jnp.argsort(order_A)].reshape(T, K, -1)  # Back to (token, choice) order by a gather.
-  return jnp.einsum('tkd,tk->td', out_TKD, weights_TK.astype(out_TKD.dtype)), jnp.zeros((), jnp.float32)
+  return jnp.einsum('tkd,tk->td', out_TKD, weights_TK.astype(out_TKD.dtype))
 
 
 def capacity_slots(experts_TK, num_experts: int, capacity: int):
@@ -119,7 +119,8 @@ def capacity_slots(experts_TK, num_experts: int, capacity: int):
 
 
 def with_capacity(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, capacity: int):
-  """Assignments scattered into (E, C, D) buffers (overflow dropped), batched matmuls, gathered back."""
+  """(output (T, D), dropped fraction): assignments scattered into (E, C, D) buffers (overflow dropped), batched
+  matmuls, gathered back."""
   T, K = experts_TK.shape
   E = gate_EDF.shape[0]
   slot_TK, kept_TK = capacity_slots(experts_TK, E, capacity)
@@ -153,8 +154,9 @@ class MoeMlp(nn.Module):
 
     x_TD = x_BLD.reshape(B * L, D)
     logits_TE, weights_TK, experts_TK = route(x_TD, router_DE, K)
+    dropped = None
     if cfg.dropless:
-      out_TD, dropped = dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD)
+      out_TD = dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD)
     else:
       out_TD, dropped = with_capacity(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD,
                                       cfg.capacity(B * L))
@@ -177,7 +179,7 @@ class MoeMlp(nn.Module):
     sown.metric(self, 'load_min', E * jnp.min(load_E))
     sown.metric(self, 'load_cv', jnp.std(load_E) / jnp.mean(load_E))
     sown.metric(self, 'load_per_expert', E * load_E)
-    if not cfg.dropless:
+    if dropped is not None:
       sown.metric(self, 'dropped_fraction', dropped)
 
 
