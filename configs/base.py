@@ -59,6 +59,7 @@ def get_config() -> config_dict.ConfigDict:
   c.mesh = config_dict.ConfigDict()
   c.mesh.data = -1  # Devices on the data-parallel axis; -1 fills with the devices left over.
   c.mesh.fsdp = 1  # Devices on the fully-sharded data-parallel axis (parameters sharded, batch split).
+  c.mesh.expert = 1  # Devices on the expert axis: MoE expert weights split over it, the batch split over it too.
   c.mesh.tensor = 1  # Devices on the tensor-parallel axis (heads, mlp and vocab split).
   # data/fsdp/tensor above are per slice (fast ICI links); these multiply them across slices or
   # hosts joined by the slower data-centre network, which should carry only batch-parallel traffic.
@@ -69,7 +70,7 @@ def get_config() -> config_dict.ConfigDict:
   c.parallel.strategy = 'jit'  # 'jit' (GSPMD), 'shard_map' (explicit collectives; tensor=1) or 'pmap' (replicated; fsdp=tensor=1).
   # Logical axis name -> mesh axis (or tuple of axes, or None = replicated).
   c.parallel.logical_axis_rules = (
-      ('batch', ('data', 'fsdp')),
+      ('batch', ('data', 'fsdp', 'expert')),  # The expert axis splits the batch too (parallel/mesh.py says why).
       ('embed', 'fsdp'),
       ('heads', 'tensor'),
       ('mlp', 'tensor'),
@@ -81,6 +82,8 @@ def get_config() -> config_dict.ConfigDict:
       ('layers', None),  # The stacked axis of scanned blocks: every device holds every layer's shard.
       ('patch', None),  # Pixels of one image patch (ViT's patch embedding input).
       ('classes', None),  # A classifier's output classes.
+      ('expert', 'expert'),  # MoE experts (trainer/models/moe.py); a brought model's 'expert' axis names get it too.
+      ('expert_mlp', 'tensor'),  # An expert's hidden width.
   )
   c.parallel.extra_axis_rules = ()  # Rules tried before logical_axis_rules (the first naming an axis wins), e.g. (('model', 'tensor'),) for a model written for a mesh with a 'model' axis.
   c.parallel.unnamed_params = 'auto'  # Parameters with no axis names: 'auto' (replicate small ones, split the largest dim of big ones over fsdp), 'replicate' or 'error'.
@@ -95,6 +98,7 @@ def get_config() -> config_dict.ConfigDict:
 
   c.log = config_dict.ConfigDict()
   c.log.every_steps = 50  # Write metrics and a progress line every N steps (and at step 1).
+  c.log.idle_expert_steps = 100  # MoE: warn when an expert receives no tokens this many steps in a row; 0 = off.
   c.log.progress_bar = 'auto'  # 'auto': a live bar when stderr is a terminal; 'on'; 'off' (log lines only).
 
   c.profile = config_dict.ConfigDict()
@@ -154,5 +158,14 @@ def get_config() -> config_dict.ConfigDict:
   c.model.eval_call_kwargs = ()  # Those to use in eval instead (same form), e.g. (('train', False),); the rest of call_kwargs stay.
   c.model.packed_kwarg_names = ('segment_ids', 'positions')  # The keywords packed rows reach your model by, e.g. ('inputs_segmentation', 'inputs_positions') (flax lm1b).
   c.model.unshifted_inputs = False  # True: your model shifts its rows right itself (flax lm1b, wmt); it is fed the targets, so logits[t] still score targets[t].
+  # Mixture of experts (issue 28; trainer/models/moe.py, docs/moe.md)
+  c.model.num_experts = 0  # > 0: the Llama's MLPs (those model.moe_layers picks) become this many experts; 0 = dense.
+  c.model.experts_per_token = 2  # Top-k: experts each token is routed to, their weights renormalized to sum to 1.
+  c.model.moe_layers = config_dict.FieldReference('all', field_type=object)  # 'all', or k: every k-th layer (k-1, 2k-1, ...) is MoE.
+  c.model.shared_expert = False  # MoE layers also run one dense MLP of expert_mlp_dim on every token.
+  c.model.expert_mlp_dim = 0  # Hidden width of each expert's SwiGLU MLP; 0 = model.mlp_dim.
+  c.model.expert_capacity_factor = config_dict.placeholder(float)  # None/0: dropless (grouped matmuls); > 0: each expert takes ceil(factor x tokens x k / experts) assignments, the rest dropped and counted.
+  c.model.router_aux_loss_weight = 0.01  # Weight of the Switch load-balancing loss (1.0 when balanced), mean over MoE layers.
+  c.model.router_z_loss_weight = 0.001  # Weight of the router z-loss mean(logsumexp(router logits)^2), mean over MoE layers.
 
   return c

@@ -1,15 +1,17 @@
 """The device mesh, built once from `config.mesh` and passed explicitly everywhere.
 
 Axes, outermost first: `data` (pure data parallel), `fsdp` (data parallel with
-parameters sharded), `tensor` (heads / mlp / vocab split). A size of -1 fills
+parameters sharded), `expert` (MoE experts split; the batch is split over it
+too, so the non-expert layers use it as data parallelism instead of leaving
+those devices to repeat the same work), `tensor` (heads / mlp / vocab split). A size of -1 fills
 the axis with whatever devices the others leave.
 
 Two levels, as in MaxText: `mesh.data/fsdp/tensor` lay out the devices of one
 slice (chips on fast ICI links); `mesh.dcn_data/dcn_fsdp` repeat that layout
 across slices (or groups of hosts) joined by the data-centre network. The final
 axis sizes are products: data = dcn_data * data, fsdp = dcn_fsdp * fsdp.
-Room is left for 'sequence' and 'expert' axes: they would be new names in AXES
-and new rules, not a new mechanism.
+Room is left for a 'context' axis: a new name in AXES and new rules, not a new
+mechanism.
 """
 
 import itertools
@@ -23,23 +25,23 @@ from jax.sharding import AxisType, Mesh
 
 from trainer.errors import UserError
 
-AXES = ('data', 'fsdp', 'tensor')
+AXES = ('data', 'fsdp', 'expert', 'tensor')
 # Mesh axes the global batch is split over: every device on them sees different examples.
-BATCH_AXES = ('data', 'fsdp')
+BATCH_AXES = ('data', 'fsdp', 'expert')
 
 
 def _fitting_shapes(num_devices: int, limit: int = 4) -> list[str]:
-  """A few (data, fsdp, tensor) shapes whose product is num_devices, data-parallel first."""
-  shapes = [s for s in itertools.product(range(1, num_devices + 1), repeat=3) if math.prod(s) == num_devices]
-  shapes.sort(key=lambda s: (-s[0], -s[1]))
-  return [f'data={d},fsdp={f},tensor={t}' for d, f, t in shapes[:limit]]
+  """A few (data, fsdp, expert, tensor) shapes whose product is num_devices, data-parallel first."""
+  shapes = [s for s in itertools.product(range(1, num_devices + 1), repeat=len(AXES)) if math.prod(s) == num_devices]
+  shapes.sort(key=lambda s: (-s[0], -s[1], -s[2]))
+  return [','.join(f'{a}={n}' for a, n in zip(AXES, s)) for s in shapes[:limit]]
 
 
 def resolve_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
   """Turns config.mesh's per-slice sizes (at most one -1) into concrete sizes for num_devices per slice."""
   sizes = []
   for axis in AXES:
-    size = mesh_config[axis]
+    size = mesh_config.get(axis, 1)  # A run's config.json from before an axis existed has none.
     if not isinstance(size, int) or size == 0 or size < -1:
       raise UserError(f'mesh.{axis}={size!r} is not a device count: use a positive integer, or -1 to fill.')
     sizes.append(size)
@@ -63,8 +65,8 @@ def resolve_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
 
 
 def dcn_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
-  """(dcn_data, dcn_fsdp, 1): how many slices each axis spans; checked against the device count."""
-  shape = (mesh_config.dcn_data, mesh_config.dcn_fsdp, 1)
+  """(dcn_data, dcn_fsdp, 1, 1): how many slices each axis spans; checked against the device count."""
+  shape = (mesh_config.dcn_data, mesh_config.dcn_fsdp) + (1,) * (len(AXES) - 2)
   for axis, size in zip(('dcn_data', 'dcn_fsdp'), shape):
     if not isinstance(size, int) or size < 1:
       raise UserError(f'mesh.{axis}={size!r} must be a positive integer (1 = no split across slices).')
@@ -78,13 +80,14 @@ def dcn_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
 def _host_major(devices: list[jax.Device], ici: tuple[int, ...], dcn: tuple[int, ...]) -> np.ndarray:
   """Device grid for the DCN split when devices carry no slice_index: consecutive hosts form a slice."""
   devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-  grid = np.array(devices, dtype=object).reshape(*dcn, *ici)  # (dcn_d, dcn_f, 1, d, f, t)
-  grid = grid.transpose(0, 3, 1, 4, 2, 5)  # Each DCN axis just outside its ICI axis.
+  grid = np.array(devices, dtype=object).reshape(*dcn, *ici)  # (dcn_d, dcn_f, 1, 1, d, f, e, t)
+  n = len(AXES)
+  grid = grid.transpose([i + half for i in range(n) for half in (0, n)])  # Each DCN axis just outside its ICI axis.
   return grid.reshape([a * b for a, b in zip(dcn, ici)])
 
 
 def build_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes)."""
+  """Builds the (data, fsdp, expert, tensor) mesh over `devices` (default: all devices of all processes)."""
   devices = list(jax.devices() if devices is None else devices)
   dcn = dcn_shape(mesh_config, len(devices))
   ici = resolve_shape(mesh_config, len(devices) // math.prod(dcn))
@@ -117,5 +120,5 @@ def check_batch_size(batch_size: int, mesh: Mesh, process_count: int) -> None:
     hosts = f' and {process_count} processes' if process_count > 1 else ''
     raise UserError(
         f'train.batch_size={batch_size} does not divide over the {dp} data-parallel devices '
-        f'(mesh data={mesh.shape["data"]} x fsdp={mesh.shape["fsdp"]}){hosts}. '
+        f'(mesh data={mesh.shape["data"]} x fsdp={mesh.shape["fsdp"]} x expert={mesh.shape["expert"]}){hosts}. '
         f'Nearest valid batch sizes: {nearest}.')

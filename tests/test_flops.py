@@ -53,6 +53,19 @@ def test_non_embedding_parameter_count_matches_the_model():
   assert flops.step_flops(config.model, 1, 8).non_embedding_params == total - embedding
 
 
+def test_moe_parameters_counted_whole_and_active_per_token():
+  config = tiny.get_config()
+  config.model.update(num_experts=8, experts_per_token=2, expert_mlp_dim=48, shared_expert=True)
+  model = llama.build(config)
+  params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))['params'])
+  counts = flops.step_flops(config.model, 1, 8)
+  assert counts.non_embedding_params == sum(x.size for x in jax.tree.leaves(params)) - params['embed']['embedding'].size
+  experts = params['layers']['moe']
+  unused = sum(experts[k].size for k in ('gate', 'up', 'down')) * 6 // 8  # 6 of every 8 experts' weights.
+  assert counts.inactive_params == unused
+  assert counts.six_n_params == counts.non_embedding_params - unused
+
+
 def test_tied_head_is_not_a_non_embedding_parameter_but_its_matmul_is_counted():
   untied, tied = _model(), _model()
   tied.tie_embeddings = True
@@ -199,6 +212,10 @@ def _traced(config) -> float:
     (tiny, {'scan_layers': False, 'train__remat_policy': 'dots_with_no_batch_dims_saveable'}),
     (tiny, {'train__remat_policy': 'full', 'train__grad_accum_steps': 2, 'tie_embeddings': True}),
     (llama_1b, {'train__remat_policy': 'save_qkv_proj', 'train__grad_accum_steps': 4}),
+    # MoE: only the experts_per_token experts a token runs count, in the grouped matmuls and the analytic count.
+    (tiny, {'num_experts': 8, 'experts_per_token': 2}),
+    (tiny, {'num_experts': 4, 'experts_per_token': 1, 'num_layers': 4, 'moe_layers': 2, 'shared_expert': True,
+            'expert_mlp_dim': 48, 'train__remat_policy': 'full'}),
 ])
 def test_the_llama_traced_count_is_the_analytic_matmul_count_with_attention_unhalved(module, settings):
   config = _config(module, **settings)

@@ -99,7 +99,7 @@ def test_hparams_are_the_flat_config_in_plugin_types():
   assert flat['train.steps'] == 8 and flat['ckpt.async_save'] is True
   assert flat['train.learning_rate'] == config.train.learning_rate
   assert flat['data.text_dir'] == 'None'
-  assert flat['parallel.logical_axis_rules'].startswith("(('batch', ('data', 'fsdp'))")
+  assert flat['parallel.logical_axis_rules'].startswith("(('batch', ('data', 'fsdp', 'expert'))")
   assert all(isinstance(v, (bool, int, float, str)) for v in flat.values())
 
 

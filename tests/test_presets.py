@@ -19,8 +19,8 @@ from trainer.models import layer_scan
 from trainer.memory import remat
 
 # Preset -> its parameter count from abstract shapes (never allocated here).
-LARGE = {'gpt2_124m': 124e6, 'llama_1b': 1.24e9, 'vit_base': 86e6}
-PRESETS = ('tiny', 'default', 'gpt2_124m', 'llama_1b', 'vit_tiny', 'vit_base')
+LARGE = {'gpt2_124m': 124e6, 'llama_1b': 1.24e9, 'vit_base': 86e6, 'moe_1b': 0.96e9}
+PRESETS = ('tiny', 'default', 'gpt2_124m', 'llama_1b', 'vit_tiny', 'vit_base', 'moe_1b')
 
 
 def _preset(name: str):
@@ -36,6 +36,8 @@ def _shrink(config):
   ratio = m.num_heads // (m.num_kv_heads or m.num_heads)
   m.num_layers, m.d_model, m.num_heads, m.mlp_dim = 2, 64, 8, 64
   m.num_kv_heads = 8 // ratio if m.num_kv_heads else 0  # llama_1b's 4 query heads per kv head: 2 kv heads.
+  if m.get('num_experts'):  # moe_1b: its experts and top-k kept, each expert narrow.
+    m.expert_mlp_dim = 32
   if m.task == 'lm':
     m.vocab_size, config.data.seq_len = 256, 32
   else:
@@ -96,3 +98,25 @@ def test_a_language_model_starts_near_uniform_predictions(name):
   print(f'{name}: vocab {vocab}, tied {tied}, step-1 loss {loss:.3f} vs ln(vocab) {np.log(vocab):.3f}')
   assert config.model.tie_embeddings == tied
   assert abs(loss - np.log(vocab)) < 0.15
+
+
+def test_the_moe_preset_shrunk_trains_on_cpu_and_logs_its_expert_load(tmp_path):
+  """moe_1b at tiny sizes (its 8 experts, top-2), on text, with the expert axis: the loss falls, the load is logged."""
+  import os
+  import pathlib
+
+  from conftest import read_metrics
+  from trainer import loop
+
+  config = _shrink(_preset('moe_1b'))
+  config.mesh.data, config.mesh.fsdp, config.mesh.expert, config.mesh.tensor = 2, 1, 4, 1
+  config.data.source, config.data.text_dir = 'text', str(pathlib.Path(os.__file__).parent / 'email')
+  config.train.update(steps=30, warmup_steps=3, learning_rate=3e-3, eval_batches=0, compute_dtype='float32')
+  config.log.every_steps, config.ckpt.every_steps = 10, 30
+  loop.run(config, str(tmp_path))
+  records = read_metrics(tmp_path)
+  assert records[-1]['loss'] < records[0]['loss'] - 1.0
+  for layer in ('layers_0', 'layers_1'):
+    assert 0 <= records[-1][f'{layer}/moe/load_min'] <= 1 <= records[-1][f'{layer}/moe/load_max']
+    assert records[-1][f'{layer}/moe/balance_loss'] > 0
+  assert records[-1]['moe_balance_loss'] > 0 and records[-1]['moe_router_z_loss'] > 0

@@ -27,6 +27,10 @@ train step (forward and backward, 3x the forward's matmuls), both model FLOPs:
   own, but its matmul is added to N for the FLOPs). Attention is counted unmasked.
   Logged as 'mfu_6n' for the Llama.
 
+An MoE Llama (model.num_experts > 0) counts only what a token runs, in both: its
+experts_per_token experts (not all of them), the router and a shared expert;
+N of 6N is the active parameters (trainer/models/moe.py `inactive_params`).
+
 MFU is only reported for accelerators in the peak table below (dense bfloat16
 from the vendors' data sheets); any other device, the CPU included, gets none
 rather than a made-up one.
@@ -40,6 +44,7 @@ from absl import logging
 
 from trainer import attention, traced_flops
 from trainer import step as step_lib
+from trainer.models import moe
 
 # Dense bfloat16 peak FLOP/s per chip, by the short names plan mode accepts.
 PEAK_FLOPS = {
@@ -76,7 +81,8 @@ class StepFlops:
   six_n: float
   non_embedding_params: int
   matmul_unmasked: float = 0.0  # 'matmul' with causal attention in full: what the traced count finds.
-  six_n_params: int = 0  # The N of 6N: the non-embedding parameters, plus a tied output head (its matmul is done).
+  six_n_params: int = 0  # The N of 6N: the active non-embedding parameters, plus a tied output head (its matmul is done).
+  inactive_params: int = 0  # MoE: the non-embedding parameters of the experts a token is not routed to.
 
 
 def step_flops(model_config, batch_size: int, seq_len: int) -> StepFlops:
@@ -88,6 +94,11 @@ def step_flops(model_config, batch_size: int, seq_len: int) -> StepFlops:
   tokens = batch_size * seq_len
   # Per token, forward, one block: q/k/v and out projections, the SwiGLU's gate, up and down.
   block_matmul_flops = 2 * ((heads + 2 * kv_heads) * d * head_dim + heads * head_dim * d + 3 * d * f)
+  moe_layers = moe.num_moe_layers(m)
+  if moe_layers:  # Each MoE block: the router, experts_per_token experts and a shared expert, not the dense MLP.
+    fe = m.expert_mlp_dim or f
+    moe_mlp = 2 * (d * m.num_experts + (m.experts_per_token + int(bool(m.shared_expert))) * 3 * d * fe)
+    block_matmul_flops += moe_layers / layers * (moe_mlp - 2 * 3 * d * f)
   head_flops = 2 * d * v
   # Scores (Q K^T) and the weighted sum (P V), 2*L*H*K each per token, halved for the causal mask.
   causal_attention_flops = 4 * seq_len * heads * head_dim / 2
@@ -98,10 +109,14 @@ def step_flops(model_config, batch_size: int, seq_len: int) -> StepFlops:
   tied = getattr(m, 'tie_embeddings', False)
   non_embedding = (layers * ((2 * heads + 2 * kv_heads) * d * head_dim + 3 * d * f + 2 * d) + d
                    + (0 if tied else head_params))
-  n = non_embedding + (head_params if tied else 0)
+  if moe_layers:  # All experts, the router and a shared expert in place of the dense MLP; N of 6N counts the active.
+    non_embedding += moe_layers * (m.num_experts * 3 * d * fe + d * m.num_experts
+                                   + int(bool(m.shared_expert)) * 3 * d * fe - 3 * d * f)
+  active = non_embedding - moe.inactive_params(m)
+  n = active + (head_params if tied else 0)
   six_n = tokens * (6 * n + 12 * layers * heads * head_dim * seq_len)
   return StepFlops(matmul=float(matmul), six_n=float(six_n), non_embedding_params=non_embedding,
-                   matmul_unmasked=float(unmasked), six_n_params=n)
+                   matmul_unmasked=float(unmasked), six_n_params=n, inactive_params=non_embedding - active)
 
 
 def traced_step_flops(task, params, batch_shapes, options=step_lib.StepOptions()) -> traced_flops.Count:

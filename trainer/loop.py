@@ -17,12 +17,12 @@ from absl import logging
 from parallel import sharding
 from trainer import checkpoint, compilation_cache, data, flops, guardrails, objectives, preemption
 from trainer import goodput as goodput_lib
-from trainer import optimizer, profiling, progress, storage
+from trainer import expert_load, optimizer, profiling, progress, storage
 from trainer import job as job_lib
 from trainer import state as state_lib
 from trainer.hf import load as hf_load
 from trainer.memory import preflight, remat
-from trainer.models import contract
+from trainer.models import contract, moe
 from trainer.supervision import attempt, faults, hang, notices, stragglers
 from trainer.metrics import MetricsWriter
 
@@ -80,6 +80,7 @@ class RunContext:
       default_factory=lambda: stragglers.StragglerWatch(0, 1, 1.0))
   notices: 'notices.Notices' = dataclasses.field(default_factory=lambda: notices.Notices((), None))
   examples_per_epoch: int | None = None  # Global training examples in one pass; None where the source has no end.
+  idle_experts: expert_load.IdleExperts = dataclasses.field(default_factory=lambda: expert_load.IdleExperts(0))
 
 
 def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False) -> None:
@@ -169,7 +170,8 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
       throughput=flops.Throughput.for_job(job), profiler=profiler, hang=hang_watch,
       fault=faults.for_process(process_index),
       examples_per_epoch=getattr(inputs.train, 'examples_per_epoch', None),
-      notices=notice, stragglers=stragglers.StragglerWatch(process_index, process_count, config.train.straggler_warn_fraction))
+      notices=notice, stragglers=stragglers.StragglerWatch(process_index, process_count, config.train.straggler_warn_fraction),
+      idle_experts=expert_load.IdleExperts(config.log.get('idle_expert_steps', 0)))
   try:
     while True:
       try:
@@ -191,13 +193,19 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
     writer.close()
 
 
+def _active_params(config, num_params: int) -> str:
+  """' (N active per token)' for the built-in MoE Llama, whose tokens each run experts_per_token experts."""
+  inactive = moe.inactive_params(config.model) if config.model.name == 'llama' else 0
+  return f' ({num_params - inactive:,} active per token)' if inactive else ''
+
+
 def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
   """Logs the mesh and model and a one-line sharding summary; process 0 writes the table to WORKDIR/sharding.txt."""
   config, mesh = job.config, job.mesh
   num_params = sum(x.size for x in jax.tree.leaves(job.abstract.params))
   logging.info('Mesh %s over %d devices (%d processes); model: %s (%s, %s), %s parameters', dict(mesh.shape),
                mesh.size, jax.process_count(), config.model.name, job.task.model.framework, config.model.task,
-               f'{num_params:,}')
+               f'{num_params:,}' + _active_params(config, num_params))
   table, totals = sharding.sharding_table(job.abstract, job.shardings, job.task.param_notes,
                                           optimizer.decaying_params(job.config.train, job.task.model.abstract_boxed))
   if write:  # The table is a line per parameter: the console gets one line, the file all of them.
@@ -289,6 +297,7 @@ def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_
   metrics = jax.device_get(metrics)
   window.device_waits.append(dispatch_s + time.perf_counter() - t_fetch)
   run.guard.check(step, metrics)
+  run.idle_experts.step_done(step, metrics)
   objective, writer = run.objective, run.writer
   now = time.perf_counter()
   window.losses.append(float(metrics['loss']))
@@ -307,5 +316,6 @@ def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_
     busy = float(np.mean(np.subtract(window.step_times, window.device_waits)))
     summary.update(run.stragglers.at_log(step, busy, summary['data_wait_s'], summary['step_time_s']))
     writer.write(step, {**summary, **evals.pop(step, {})})
+    writer.write_histograms(step, {k: v for k, v in metrics.items() if np.ndim(v) == 1})  # MoE load per expert.
     window.__init__()
   return now, 0.0

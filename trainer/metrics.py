@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import tensorboardX
 from absl import logging
 from tensorboardX import summary as tb_summary
@@ -111,6 +112,12 @@ class MetricsWriter:
       self._tb.flush()
     self._last_step = step
     self._progress(record)
+
+  def write_histograms(self, step: int, vectors: dict) -> None:
+    """TensorBoard histograms of vector metrics (an MoE layer's load per expert); metrics.jsonl keeps scalars only."""
+    if self._enabled:
+      for key, values in vectors.items():
+        self._tb.add_histogram(_tag(key), np.asarray(values), step)
 
   def _memory(self) -> dict[str, float]:
     if self._memory_reported is False:

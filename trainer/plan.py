@@ -103,6 +103,10 @@ _gib = footprint.gib
 
 def _six_n_params(counts: flops.StepFlops) -> str:
   """What N of the 6N figure counts: the non-embedding parameters, and a tied head when one is added."""
+  if counts.inactive_params:
+    active = counts.non_embedding_params - counts.inactive_params
+    return (f'{counts.six_n_params:,} parameters used ({active:,} active of {counts.non_embedding_params:,} '
+            f'non-embedding: the experts a token is routed to{", and the tied output head" if active != counts.six_n_params else ""})')
   extra = counts.six_n_params - counts.non_embedding_params
   if not extra:
     return f'{counts.six_n_params:,} non-embedding parameters'
@@ -171,7 +175,10 @@ def _candidates(config, mesh_shape: dict[str, int], budget: int | None = None) -
     out.append({'train.loss_chunks': chunks})
   if data % 2 == 0:
     out.append({'mesh.fsdp': config.mesh.fsdp * 2, 'mesh.data': -1})
-  per_device_batch = config.train.batch_size // (data * fsdp)
+  experts, expert = config.model.get('num_experts', 0), mesh_shape.get('expert', 1)
+  if experts and data % 2 == 0 and experts % (expert * 2) == 0:  # Each device holds half as many experts.
+    out.append({'mesh.expert': config.mesh.expert * 2, 'mesh.data': -1})
+  per_device_batch = config.train.batch_size // (data * fsdp * expert)
   if per_device_batch % (config.train.grad_accum_steps * 2) == 0:
     out.append({'train.grad_accum_steps': config.train.grad_accum_steps * 2})
   together = {k: v for o in out for k, v in o.items()}  # Every change above: they keep the global batch.

@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 from parallel import param_names, sharding
 from trainer import objectives, precision
 from trainer.errors import UserError
-from trainer.models import adapters, call_convention, registry
+from trainer.models import adapters, call_convention, registry, sown
 
 Batch = objectives.Batch
 Metrics = objectives.Metrics
@@ -89,7 +89,8 @@ class Task:
       model = self.bind(params)
       if self.custom_loss:
         return model.loss(batch)
-      return self.objective.loss(model, batch)
+      loss, metrics = self.objective.loss(model, batch)
+      return sown.add_to_loss(loss, metrics, getattr(model, 'sown', {}))  # MoE balancing and z-losses.
 
   def outputs(self, params, batch: Batch) -> jax.Array:
     """The model's own output on `batch` (logits), called the way the objective calls it."""

@@ -4,6 +4,9 @@
 nothing is allocated or compiled) and adds up, per equation:
 
 - `dot_general`: 2 * batch * contracting * lhs-free * rhs-free elements;
+- `ragged_dot_general` (MoE grouped matmuls): each row of the ragged dimension
+  meets one group's slice of the other operand only, so 2 * lhs elements *
+  rhs-free elements: the active experts' FLOPs, never all experts';
 - `conv_general_dilated`: 2 * output elements * the kernel's elements per output
   feature (spatial taps * input features / groups), over the input dilation
   (the zeros a strided convolution's input gradient inserts); taps that fall on
@@ -71,6 +74,8 @@ def _equation(eqn) -> Count:
   name, params = eqn.primitive.name, eqn.params
   if name == 'dot_general':
     return Count(_dot_flops(eqn))
+  if name == 'ragged_dot_general':
+    return Count(_ragged_dot_flops(eqn))
   if name == 'conv_general_dilated':
     return Count(_conv_flops(eqn))
   if name.startswith(OPAQUE_PREFIXES):
@@ -101,6 +106,14 @@ def _dot_flops(eqn) -> float:
   (lhs_contract, _), (lhs_batch, _) = eqn.params['dimension_numbers']
   shared = math.prod(lhs[d] for d in (*lhs_contract, *lhs_batch))  # Batch and contracting sizes, in both operands.
   return 2.0 * math.prod(lhs) * math.prod(rhs) / shared
+
+
+def _ragged_dot_flops(eqn) -> float:
+  lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+  numbers = eqn.params['ragged_dot_dimension_numbers']
+  (_, rhs_contract), (_, rhs_batch) = numbers.dot_dimension_numbers
+  not_free = {*rhs_contract, *rhs_batch, *numbers.rhs_group_dimensions}
+  return 2.0 * math.prod(lhs) * math.prod(n for d, n in enumerate(rhs) if d not in not_free)
 
 
 def _conv_flops(eqn) -> float:

@@ -3,7 +3,7 @@
 from absl import logging
 from jax.sharding import Mesh
 
-from parallel import strategy
+from parallel import mesh as mesh_lib, strategy
 from trainer import data
 from trainer.errors import UserError
 from trainer.models import layer_scan
@@ -87,6 +87,12 @@ def _warn_if_warmup_exceeds_steps(train) -> None:
 def validate_strategy(config, mesh: Mesh) -> None:
   """Checks that `parallel.strategy` can run on the mesh's shape."""
   name, tensor, fsdp = config.parallel.strategy, mesh.shape['tensor'], mesh.shape['fsdp']
+  expert = mesh.shape.get('expert', 1)
+  # The per-device strategies run the model on whole, gathered parameters: an expert axis would need the tokens
+  # exchanged by an all-to-all inside the model, which only the 'jit' strategy's GSPMD partitioning does here.
+  _require(name == 'jit' or expert == 1,
+           f"parallel.strategy={name!r} does not support an expert axis (mesh.expert={expert}); set "
+           f"mesh.expert=1, or use parallel.strategy='jit' for expert parallelism.")
   if name == 'shard_map':
     # The per-device step gathers whole parameters: a tensor axis would only hold copies of the same work.
     _require(tensor == 1, f"parallel.strategy='shard_map' does not support tensor parallelism (mesh.tensor={tensor}); "
@@ -101,7 +107,7 @@ def validate_strategy(config, mesh: Mesh) -> None:
 def validate_grad_accum(config, mesh: Mesh) -> None:
   """Checks that every device's share of the batch splits into `train.grad_accum_steps` microbatches."""
   accum = config.train.grad_accum_steps
-  batch_devices = mesh.shape['data'] * mesh.shape['fsdp']
+  batch_devices = mesh_lib.data_parallel_size(mesh)
   per_device = config.train.batch_size // batch_devices
   _require(per_device % accum == 0,
            f'train.grad_accum_steps={accum} does not divide the per-device batch of {per_device} sequences '

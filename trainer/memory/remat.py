@@ -155,7 +155,7 @@ def resolve(config, devices: Sequence[jax.Device] | None = None, limit: footprin
 def _search(config, devices, limit: footprint.Limit, order: tuple[str, ...], key: str) -> Choice:
   """Compiles candidates: per accumulation (configured first), 'full' as the least-memory probe, then by order."""
   mesh = mesh_lib.build_mesh(config.mesh, devices)
-  per_device = config.train.batch_size // (mesh.shape['data'] * mesh.shape['fsdp'])
+  per_device = config.train.batch_size // mesh_lib.data_parallel_size(mesh)
   first = config.train.grad_accum_steps
   accums = [first] + [a for a in range(first + 1, per_device + 1) if per_device % a == 0]
   budget = int(limit.bytes * (1 - footprint.MARGIN))

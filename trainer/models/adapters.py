@@ -30,6 +30,7 @@ import jax
 from flax import nnx
 
 from trainer.errors import UserError
+from trainer.models import sown
 
 Params = Any  # Nested dict of arrays.
 # What to do when a model does not take the packed-row keywords (here for Linen at init, contract.py for the rest).
@@ -177,10 +178,12 @@ class _BoundLinen:
 
   def __init__(self, module: nn.Module, params: Params):
     self._module, self._variables = module, {'params': params}
+    self.sown = {}  # What the last call sowed into sown.COLLECTIONS (MoE loss terms and metrics).
 
   def __call__(self, *args, **kwargs):
     with flat_kernels_unpinned():
-      return self._module.apply(self._variables, *args, **kwargs)
+      out, self.sown = self._module.apply(self._variables, *args, mutable=list(sown.COLLECTIONS), **kwargs)
+    return out
 
   def __getattr__(self, name):
     method = getattr(type(self._module), name)
@@ -202,7 +205,7 @@ def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> 
     variables = jax.eval_shape(init_variables, jax.random.key(0))
   except TypeError as e:
     raise call_error(e, name, example_inputs[1]) from e
-  others = sorted(set(variables) - {'params'})
+  others = sorted(set(variables) - {'params', *sown.COLLECTIONS})
   if others:
     raise UserError(f'model.name={name!r} creates variable collections {others} besides "params". The launcher '
                     f'trains parameters only and runs the model deterministically: drop batch statistics and '

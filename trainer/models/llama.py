@@ -25,12 +25,14 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from absl import logging
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from trainer import attention as attention_lib
 from trainer.errors import UserError
-from trainer.models import checkpoint_policies, layer_scan
+from trainer.models import checkpoint_policies, layer_scan, sown
+from trainer.models import moe as moe_lib
 from trainer.precision import compute_dtype
 
 # What each block keeps for the backward pass; everything else is recomputed there.
@@ -75,6 +77,10 @@ class LlamaConfig:
   max_segments: int | None = None  # Packed rows: the most documents a row holds (data.max_documents_per_row).
   mesh: Mesh | None = None  # Set to pin activation shardings under jit; None leaves them to the caller.
   rules: tuple = ()  # Logical axis rules for the activation constraints.
+  # Mixture of experts (trainer/models/moe.py): None = every block has the dense MLP.
+  moe: moe_lib.MoeConfig | None = None
+  moe_interval: int = 1  # Every moe_interval-th block (blocks k-1, 2k-1, ...) is an MoE block.
+  shared_expert: bool = False  # MoE blocks also run a dense MLP of moe.expert_mlp_dim on every token.
 
   @property
   def head_dim(self) -> int:
@@ -83,6 +89,14 @@ class LlamaConfig:
   @property
   def kv_heads(self) -> int:
     return self.num_kv_heads or self.num_heads
+
+  def is_moe(self, layer: int) -> bool:
+    return self.moe is not None and (layer + 1) % self.moe_interval == 0
+
+  @property
+  def scans_groups(self) -> bool:
+    """Scanned with MoE every k-th layer (k > 1): the scanned unit is a BlockGroup of k blocks."""
+    return self.scan_layers and self.moe is not None and self.moe_interval > 1
 
 
 def constrain(x, axes: tuple[str, ...], cfg: LlamaConfig):
@@ -187,24 +201,45 @@ class Block(nn.Module):
   (None when sequences are not packed).
   """
   cfg: LlamaConfig
+  moe: bool = False  # The MLP is a mixture of experts (cfg.moe).
 
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL=None):
-    x_BLD = x_BLD + Attention(self.cfg, name='attention')(RMSNorm(self.cfg, name='attention_norm')(x_BLD), positions_BL,
-                                                          segment_ids_BL)
-    x_BLD = x_BLD + Mlp(self.cfg, name='mlp')(RMSNorm(self.cfg, name='mlp_norm')(x_BLD))
-    return constrain(x_BLD, ('batch', 'length', 'embed'), self.cfg), None
+    cfg = self.cfg
+    x_BLD = x_BLD + Attention(cfg, name='attention')(RMSNorm(cfg, name='attention_norm')(x_BLD), positions_BL,
+                                                     segment_ids_BL)
+    h_BLD = RMSNorm(cfg, name='mlp_norm')(x_BLD)
+    if not self.moe:
+      return constrain(x_BLD + Mlp(cfg, name='mlp')(h_BLD), ('batch', 'length', 'embed'), cfg), None
+    y_BLD = moe_lib.MoeMlp(cfg.moe, name='moe')(h_BLD)
+    if cfg.shared_expert:
+      y_BLD = y_BLD + Mlp(dataclasses.replace(cfg, mlp_dim=cfg.moe.expert_mlp_dim), name='shared_expert')(h_BLD)
+    return constrain(x_BLD + y_BLD, ('batch', 'length', 'embed'), cfg), None
+
+
+class BlockGroup(nn.Module):
+  """cfg.moe_interval blocks, the last one MoE: the unit scanned when only some layers are MoE."""
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL=None):
+    for j in range(self.cfg.moe_interval):
+      x_BLD, _ = Block(self.cfg, moe=self.cfg.is_moe(j), name=f'block_{j}')(x_BLD, positions_BL, segment_ids_BL)
+    return x_BLD, None
 
 
 def block_stack(cfg: LlamaConfig):
-  """The Block class to instantiate: rematerialized per `cfg.remat_policy`, and scanned if `cfg.scan_layers`."""
-  block = Block
+  """The Block (or BlockGroup) class to instantiate: rematerialized per `cfg.remat_policy`, scanned if
+  `cfg.scan_layers`."""
+  block = BlockGroup if cfg.scans_groups else Block
   if cfg.remat_policy != 'none':
     # Inside a scan the loop already keeps XLA from merging recomputation into the forward pass.
     block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
   if cfg.scan_layers:
-    block = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True},
-                    in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
+    # What layers sow (MoE loss terms and metrics) is stacked per layer, like the parameters.
+    block = nn.scan(block, variable_axes={'params': 0, **{c: 0 for c in sown.COLLECTIONS}},
+                    split_rngs={'params': True}, in_axes=(nn.broadcast, nn.broadcast),
+                    length=cfg.num_layers // (cfg.moe_interval if cfg.scans_groups else 1),
                     metadata_params={nn.PARTITION_NAME: 'layers'})
   return block
 
@@ -280,10 +315,11 @@ class Llama(nn.Module):
     x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'), cfg)
     block = block_stack(cfg)
     if cfg.scan_layers:
-      x_BLD, _ = block(cfg, name='layers')(x_BLD, positions_BL, segment_ids)
+      every_moe = {} if cfg.scans_groups or cfg.moe is None else {'moe': True}  # A group says which itself.
+      x_BLD, _ = block(cfg, name='layers', **every_moe)(x_BLD, positions_BL, segment_ids)
     else:
       for i in range(cfg.num_layers):
-        x_BLD, _ = block(cfg, name=f'block_{i}')(x_BLD, positions_BL, segment_ids)
+        x_BLD, _ = block(cfg, moe=cfg.is_moe(i), name=f'block_{i}')(x_BLD, positions_BL, segment_ids)
     x_BLD = RMSNorm(cfg, name='final_norm')(x_BLD)
     head_DV = embed.head_DV() if cfg.tie_embeddings else Head(cfg, name='head').head_DV()
     if hidden_and_head:
@@ -315,6 +351,7 @@ def check_config(config) -> None:
              f'model.vocab_size={m.vocab_size} is too small for byte-level text; use at least 256.')
   _require(m.get('rope_scaling', 'none') in ROPE_SCALINGS,
            f"model.rope_scaling={m.get('rope_scaling')!r}: choose one of {ROPE_SCALINGS}.")
+  moe_lib.check_config(m, layer_scan.scans(m))
   policies = ('none',) + tuple(REMAT_POLICIES)
   _require(config.train.remat_policy in policies,
            f'train.remat_policy={config.train.remat_policy!r}: choose one of {policies}.')
@@ -329,6 +366,10 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
   check_config(config)  # Mesh fit (e.g. fewer kv heads than the tensor axis) is parallel/sharding.check_divisible's.
   attention_lib.check_config(config, mesh)  # A named kernel that cannot run this model fails here, not in compile.
   m = config.model
+  moe_fields = moe_lib.llama_fields(m, compute_dtype(config.train.compute_dtype), jnp.dtype(config.train.param_dtype))
+  if moe_fields:
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    logging.info(moe_lib.dispatch_note(moe_fields['moe'], platform))
   return Llama(LlamaConfig(
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
       vocab_size=m.vocab_size, num_kv_heads=m.num_kv_heads, tie_embeddings=m.tie_embeddings,
@@ -339,4 +380,5 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
       rope_original_max_positions=m.get('rope_original_max_positions', 8192),
       dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
       remat_policy=config.train.remat_policy, scan_layers=layer_scan.scans(m), attention=m.attention,
-      max_segments=config.data.max_documents_per_row if config.data.packing else None, mesh=mesh, rules=tuple(rules)))
+      max_segments=config.data.max_documents_per_row if config.data.packing else None, mesh=mesh, rules=tuple(rules),
+      **moe_fields))

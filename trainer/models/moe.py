@@ -1,0 +1,248 @@
+"""A mixture-of-experts SwiGLU MLP: a float32 router, top-k experts per token, dropless or capacity dispatch.
+
+Shape letters: T tokens (batch x length, flattened), D d_model, E experts, K experts
+per token, F expert hidden width, A = T*K token-to-expert assignments, C capacity
+(assignments one expert takes in capacity mode).
+
+Routing is Mixtral's: softmax over all experts in float32, the top K kept and
+renormalized to sum to 1. Two auxiliary terms keep the router healthy, both
+sown into the `aux_loss` collection already weighted and divided by the number
+of MoE layers, so the launcher adds their mean over layers to the loss
+(trainer/models/sown.py): the Switch Transformer load-balancing loss
+E * sum_e f_e * P_e (f_e the fraction of assignments to expert e, P_e its mean
+router probability; 1 when balanced) and the router z-loss mean(logsumexp^2).
+
+Dispatch:
+- dropless (`capacity_factor` None or 0): assignments are sorted by expert and run
+  through `jax.lax.ragged_dot`, one grouped matmul per projection whose group sizes
+  are the experts' token counts: no token is dropped, and the primitive's contract
+  (and the traced FLOPs count, trainer/traced_flops.py) is the active experts' work.
+  Why ragged_dot, given what it costs here: it is the one XLA primitive with that
+  contract whose fast lowerings are owned upstream (TPU; cuDNN, hipBLASLt and Triton
+  grouped GEMMs on GPUs), so the layer gets them without a kernel of its own. Where a
+  backend has none, XLA pads each group to all tokens and runs a dense batched dot:
+  measured on this CPU (scripts/bench_moe.py, BENCHMARKS.md "MoE dispatch"), forward
+  and backward take 7.0x a loop of plain matmuls over each expert's tokens (the same
+  active FLOPs), more than running every expert on every token (4.9x), while the
+  capacity mode below takes 1.14x at factor 1.0 and 1.26x at 1.25. So on CPU (and on
+  GPUs whose jaxlib pads it too) the capacity mode is the fast one; `dispatch_note`
+  says so in the log.
+- capacity (`capacity_factor` > 0): each expert takes at most C = ceil(factor * A / E)
+  assignments, first choices of all tokens before any second choice (GShard's priority),
+  in token order within a choice; the rest are dropped (the token keeps its residual
+  path only) and counted. Buffers (E, C, D) run as one batched matmul.
+
+Expert weights carry the logical names ('expert', 'embed', 'expert_mlp'): the 'expert'
+rule splits them over the `expert` mesh axis.
+"""
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from trainer.errors import UserError
+from trainer.models import sown
+
+EXPERT_AXES_IN = ('expert', 'embed', 'expert_mlp')  # Gate and up projections (E, D, F).
+EXPERT_AXES_OUT = ('expert', 'expert_mlp', 'embed')  # Down projection (E, F, D).
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  num_experts: int
+  experts_per_token: int
+  expert_mlp_dim: int
+  capacity_factor: float | None = None  # None or 0: dropless.
+  aux_loss_weight: float = 0.0  # Load-balancing loss weight.
+  z_loss_weight: float = 0.0  # Router z-loss weight.
+  num_moe_layers: int = 1  # The sown loss terms are divided by it: the loss gets their mean over layers.
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @property
+  def dropless(self) -> bool:
+    return not self.capacity_factor
+
+  def capacity(self, num_tokens: int) -> int:
+    """Assignments one expert takes in capacity mode: ceil(factor * T * K / E)."""
+    return max(1, math.ceil(self.capacity_factor * num_tokens * self.experts_per_token / self.num_experts))
+
+
+def dispatch_note(cfg: MoeConfig, platform: str) -> str:
+  """One log line: the dispatch mode and kernel the MoE layers run, and on CPU what dropless costs."""
+  if not cfg.dropless:
+    return (f'MoE: {cfg.num_experts} experts, top-{cfg.experts_per_token}, capacity mode (factor '
+            f'{cfg.capacity_factor:g}: (experts, capacity, d_model) buffers on batched matmuls, overflow dropped and '
+            f'logged as */dropped_fraction)')
+  note = (f'MoE: {cfg.num_experts} experts, top-{cfg.experts_per_token}, dropless on jax.lax.ragged_dot '
+          f'(grouped matmuls)')
+  if platform == 'cpu':
+    note += ('; on cpu XLA pads ragged_dot to every expert, about 7x the time of the active FLOPs (BENCHMARKS.md "MoE '
+             'dispatch"): --config.model.expert_capacity_factor=1.25 runs near 1.3x')
+  return note
+
+
+def route(x_TD, router_DE, k: int):
+  """(logits (T, E), top-k weights (T, K) renormalized, top-k experts (T, K)), all in float32."""
+  logits_TE = jnp.dot(x_TD.astype(jnp.float32), router_DE.astype(jnp.float32))
+  probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+  weights_TK, experts_TK = jax.lax.top_k(probs_TE, k)
+  return logits_TE, weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True), experts_TK
+
+
+def _swiglu_ragged(x_AD, gate_EDF, up_EDF, down_EFD, group_sizes_E):
+  h_AF = nn.silu(jax.lax.ragged_dot(x_AD, gate_EDF, group_sizes_E)) * jax.lax.ragged_dot(x_AD, up_EDF, group_sizes_E)
+  return jax.lax.ragged_dot(h_AF, down_EFD, group_sizes_E)
+
+
+def dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD):
+  """Every assignment through its expert: sorted by expert, grouped matmuls, unsorted, weighted sum over K."""
+  T, K = experts_TK.shape
+  E = gate_EDF.shape[0]
+  experts_A = experts_TK.reshape(-1)
+  order_A = jnp.argsort(experts_A, stable=True)
+  group_sizes_E = jnp.bincount(experts_A, length=E).astype(jnp.int32)
+  out_AD = _swiglu_ragged(x_TD[order_A // K], gate_EDF, up_EDF, down_EFD, group_sizes_E)
+  out_TKD = out_AD[jnp.argsort(order_A)].reshape(T, K, -1)  # Back to (token, choice) order by a gather.
+  return jnp.einsum('tkd,tk->td', out_TKD, weights_TK.astype(out_TKD.dtype))
+
+
+def capacity_slots(experts_TK, num_experts: int, capacity: int):
+  """(slot of each assignment in its expert's buffer (T, K), kept (T, K) bool): choice-major, then token order."""
+  onehot_KTE = jax.nn.one_hot(experts_TK.T, num_experts, dtype=jnp.int32)
+  before_KTE = jnp.cumsum(onehot_KTE.reshape(-1, num_experts), axis=0).reshape(onehot_KTE.shape) - onehot_KTE
+  slot_TK = jnp.sum(before_KTE * onehot_KTE, axis=-1).T
+  return slot_TK, slot_TK < capacity
+
+
+def with_capacity(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, capacity: int):
+  """(output (T, D), dropped fraction): assignments scattered into (E, C, D) buffers (overflow dropped), batched
+  matmuls, gathered back."""
+  T, K = experts_TK.shape
+  E = gate_EDF.shape[0]
+  slot_TK, kept_TK = capacity_slots(experts_TK, E, capacity)
+  slot_TK = jnp.where(kept_TK, slot_TK, capacity)  # Out of range: the scatter drops it, the gather fills 0.
+  x_TKD = jnp.broadcast_to(x_TD[:, None, :], (T, K, x_TD.shape[-1]))
+  buffer_ECD = jnp.zeros((E, capacity, x_TD.shape[-1]), x_TD.dtype).at[experts_TK, slot_TK].set(x_TKD, mode='drop')
+  h_ECF = nn.silu(jnp.einsum('ecd,edf->ecf', buffer_ECD, gate_EDF)) * jnp.einsum('ecd,edf->ecf', buffer_ECD, up_EDF)
+  out_ECD = jnp.einsum('ecf,efd->ecd', h_ECF, down_EFD)
+  out_TKD = out_ECD.at[experts_TK, slot_TK].get(mode='fill', fill_value=0)
+  out_TD = jnp.einsum('tkd,tk->td', out_TKD, weights_TK.astype(out_TKD.dtype))
+  return out_TD, 1.0 - jnp.mean(kept_TK.astype(jnp.float32))
+
+
+class MoeMlp(nn.Module):
+  """x (B, L, D) -> (B, L, D): the weighted sum of each token's top-k experts (SwiGLU MLPs)."""
+  cfg: MoeConfig
+
+  @nn.compact
+  def __call__(self, x_BLD):
+    cfg = self.cfg
+    B, L, D = x_BLD.shape
+    E, K, F = cfg.num_experts, cfg.experts_per_token, cfg.expert_mlp_dim
+    init = lambda axes: nn.with_logical_partitioning(nn.initializers.lecun_normal(batch_axis=(0,)), axes)
+    # The router is small and read by every token: replicated except over fsdp, and always float32 in use.
+    router_DE = self.param('router', nn.with_logical_partitioning(nn.initializers.lecun_normal(), ('embed', None)),
+                           (D, E), cfg.param_dtype)
+    weight = lambda name, shape, axes: self.param(name, init(axes), shape, cfg.param_dtype).astype(cfg.dtype)
+    gate_EDF = weight('gate', (E, D, F), EXPERT_AXES_IN)
+    up_EDF = weight('up', (E, D, F), EXPERT_AXES_IN)
+    down_EFD = weight('down', (E, F, D), EXPERT_AXES_OUT)
+
+    x_TD = x_BLD.reshape(B * L, D)
+    logits_TE, weights_TK, experts_TK = route(x_TD, router_DE, K)
+    dropped = None
+    if cfg.dropless:
+      out_TD = dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD)
+    else:
+      out_TD, dropped = with_capacity(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD,
+                                      cfg.capacity(B * L))
+    self._sow_router_terms(logits_TE, experts_TK, dropped)
+    return out_TD.reshape(B, L, D).astype(cfg.dtype)
+
+  def _sow_router_terms(self, logits_TE, experts_TK, dropped):
+    cfg = self.cfg
+    E = cfg.num_experts
+    load_E = jnp.mean(jnp.sum(jax.nn.one_hot(experts_TK, E, dtype=jnp.float32), axis=1), axis=0) / cfg.experts_per_token
+    balance = E * jnp.sum(load_E * jnp.mean(jax.nn.softmax(logits_TE, axis=-1), axis=0))
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
+    # Loss terms: weighted, and divided by the MoE layers so the loss gets their mean over layers.
+    sown.loss_term(self, 'moe_balance_loss', cfg.aux_loss_weight * balance / cfg.num_moe_layers)
+    sown.loss_term(self, 'moe_router_z_loss', cfg.z_loss_weight * z / cfg.num_moe_layers)
+    # Per-layer health, unweighted: load as a multiple of the balanced share (1 / E).
+    sown.metric(self, 'balance_loss', balance)
+    sown.metric(self, 'router_z_loss', z)
+    sown.metric(self, 'load_max', E * jnp.max(load_E))
+    sown.metric(self, 'load_min', E * jnp.min(load_E))
+    sown.metric(self, 'load_cv', jnp.std(load_E) / jnp.mean(load_E))
+    sown.metric(self, 'load_per_expert', E * load_E)
+    if dropped is not None:
+      sown.metric(self, 'dropped_fraction', dropped)
+
+
+def _interval(model_config) -> int | None:
+  """model.moe_layers as k (every k-th layer is MoE), or None when it is neither 'all' nor a positive int."""
+  layers = getattr(model_config, 'moe_layers', 'all')
+  if layers == 'all':
+    return 1
+  return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
+
+
+def from_model_config(model_config, dtype=jnp.float32, param_dtype=jnp.float32) -> MoeConfig | None:
+  """The MoeConfig of `config.model` (None when model.num_experts is 0: a dense model)."""
+  m = model_config
+  if not m.get('num_experts', 0):
+    return None
+  return MoeConfig(num_experts=m.num_experts, experts_per_token=m.experts_per_token,
+                   expert_mlp_dim=m.expert_mlp_dim or m.mlp_dim, capacity_factor=m.expert_capacity_factor,
+                   aux_loss_weight=float(m.router_aux_loss_weight), z_loss_weight=float(m.router_z_loss_weight),
+                   num_moe_layers=max(1, m.num_layers // _interval(m)), dtype=dtype, param_dtype=param_dtype)
+
+
+def llama_fields(model_config, dtype, param_dtype) -> dict:
+  """The LlamaConfig fields of the MoE settings: moe, moe_interval, shared_expert."""
+  moe_config = from_model_config(model_config, dtype, param_dtype)
+  if moe_config is None:
+    return {}
+  return {'moe': moe_config, 'moe_interval': _interval(model_config),
+          'shared_expert': bool(model_config.shared_expert)}
+
+
+def num_moe_layers(model_config) -> int:
+  return model_config.num_layers // _interval(model_config) if getattr(model_config, 'num_experts', 0) else 0
+
+
+def inactive_params(model_config) -> int:
+  """Parameters a token does not use: the experts it is not routed to, in every MoE layer (0 for a dense model)."""
+  m = model_config
+  if not getattr(m, 'num_experts', 0):
+    return 0
+  return num_moe_layers(m) * (m.num_experts - m.experts_per_token) * 3 * m.d_model * (m.expert_mlp_dim or m.mlp_dim)
+
+
+def check_config(model_config, scanned: bool) -> None:
+  """Raises UserError, naming the key and the fix, for MoE settings that cannot build."""
+  m = model_config
+  experts = m.get('num_experts', 0)
+  if not experts:
+    return
+  if not isinstance(experts, int) or experts < 0:
+    raise UserError(f'model.num_experts={experts!r} must be a positive integer (0 = a dense model).')
+  if not 1 <= m.experts_per_token <= experts:
+    raise UserError(f'model.experts_per_token={m.experts_per_token} must be between 1 and '
+                    f'model.num_experts={experts}.')
+  k = _interval(m)
+  if k is None:
+    raise UserError(f"model.moe_layers={m.moe_layers!r}: use 'all', or k (an int) for every k-th layer.")
+  if k > m.num_layers:
+    raise UserError(f'model.moe_layers={k} leaves no MoE layer among model.num_layers={m.num_layers}; '
+                    f"use 'all' or k <= {m.num_layers}.")
+  if scanned and m.num_layers % k:
+    raise UserError(f'model.moe_layers={k} must divide model.num_layers={m.num_layers} when layers are scanned '
+                    f'(a group of {k} blocks is scanned); change either, or set --config.model.scan_layers=False.')
+  factor = m.expert_capacity_factor
+  if factor is not None and (not isinstance(factor, (int, float)) or factor < 0):
+    raise UserError(f'model.expert_capacity_factor={factor!r} must be > 0 (capacity mode) or None/0 (dropless).')
