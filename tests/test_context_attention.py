@@ -61,8 +61,8 @@ def _split_call(mesh, causal, ids):
   return fn
 
 
-@pytest.mark.parametrize('parts', [2, 4, 8])
-@pytest.mark.parametrize('causal, packed', [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize('parts, causal, packed', [(2, True, True), (4, True, False), (4, False, True),
+                                                   (8, True, True), (8, False, False)])
 def test_outputs_and_gradients_match_whole_row_attention(parts, causal, packed):
   q, k, v = _inputs()
   ids = SEGMENTS if packed else None

@@ -3,6 +3,7 @@
 from absl import logging
 from jax.sharding import Mesh
 
+from parallel import context as context_lib
 from parallel import strategy
 from trainer import data
 from trainer.errors import UserError
@@ -87,6 +88,7 @@ def _warn_if_warmup_exceeds_steps(train) -> None:
 def validate_strategy(config, mesh: Mesh) -> None:
   """Checks that `parallel.strategy` can run on the mesh's shape."""
   name, tensor, fsdp = config.parallel.strategy, mesh.shape['tensor'], mesh.shape['fsdp']
+  _check_context(config, mesh.shape.get('context', 1))
   if name == 'shard_map':
     # The per-device step gathers whole parameters: a tensor axis would only hold copies of the same work.
     _require(tensor == 1, f"parallel.strategy='shard_map' does not support tensor parallelism (mesh.tensor={tensor}); "
@@ -96,6 +98,22 @@ def validate_strategy(config, mesh: Mesh) -> None:
              f"parallel.strategy='pmap' replicates the parameters on every device, so it needs mesh.fsdp=1 and "
              f"mesh.tensor=1 (got mesh.fsdp={fsdp}, mesh.tensor={tensor}); set them to 1 (mesh.data=-1 takes "
              f"every device), or use parallel.strategy='jit' or 'shard_map' to shard the parameters.")
+
+
+def _check_context(config, parts: int) -> None:
+  """mesh.context > 1 splits every row's tokens: only the 'jit' strategy's language models run across it."""
+  if parts == 1:
+    return
+  name = config.parallel.strategy
+  _require(name == 'jit', f"parallel.strategy={name!r} cannot split sequences (mesh.context={parts}): attention "
+           f"across the split runs under parallel.strategy='jit'; set it, or mesh.context=1.")
+  _require(config.model.task == 'lm', f"mesh.context={parts} splits token rows, but model.task="
+           f"{config.model.task!r} has none to split: set mesh.context=1.")
+  _require(config.model.name in ('llama',),
+           f"mesh.context={parts}: model.name={config.model.name!r} is not known to run its attention through "
+           f"trainer.attention.dot_product_attention with the launcher's mesh, and attention of its own would see "
+           f"only each device's part of a row: set mesh.context=1 (docs/context.md).")
+  context_lib.check_seq_len(config.data.seq_len, parts)
 
 
 def validate_grad_accum(config, mesh: Mesh) -> None:
