@@ -24,6 +24,7 @@ SEGMENTS = np.array([[1] * 20 + [2] * 30 + [3] * 14, [1] * 50 + [0] * 14], np.in
 
 def reference(q, k, v, causal, ids):
   """Softmax attention over the whole row, key/value heads repeated for their query heads."""
+  (B, L, H, K), G = q.shape, k.shape[2]
   k, v = jnp.repeat(k, H // G, axis=2), jnp.repeat(v, H // G, axis=2)
   scores = jnp.einsum('bqhk,bshk->bhqs', q, k) / np.sqrt(K)
   allowed = np.ones((B, 1, L, L), bool)
@@ -41,22 +42,23 @@ def _mesh(context, data=1, fsdp=1, tensor=1):
   return mesh_lib.build_mesh(cfg, jax.devices()[:data * fsdp * context * tensor])
 
 
-def _inputs(seed=0):
+def _inputs(seed=0, rows=B, length=L, heads=H, kv_heads=G):
   kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(kq, (B, L, H, K)), jax.random.normal(kk, (B, L, G, K)), jax.random.normal(kv, (B, L, G, K)))
+  return (jax.random.normal(kq, (rows, length, heads, K)), jax.random.normal(kk, (rows, length, kv_heads, K)),
+          jax.random.normal(kv, (rows, length, kv_heads, K)))
 
 
-def _split_call(mesh, causal, ids):
+def _split_call(mesh, causal, ids, kernel='auto'):
   """The launcher's call on rows put in the balanced order, brought back to the original order for comparison."""
   rules = sharding.rules_from_config(base.get_config().parallel)
   parts = mesh.shape['context']
-  where = context_lib.order(L, parts)
-  back = np.argsort(where)
 
   def fn(q, k, v):
+    where = context_lib.order(q.shape[1], parts)
+    back = np.argsort(where)
     ids_ = None if ids is None else jnp.asarray(ids)[:, where]
     out = jax.jit(lambda q, k, v: attention.dot_product_attention(
-        q, k, v, causal=causal, segment_ids_BL=ids_, mesh=mesh, rules=rules))(q[:, where], k[:, where], v[:, where])
+        q, k, v, causal=causal, segment_ids_BL=ids_, mesh=mesh, rules=rules, kernel=kernel))(q[:, where], k[:, where], v[:, where])
     return out[:, back]
   return fn
 
@@ -74,6 +76,32 @@ def test_outputs_and_gradients_match_whole_row_attention(parts, causal, packed):
   want = jax.grad(loss(lambda *a: reference(*a, causal, ids)), argnums=(0, 1, 2))(q, k, v)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+
+
+def test_splash_per_chunk_matches_whole_row_attention_in_interpret_mode():
+  """The TPU path: splash once per chunk with offset causal masks (a lax.switch per device), in Pallas interpret
+  mode (slow: one row, grouped heads 2 to 1); rows of 512 over 2 devices give chunks of 128, splash's smallest block."""
+  causal = True
+  q, k, v = _inputs(3, rows=1, length=512, heads=2, kv_heads=1)
+  ids = np.repeat(np.array([[1, 2, 3, 0]], np.int32), 128, axis=1)
+  ids[0, 100:300] = 2  # Documents that straddle chunk borders; padding (0) at the end.
+  fn = _split_call(_mesh(2), causal, ids, kernel='splash')
+  np.testing.assert_allclose(fn(q, k, v), reference(q, k, v, causal, ids), atol=2e-5, rtol=2e-5)
+  cotangent = jax.random.normal(jax.random.key(9), q.shape)
+  loss = lambda f: lambda *a: jnp.sum(f(*a) * cotangent)
+  got = jax.grad(loss(fn), argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(loss(lambda *a: reference(*a, causal, ids)), argnums=(0, 1, 2))(q, k, v)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+
+
+def test_named_kernels_that_cannot_run_across_the_split_are_refused():
+  q, k, v = _inputs()
+  with pytest.raises(UserError, match=r"model.attention='cudnn' cannot run across mesh.context=2"):
+    _split_call(_mesh(2), True, None, kernel='cudnn')(q, k, v)
+  with pytest.raises(UserError, match=r"model.attention='splash' cannot run across mesh.context=2: splash needs "
+                                      r"chunks \(data.seq_len / 2 / mesh.context = 16\)"):
+    _split_call(_mesh(2), True, None, kernel='splash')(q, k, v)
 
 
 def test_with_data_and_tensor_axes_too():

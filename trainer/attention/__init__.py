@@ -103,9 +103,10 @@ def dot_product_attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_B
   if _COUNTING.get():
     return xla.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL)
   if mesh is not None and mesh.shape.get(context.context_lib.AXIS, 1) > 1:
-    log_once(context_choice(mesh))
+    choice = context_choice(mesh, kernel, q_BLHK.shape[1], q_BLHK.shape[-1])
+    log_once(choice)
     return context.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL, mesh=mesh,
-                             rules=rules)
+                             rules=rules, kernel=choice.kernel, interpret=platform_of(mesh)[0] != 'tpu')
   platform, capability = platform_of(mesh)
   call = Call(platform, np.dtype(q_BLHK.dtype).name, tuple(q_BLHK.shape), tuple(k_BLGK.shape), causal,
               segment_ids_BL is not None, capability)
@@ -120,10 +121,12 @@ def dot_product_attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_B
   return xla.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL)
 
 
-def context_choice(mesh: Mesh) -> Choice:
+def context_choice(mesh: Mesh, setting: str, seq_len: int, head_dim: int) -> Choice:
   """The scheme and kernel of attention across a context axis of the mesh (logged once, in the run manifest)."""
-  return Choice(context.KERNEL, 'auto', f'{context.SCHEME} of keys/values over mesh.context='
-                f'{mesh.shape[context.context_lib.AXIS]}, balanced (zig-zag) row order, explicit position masks')
+  parts = mesh.shape[context.context_lib.AXIS]
+  kernel, why = context.kernel_for(platform_of(mesh)[0], setting, seq_len, parts, head_dim)
+  return Choice(kernel, setting, f'{context.SCHEME} of keys/values over mesh.context={parts}, balanced (zig-zag) '
+                f'row order; {why}')
 
 
 def config_call(config, mesh: Mesh | None = None) -> Call | None:
@@ -154,5 +157,5 @@ def check_config(config, mesh: Mesh | None = None) -> Choice | None:
   """The kernel a built-in model will run under `config`; UserError now if a named one cannot run it."""
   call = config_call(config, mesh)
   if call is not None and mesh is not None and mesh.shape.get(context.context_lib.AXIS, 1) > 1:
-    return context_choice(mesh)
+    return context_choice(mesh, config.model.attention, call.seq_len, call.head_dim)
   return None if call is None else choose(call, config.model.attention)
