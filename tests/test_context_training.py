@@ -15,6 +15,7 @@ import pytest
 from conftest import read_metrics
 
 from configs import tiny
+from trainer import job as job_lib
 from trainer import loop
 from trainer.errors import UserError
 
@@ -117,3 +118,15 @@ def test_seq_len_that_cannot_be_split_is_refused(tmp_path):
   config.data.seq_len = 24
   with pytest.raises(UserError, match=r'data.seq_len=24 must be a multiple of 16 \(2 x mesh.context=8'):
     loop.run(config, str(tmp_path))
+
+
+def test_brought_model_with_attention_of_its_own_is_refused_and_one_calling_the_launchers_is_not():
+  """Its own attention would see only each device's part of a row: refused in one line, before compile."""
+  config = _config(4, 1, 2, 1)
+  config.data.packing, config.model.check_alignment = False, False
+  config.model.name = 'tests.custom_models:own_attention_lm'
+  with pytest.raises(UserError, match=r"model.name='tests.custom_models:own_attention_lm' under mesh.context=2: its "
+                                      r"step gathers nothing over the context axis"):
+    job_lib.build_job(config)
+  config.model.name = 'tests.custom_models:launcher_attention_lm'
+  assert job_lib.build_job(config).mesh.shape['context'] == 2

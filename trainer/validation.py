@@ -109,10 +109,6 @@ def _check_context(config, parts: int) -> None:
            f"across the split runs under parallel.strategy='jit'; set it, or mesh.context=1.")
   _require(config.model.task == 'lm', f"mesh.context={parts} splits token rows, but model.task="
            f"{config.model.task!r} has none to split: set mesh.context=1.")
-  _require(config.model.name in ('llama',),
-           f"mesh.context={parts}: model.name={config.model.name!r} is not known to run its attention through "
-           f"trainer.attention.dot_product_attention with the launcher's mesh, and attention of its own would see "
-           f"only each device's part of a row: set mesh.context=1 (docs/context.md).")
   context_lib.check_seq_len(config.data.seq_len, parts)
 
 
