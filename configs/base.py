@@ -60,6 +60,7 @@ def get_config() -> config_dict.ConfigDict:
   c.mesh.data = -1  # Devices on the data-parallel axis; -1 fills with the devices left over.
   c.mesh.fsdp = 1  # Devices on the fully-sharded data-parallel axis (parameters sharded, batch split).
   c.mesh.expert = 1  # Devices on the expert axis: MoE expert weights split over it, the batch split over it too.
+  c.mesh.context = 1  # Devices each row's tokens are split over (long sequences; attention gathers keys/values across it, docs/context.md).
   c.mesh.tensor = 1  # Devices on the tensor-parallel axis (heads, mlp and vocab split).
   # data/fsdp/tensor above are per slice (fast ICI links); these multiply them across slices or
   # hosts joined by the slower data-centre network, which should carry only batch-parallel traffic.
@@ -76,7 +77,7 @@ def get_config() -> config_dict.ConfigDict:
       ('mlp', 'tensor'),
       ('vocab', 'tensor'),
       ('head_dim', None),
-      ('length', None),
+      ('length', 'context'),  # Activations' sequence axis; no parameter is named 'length' in the LM.
       ('norm', None),
       ('kv_heads', 'tensor'),  # Key/value heads of grouped-query attention.
       ('layers', None),  # The stacked axis of scanned blocks: every device holds every layer's shard.

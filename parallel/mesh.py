@@ -3,15 +3,15 @@
 Axes, outermost first: `data` (pure data parallel), `fsdp` (data parallel with
 parameters sharded), `expert` (MoE experts split; the batch is split over it
 too, so the non-expert layers use it as data parallelism instead of leaving
-those devices to repeat the same work), `tensor` (heads / mlp / vocab split). A size of -1 fills
-the axis with whatever devices the others leave.
+those devices to repeat the same work), `context` (the sequence split: each
+device holds a part of every row's tokens, docs/context.md), `tensor` (heads /
+mlp / vocab split). A size of -1 fills the axis with whatever devices the others
+leave.
 
 Two levels, as in MaxText: `mesh.data/fsdp/tensor` lay out the devices of one
 slice (chips on fast ICI links); `mesh.dcn_data/dcn_fsdp` repeat that layout
 across slices (or groups of hosts) joined by the data-centre network. The final
 axis sizes are products: data = dcn_data * data, fsdp = dcn_fsdp * fsdp.
-Room is left for a 'context' axis: a new name in AXES and new rules, not a new
-mechanism.
 """
 
 import itertools
@@ -25,16 +25,17 @@ from jax.sharding import AxisType, Mesh
 
 from trainer.errors import UserError
 
-AXES = ('data', 'fsdp', 'expert', 'tensor')
+AXES = ('data', 'fsdp', 'expert', 'context', 'tensor')
 # Mesh axes the global batch is split over: every device on them sees different examples.
 BATCH_AXES = ('data', 'fsdp', 'expert')
 
 
-def _fitting_shapes(num_devices: int, limit: int = 4) -> list[str]:
-  """A few (data, fsdp, expert, tensor) shapes whose product is num_devices, data-parallel first."""
-  shapes = [s for s in itertools.product(range(1, num_devices + 1), repeat=len(AXES)) if math.prod(s) == num_devices]
-  shapes.sort(key=lambda s: (-s[0], -s[1], -s[2]))
-  return [','.join(f'{a}={n}' for a, n in zip(AXES, s)) for s in shapes[:limit]]
+def _fitting_shapes(mesh_config, num_devices: int, limit: int = 4) -> list[str]:
+  """A few shapes whose product is num_devices, data-parallel first; axes the config leaves at 1 stay 1."""
+  free = [a for a in AXES if a in ('data', 'fsdp', 'tensor') or mesh_config[a] != 1]
+  shapes = [s for s in itertools.product(range(1, num_devices + 1), repeat=len(free)) if math.prod(s) == num_devices]
+  shapes.sort(key=lambda s: (-s[0], -s[1]))
+  return [','.join(f'{a}={n}' for a, n in zip(free, s)) for s in shapes[:limit]]
 
 
 def resolve_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
@@ -55,17 +56,17 @@ def resolve_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
     if num_devices % fixed:
       raise UserError(
           f'mesh {dict(zip(AXES, sizes))} cannot fill {num_devices} devices: the fixed axes use '
-          f'{fixed}, which does not divide {num_devices}. Shapes that fit: {"; ".join(_fitting_shapes(num_devices))}.')
+          f'{fixed}, which does not divide {num_devices}. Shapes that fit: {"; ".join(_fitting_shapes(mesh_config, num_devices))}.')
     sizes = [num_devices // fixed if s == -1 else s for s in sizes]
   elif fixed != num_devices:
     raise UserError(
         f'mesh {dict(zip(AXES, sizes))} needs {fixed} devices but {num_devices} are available. '
-        f'Shapes that fit: {"; ".join(_fitting_shapes(num_devices))} (or set one axis to -1).')
+        f'Shapes that fit: {"; ".join(_fitting_shapes(mesh_config, num_devices))} (or set one axis to -1).')
   return tuple(sizes)
 
 
 def dcn_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
-  """(dcn_data, dcn_fsdp, 1, 1): how many slices each axis spans; checked against the device count."""
+  """How many slices each axis of AXES spans (dcn_data, dcn_fsdp, then 1s); checked against the device count."""
   shape = (mesh_config.dcn_data, mesh_config.dcn_fsdp) + (1,) * (len(AXES) - 2)
   for axis, size in zip(('dcn_data', 'dcn_fsdp'), shape):
     if not isinstance(size, int) or size < 1:
@@ -80,14 +81,14 @@ def dcn_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
 def _host_major(devices: list[jax.Device], ici: tuple[int, ...], dcn: tuple[int, ...]) -> np.ndarray:
   """Device grid for the DCN split when devices carry no slice_index: consecutive hosts form a slice."""
   devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-  grid = np.array(devices, dtype=object).reshape(*dcn, *ici)  # (dcn_d, dcn_f, 1, 1, d, f, e, t)
   n = len(AXES)
-  grid = grid.transpose([i + half for i in range(n) for half in (0, n)])  # Each DCN axis just outside its ICI axis.
+  grid = np.array(devices, dtype=object).reshape(*dcn, *ici)  # (dcn_d, dcn_f, 1, 1, 1, d, f, e, c, t)
+  grid = grid.transpose([i for axis in range(n) for i in (axis, n + axis)])  # Each DCN axis just outside its ICI axis.
   return grid.reshape([a * b for a, b in zip(dcn, ici)])
 
 
 def build_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the (data, fsdp, expert, tensor) mesh over `devices` (default: all devices of all processes)."""
+  """Builds the (data, fsdp, expert, context, tensor) mesh over `devices` (default: all devices of all processes)."""
   devices = list(jax.devices() if devices is None else devices)
   dcn = dcn_shape(mesh_config, len(devices))
   ici = resolve_shape(mesh_config, len(devices) // math.prod(dcn))

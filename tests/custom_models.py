@@ -7,6 +7,7 @@ The rest are broken on purpose, for the error messages.
 """
 
 import flax.linen as nn
+import jax
 import optax
 
 # --- README example start ---
@@ -105,3 +106,38 @@ class NnxUnknownAxis(MlpLM):
 
   def __call__(self, tokens_BL):
     return super().__call__(tokens_BL) * self.scale
+
+
+class AttentionLM(nn.Module):
+  """One causal self-attention layer over embeddings; its own jax.nn.dot_product_attention unless `launcher`, which
+  calls trainer.attention.dot_product_attention with the mesh and rules its builder was given."""
+  vocab_size: int
+  width: int
+  launcher: bool = False
+  mesh: object = None
+  rules: tuple = ()
+
+  @nn.compact
+  def __call__(self, tokens_BL, positions=None):
+    from trainer import attention
+    named = lambda init, *names: nn.with_logical_partitioning(init, names)
+    x = nn.Embed(self.vocab_size, self.width, embedding_init=named(nn.initializers.normal(1.0), 'vocab', 'embed'))(
+        tokens_BL)
+    qkv = nn.DenseGeneral((3, 1, self.width), kernel_init=named(nn.initializers.lecun_normal(), 'embed', None,
+                                                                 'heads', 'head_dim'))(x)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if self.launcher:
+      out = attention.dot_product_attention(q, k, v, causal=True, mesh=self.mesh, rules=self.rules)
+    else:
+      out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return nn.Dense(self.vocab_size, use_bias=False, kernel_init=named(nn.initializers.lecun_normal(), 'embed',
+                                                                       'vocab'))(out[:, :, 0])
+
+
+def own_attention_lm(config) -> AttentionLM:
+  return AttentionLM(vocab_size=config.model.vocab_size, width=config.model.d_model)
+
+
+def launcher_attention_lm(config, mesh=None, rules=()) -> AttentionLM:
+  return AttentionLM(vocab_size=config.model.vocab_size, width=config.model.d_model, launcher=True, mesh=mesh,
+                     rules=tuple(rules))

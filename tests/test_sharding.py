@@ -60,7 +60,7 @@ def test_rules_from_config_are_hashable_tuples_extra_rules_first_mesh_axes_last(
                                      'extra_axis_rules': [['embed', None], ['tensor', 'fsdp']]})
   rules = sharding.rules_from_config(parallel)
   assert rules == (('embed', None), ('tensor', 'fsdp'), ('batch', ('data', 'fsdp')), ('embed', 'fsdp'),
-                   ('data', 'data'), ('fsdp', 'fsdp'), ('expert', 'expert'))  # 'tensor' is a rule's name already: no identity rule.
+                   ('data', 'data'), ('fsdp', 'fsdp'), ('expert', 'expert'), ('context', 'context'))  # 'tensor' is a rule's name already: no identity rule.
   # Flax takes the first rule naming an axis: the extra rule overrides the default one.
   assert tuple(nn.logical_to_mesh_axes(('embed', 'batch'), rules)) == (None, ('data', 'fsdp'))
 

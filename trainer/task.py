@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from absl import logging
 from jax.sharding import Mesh
 
+from parallel import context as context_lib
 from parallel import param_names, sharding
 from trainer import objectives, precision
 from trainer.errors import UserError
@@ -65,6 +66,8 @@ class Task:
   # eval_convention is eval's (model.eval_call_kwargs), which for_eval() makes the task's.
   convention: call_convention.CallConvention = call_convention.CallConvention()
   eval_convention: call_convention.CallConvention = call_convention.CallConvention()
+  # mesh.context: > 1 puts every row's tokens in the balanced order (parallel/context.py) before the model.
+  context_parts: int = 1
 
   def for_eval(self) -> 'Task':
     """This task calling the model the way eval does."""
@@ -85,12 +88,21 @@ class Task:
 
   def loss(self, params, batch: Batch) -> tuple[jax.Array, Metrics]:
     """(loss to minimize, metrics), both means over `weight(batch)`."""
+    batch = self.balanced(batch)
     with self.context():
       model = self.bind(params)
       if self.custom_loss:
         return model.loss(batch)
       loss, metrics = self.objective.loss(model, batch)
       return sown.add_to_loss(loss, metrics, getattr(model, 'sown', {}))  # MoE balancing and z-losses.
+
+  def balanced(self, batch: Batch) -> Batch:
+    """The one place rows are reordered for the context split; each token's own position goes with it (RoPE)."""
+    if self.context_parts == 1:
+      return batch
+    if 'positions' not in batch:  # Unpacked rows: a token's position is its place in the original row.
+      batch = dict(batch, positions=jnp.broadcast_to(jnp.arange(batch['inputs'].shape[1]), batch['inputs'].shape))
+    return context_lib.balance(batch, self.context_parts)
 
   def outputs(self, params, batch: Batch) -> jax.Array:
     """The model's own output on `batch` (logits), called the way the objective calls it."""
@@ -172,7 +184,8 @@ def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
   _require_chunkable_model(config, model, custom_loss)
   return Task(objective, model, custom_loss=custom_loss,
               mesh=mesh if under_jit and made_for is None else None, rules=tuple(rules), cast_params_to=cast_to,
-              param_notes=notes, physical_context=foreign, convention=convention, eval_convention=eval_convention)
+              param_notes=notes, physical_context=foreign, convention=convention, eval_convention=eval_convention,
+              context_parts=mesh.shape.get(context_lib.AXIS, 1) if under_jit and mesh is not None else 1)
 
 
 def _require_chunkable_model(config, model: adapters.AdaptedModel, custom_loss: bool) -> None:

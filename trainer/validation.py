@@ -3,6 +3,7 @@
 from absl import logging
 from jax.sharding import Mesh
 
+from parallel import context as context_lib
 from parallel import mesh as mesh_lib, strategy
 from trainer import data
 from trainer.errors import UserError
@@ -93,6 +94,7 @@ def validate_strategy(config, mesh: Mesh) -> None:
   _require(name == 'jit' or expert == 1,
            f"parallel.strategy={name!r} does not support an expert axis (mesh.expert={expert}); set "
            f"mesh.expert=1, or use parallel.strategy='jit' for expert parallelism.")
+  _check_context(config, mesh.shape.get('context', 1))
   if name == 'shard_map':
     # The per-device step gathers whole parameters: a tensor axis would only hold copies of the same work.
     _require(tensor == 1, f"parallel.strategy='shard_map' does not support tensor parallelism (mesh.tensor={tensor}); "
@@ -102,6 +104,18 @@ def validate_strategy(config, mesh: Mesh) -> None:
              f"parallel.strategy='pmap' replicates the parameters on every device, so it needs mesh.fsdp=1 and "
              f"mesh.tensor=1 (got mesh.fsdp={fsdp}, mesh.tensor={tensor}); set them to 1 (mesh.data=-1 takes "
              f"every device), or use parallel.strategy='jit' or 'shard_map' to shard the parameters.")
+
+
+def _check_context(config, parts: int) -> None:
+  """mesh.context > 1 splits every row's tokens: only the 'jit' strategy's language models run across it."""
+  if parts == 1:
+    return
+  name = config.parallel.strategy
+  _require(name == 'jit', f"parallel.strategy={name!r} cannot split sequences (mesh.context={parts}): attention "
+           f"across the split runs under parallel.strategy='jit'; set it, or mesh.context=1.")
+  _require(config.model.task == 'lm', f"mesh.context={parts} splits token rows, but model.task="
+           f"{config.model.task!r} has none to split: set mesh.context=1.")
+  context_lib.check_seq_len(config.data.seq_len, parts)
 
 
 def validate_grad_accum(config, mesh: Mesh) -> None:

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from trainer.attention import cudnn, splash, xla
+from trainer.attention import context, cudnn, splash, xla
 from trainer.attention.choice import KERNELS, Call, Choice, choose, log_once
 from trainer.precision import compute_dtype
 
@@ -86,6 +86,8 @@ def dot_product_attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_B
     mesh, rules: the mesh and logical axis rules when the caller runs under jit with a mesh (the launcher's
       'jit' strategy gives them to models that take them); None under shard_map/pmap, where the model already
       sees its local shards. Splash needs them to shard itself; the other kernels are partitioned by XLA.
+      With mesh.context > 1 the rows must be in parallel/context.py's balanced order (the launcher's loss puts
+      them so) and attention runs across the split (trainer/attention/context.py).
     max_segments: with `segment_ids_BL`, the most segments (runs of equal ids) a row can hold; the launcher
       passes data.max_documents_per_row. Only cuDNN reads it: it treats each segment as a sequence of its own
       and keeps float32 softmax statistics of shape (B * max_segments, H, L) for the backward pass. None takes
@@ -100,6 +102,11 @@ def dot_product_attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_B
   """
   if _COUNTING.get():
     return xla.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL)
+  if mesh is not None and mesh.shape.get(context.context_lib.AXIS, 1) > 1:
+    choice = context_choice(mesh, kernel, q_BLHK.shape[1], q_BLHK.shape[-1])
+    log_once(choice)
+    return context.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL, mesh=mesh,
+                             rules=rules, kernel=choice.kernel, interpret=platform_of(mesh)[0] != 'tpu')
   platform, capability = platform_of(mesh)
   call = Call(platform, np.dtype(q_BLHK.dtype).name, tuple(q_BLHK.shape), tuple(k_BLGK.shape), causal,
               segment_ids_BL is not None, capability)
@@ -112,6 +119,14 @@ def dot_product_attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_B
     return splash.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL, mesh=mesh,
                             rules=rules, interpret=platform != 'tpu')
   return xla.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL)
+
+
+def context_choice(mesh: Mesh, setting: str, seq_len: int, head_dim: int) -> Choice:
+  """The scheme and kernel of attention across a context axis of the mesh (logged once, in the run manifest)."""
+  parts = mesh.shape[context.context_lib.AXIS]
+  kernel, why = context.kernel_for(platform_of(mesh)[0], setting, seq_len, parts, head_dim)
+  return Choice(kernel, setting, f'{context.SCHEME} of keys/values over mesh.context={parts}, balanced (zig-zag) '
+                f'row order; {why}')
 
 
 def config_call(config, mesh: Mesh | None = None) -> Call | None:
@@ -141,4 +156,6 @@ def _config_dtype(config, platform: str) -> str:
 def check_config(config, mesh: Mesh | None = None) -> Choice | None:
   """The kernel a built-in model will run under `config`; UserError now if a named one cannot run it."""
   call = config_call(config, mesh)
+  if call is not None and mesh is not None and mesh.shape.get(context.context_lib.AXIS, 1) > 1:
+    return context_choice(mesh, config.model.attention, call.seq_len, call.head_dim)
   return None if call is None else choose(call, config.model.attention)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 BLOCK_CANDIDATES = (512, 256, 128)
 
 
-def _block_sizes(seq_len: int) -> splash.BlockSizes:
+def block_sizes(seq_len: int) -> splash.BlockSizes:
   block = next(b for b in BLOCK_CANDIDATES if seq_len % b == 0)
   return splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
@@ -36,7 +36,7 @@ def _local_attention(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, *, causal: bool, in
   _, seq_len, num_heads, head_dim = q_BLHK.shape
   shape = (seq_len, seq_len)
   mask = splash.MultiHeadMask([splash.CausalMask(shape) if causal else splash.FullMask(shape)] * num_heads)
-  kernel = splash.make_splash_mha(mask, block_sizes=_block_sizes(seq_len), head_shards=1, q_seq_shards=1,
+  kernel = splash.make_splash_mha(mask, block_sizes=block_sizes(seq_len), head_shards=1, q_seq_shards=1,
                                   interpret=interpret)
   # The kernel does not scale the logits: queries take the 1/sqrt(K) here.
   q_BHLK = jnp.swapaxes(q_BLHK * jnp.asarray(head_dim ** -0.5, q_BLHK.dtype), 1, 2)

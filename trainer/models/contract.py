@@ -22,10 +22,12 @@ import traceback
 
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from parallel import context as context_lib
 from parallel import sharding
 from trainer import data
 from trainer.errors import UserError
@@ -55,6 +57,27 @@ def _launcher_file(path: str) -> bool:
   return any(path.startswith(str(_REPO / part)) for part in ('parallel', 'trainer'))
 
 
+def _gathers_over(jaxpr, axis: str) -> bool:
+  """Whether the jaxpr (or one inside it) all-gathers over mesh axis `axis`."""
+  for eqn in jaxpr.eqns:
+    names = eqn.params.get('axis_name', ()) if eqn.primitive.name == 'all_gather' else ()
+    if axis in ((names,) if isinstance(names, str) else tuple(names)):
+      return True
+    if any(_gathers_over(getattr(sub, 'jaxpr', sub), axis) for sub in jax.extend.core.jaxprs_in_params(eqn.params)):
+      return True
+  return False
+
+
+def _check_attends_across_context(traced, name: str, parts: int) -> None:
+  """mesh.context > 1: the step must run the launcher's attention across the split (it gathers keys/values over
+  `context`); attention of the model's own would see only each device's part of every row, silently."""
+  if parts > 1 and not _gathers_over(traced.jaxpr.jaxpr, context_lib.AXIS):
+    raise UserError(f'model.name={name!r} under mesh.context={parts}: its step gathers nothing over the context '
+                    f'axis, so its attention would see only each device\'s part of a row. Call '
+                    f'trainer.attention.dot_product_attention(..., mesh=mesh, rules=rules) with the mesh and rules '
+                    f'its builder is given (docs/context.md), or set mesh.context=1.')
+
+
 def check_strategy(job) -> None:
   """One UserError when the brought model cannot be traced under the job's strategy and mesh."""
   config, mesh = job.config, job.mesh
@@ -75,7 +98,7 @@ def check_strategy(job) -> None:
                       f"whole with --config.parallel.extra_axis_rules=\"{rules}\".")
   try:
     abstract = sharding.with_shardings(job.abstract, job.shardings)
-    job.train_step.trace(abstract, job.abstract_batch)
+    traced = job.train_step.trace(abstract, job.abstract_batch)
     if config.train.eval_batches > 0:  # Eval is partitioned apart from the train step: checked before it too.
       job.eval_step.trace(abstract.params, job.abstract_batch)
   except UserError:
@@ -85,6 +108,7 @@ def check_strategy(job) -> None:
     if isinstance(keyword, UserError):
       raise keyword from e
     _refuse(e, name, strategy, mesh)
+  _check_attends_across_context(traced, name, mesh.shape.get(context_lib.AXIS, 1))
   logging.info('model.name=%r traces under parallel.strategy=%r on mesh %s.', name, strategy, dict(mesh.shape))
 
 

@@ -1,0 +1,89 @@
+"""Figures for BENCHMARKS.md "Long sequences": what splitting rows over `mesh.context` costs and balances.
+
+  python scripts/bench_context.py [--steps=10] [--seq_len=1024]
+
+1. CPU step time with each row split over context = 2 and 4 devices against whole rows (context = 1), at the same
+   global shape (batch 8 x seq_len on 8 fake devices: data = 8 / context), side by side in alternating rounds: the
+   cost of gathering keys/values, as a ratio.
+2. Load balance of causal attention over 4 devices at 131,072 tokens: per device, the (query, key) pairs a block
+   kernel computes, in plain row order and in the balanced (zig-zag) order the launcher uses (parallel/context.py).
+"""
+
+import os
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from configs import default  # noqa: E402
+from parallel import context as context_lib  # noqa: E402
+from trainer import job as job_lib  # noqa: E402
+
+
+def _runner(context: int, seq_len: int):
+  config = default.get_config()
+  config.data.source = 'synthetic'
+  config.train.batch_size = 8
+  config.train.compute_dtype = 'float32'
+  config.data.seq_len = seq_len
+  config.model.num_heads, config.model.num_kv_heads = 4, 2
+  config.mesh.data, config.mesh.fsdp, config.mesh.context, config.mesh.tensor = 8 // context, 1, context, 1
+  job = job_lib.build_job(config)
+  compiled = job.compile_train_step()
+  state = job.init_state(0)
+  rng = np.random.default_rng(0)
+  batch = {k: jax.device_put(rng.integers(0, 256, job.abstract_batch[k].shape, dtype=np.int32), job.batch_shardings[k])
+           for k in ('inputs', 'targets')}
+  return [compiled, state, batch]
+
+
+def step_times(seq_len: int, steps: int, rounds: int = 3) -> dict[int, float]:
+  """Median step time per context size; rounds alternate sizes so drift hits all alike."""
+  runners = {c: _runner(c, seq_len) for c in (1, 2, 4)}
+  times = {c: [] for c in runners}
+  for _ in range(rounds):
+    for context, runner in runners.items():
+      compiled, state, batch = runner
+      for i in range(steps + 2):  # Two warm-up steps per round.
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        if i >= 2:
+          times[context].append(time.perf_counter() - start)
+      runner[1] = state
+  return {c: statistics.median(t) for c, t in times.items()}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--steps', type=int, default=10)
+  parser.add_argument('--seq_len', type=int, default=1024)
+  args = parser.parse_args()
+  medians = step_times(args.seq_len, args.steps)
+  print(f'| mesh (batch 8 x {args.seq_len}) | median step (ms) | vs context=1 |')
+  print('|---|---|---|')
+  for context, median in medians.items():
+    print(f'| data={8 // context}, context={context} | {median * 1e3:.1f} | {median / medians[1]:.2f} |')
+  seq_len, parts = 131_072, 4
+  plain, balanced = context_lib.causal_work(seq_len, parts, False), context_lib.causal_work(seq_len, parts)
+  print(f'\n| row order ({seq_len:,} tokens over context={parts}) | causal (query, key) pairs per device, '
+        f'in units of 10^9 | slowest / mean |')
+  print('|---|---|---|')
+  for name, work in (('plain', plain), ('balanced (zig-zag)', balanced)):
+    print(f'| {name} | {", ".join(f"{w / 1e9:.2f}" for w in work)} | {max(work) / np.mean(work):.2f} |')
+  print('\n' + json.dumps({'jax': jax.__version__, 'devices': len(jax.devices()), 'steps_per_round': args.steps}))
+
+
+if __name__ == '__main__':
+  main()

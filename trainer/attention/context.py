@@ -1,0 +1,142 @@
+"""Exact attention when the sequence is split over the `context` mesh axis: all-gather of keys and values.
+
+Shape letters: B batch, L sequence length (l: this device's part, L / C), H query heads, G key/value heads, K head dim.
+
+Each device holds l = L / C tokens of every row, in the balanced order of parallel/context.py. Inside a shard_map
+over the whole mesh, each device gathers the keys, values and segment ids of the full row over `context` (tiled:
+device r's part lands at r*l) and attends with its own queries against all of them. Masks are built from each
+token's *original* position (`context.order`), never from its place in the balanced row, so causality and packed
+documents are exact however the row was reordered. The backward pass of the gather is a reduce-scatter of the
+key/value gradients, which jax derives.
+
+Why all-gather and not a ring (ppermute of key/value blocks with an online softmax): the gathered keys and values
+of one layer are G/H of the query's size times L, small next to the activations the split saves (for llama_1b,
+8 key/value heads of 64 = 1 KiB a token in bfloat16), and one collective that XLA overlaps with the projections is
+simpler than C - 1 dependent steps; it is MaxText's default on TPU for the same reason. A ring pays off when even
+the gathered keys/values of a layer no longer fit, far beyond 128k tokens at these widths.
+
+The per-device block: on TPU, splash attention (what 'auto' picks there) once per query chunk against the whole
+row in its original order, with a causal mask offset to the chunk's start. Offsets are static in splash's masks and
+differ per device, so a `lax.switch` on the device's index holds one static pair per device; blocks above the
+diagonal are skipped, which is where the balanced order pays (parallel/context.py: causal_work). Elsewhere (CPU, and
+GPUs for now: cuDNN's masks are causal from position 0 only), XLA's attention with an explicit (l, L) mask built
+from original positions.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
+from jax.sharding import Mesh, PartitionSpec
+
+from parallel import context as context_lib
+from trainer.attention import splash
+from trainer.attention.choice import SPLASH_LANES, SPLASH_TPU_HEAD_DIM_MULTIPLE
+from trainer.errors import UserError
+
+SCHEME = 'all-gather'  # Of keys/values over the context axis; recorded in the run manifest.
+
+
+def kernel_for(platform: str, setting: str, seq_len: int, parts: int, head_dim: int) -> tuple[str, str]:
+  """(per-device kernel, why) for attention across `parts` devices; 'splash' or 'xla' (see the module docstring)."""
+  chunk = seq_len // context_lib.chunks(parts)
+  if setting == 'cudnn':
+    raise UserError(f"model.attention='cudnn' cannot run across mesh.context={parts}: its masks are causal from "
+                    f"position 0 only, and each device holds two chunks from different places of the row. Set "
+                    f"model.attention to 'auto' or 'xla'.")
+  if setting == 'splash' or (setting == 'auto' and platform == 'tpu'):
+    if chunk % SPLASH_LANES == 0 and (platform != 'tpu' or head_dim % SPLASH_TPU_HEAD_DIM_MULTIPLE == 0):
+      return 'splash', f'splash per chunk of {chunk} tokens against the gathered row'
+    failed = (f'splash needs chunks (data.seq_len / 2 / mesh.context = {chunk}) that are a multiple of '
+              f'{SPLASH_LANES} and, on TPU, a head dim that is a multiple of {SPLASH_TPU_HEAD_DIM_MULTIPLE}')
+    if setting == 'splash':
+      raise UserError(f"model.attention='splash' cannot run across mesh.context={parts}: {failed}. Set "
+                      f"model.attention to 'auto' (or 'xla'), or change data.seq_len.")
+    return 'xla', f'fell back: {failed}'
+  return 'xla', 'explicit position masks' + (' (cuDNN masks are causal from position 0 only)'
+                                             if platform == 'gpu' else '')
+
+
+def _splash_local(q_BlHK, k_BLGK, v_BLGK, ids_Bl, ids_BL, *, causal: bool, seq_len: int, parts: int,
+                  interpret: bool):
+  """Splash once per query chunk against the row in original order; one static mask pair per device index."""
+  chunk, heads = seq_len // context_lib.chunks(parts), q_BlHK.shape[2]
+  original = np.argsort(context_lib.order(seq_len, parts))  # Balanced places of the tokens in original order.
+  k_BLGK, v_BLGK = k_BLGK[:, original], v_BLGK[:, original]
+  ids_BL = None if ids_BL is None else ids_BL[:, original].astype(jnp.int32)
+  q_BHlK = jnp.swapaxes(q_BlHK * jnp.asarray(q_BlHK.shape[-1] ** -0.5, q_BlHK.dtype), 1, 2)
+  k_BGLK, v_BGLK = jnp.swapaxes(k_BLGK, 1, 2), jnp.swapaxes(v_BLGK, 1, 2)
+
+  def run(first: int, q_BHcK, ids_Bc):
+    shape = (chunk, seq_len)
+    mask = splash_lib.CausalMask(shape, offset=first) if causal else splash_lib.FullMask(shape)
+    kernel = splash_lib.make_splash_mha(splash_lib.MultiHeadMask([mask] * heads),
+                                        block_sizes=splash.block_sizes(chunk), head_shards=1, q_seq_shards=1,
+                                        interpret=interpret)
+    if ids_BL is None:
+      return jax.vmap(kernel)(q_BHcK, k_BGLK, v_BGLK)
+    return jax.vmap(lambda q, k, v, qi, ki: kernel(q, k, v, segment_ids=splash_lib.SegmentIds(qi, ki)))(
+        q_BHcK, k_BGLK, v_BGLK, ids_Bc.astype(jnp.int32), ids_BL)
+
+  def branch(device: int):  # Device r holds chunks r and 2C-1-r (parallel/context.py).
+    firsts = [chunk * i for i in (device, context_lib.chunks(parts) - 1 - device)]
+
+    def compute(q_BHlK, ids_Bl):
+      halves = [run(first, q_BHlK[:, :, i * chunk:(i + 1) * chunk],
+                    None if ids_Bl is None else ids_Bl[:, i * chunk:(i + 1) * chunk]) for i, first in enumerate(firsts)]
+      return jnp.concatenate(halves, axis=2)
+    return compute
+
+  if causal:
+    out_BHlK = jax.lax.switch(jax.lax.axis_index(context_lib.AXIS), [branch(r) for r in range(parts)], q_BHlK, ids_Bl)
+  else:  # Every chunk sees the whole row: one mask for every device.
+    out_BHlK = branch(0)(q_BHlK, ids_Bl)
+  return jnp.swapaxes(out_BHlK, 1, 2)
+
+
+def _local(q_BlHK, k_BlGK, v_BlGK, ids_Bl, *, causal: bool, seq_len: int, parts: int, kernel: str,
+           interpret: bool):
+  """This device's queries against the whole row's keys and values (gathered over `context`)."""
+  axis = context_lib.AXIS
+  gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
+  k_BLGK, v_BLGK = gather(k_BlGK), gather(v_BlGK)
+  if kernel == 'splash':
+    return _splash_local(q_BlHK, k_BLGK, v_BLGK, ids_Bl, None if ids_Bl is None else gather(ids_Bl), causal=causal,
+                         seq_len=seq_len, parts=parts, interpret=interpret)
+  where_L = jnp.asarray(context_lib.order(seq_len, parts), jnp.int32)  # Original position at each place.
+  local = seq_len // parts
+  where_l = jax.lax.dynamic_slice_in_dim(where_L, jax.lax.axis_index(axis) * local, local)
+  mask_B1lL = jnp.ones((1, 1, local, seq_len), bool)
+  if causal:
+    mask_B1lL = mask_B1lL & (where_L[None, :] <= where_l[:, None])[None, None]
+  if ids_Bl is not None:
+    ids_BL = gather(ids_Bl)
+    mask_B1lL = mask_B1lL & (ids_Bl[:, None, :, None] == ids_BL[:, None, None, :])
+  return jax.nn.dot_product_attention(q_BlHK, k_BLGK, v_BLGK, mask=mask_B1lL, implementation='xla')
+
+
+def attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_BL, mesh: Mesh, rules, kernel: str = 'xla',
+              interpret: bool = False):
+  """Softmax(q k^T / sqrt(K)) v of rows in the balanced order, split over mesh axis `context`; same order out.
+
+  `kernel`: the per-device block, 'xla' or 'splash' (kernel_for decides; `interpret` runs splash off TPU).
+  """
+  parts, seq_len = mesh.shape[context_lib.AXIS], q_BLHK.shape[1]
+  q_axes = nn.logical_to_mesh_axes(('batch', 'length', 'heads', 'head_dim'), rules)
+  kv_axes = nn.logical_to_mesh_axes(('batch', 'length', 'kv_heads', 'head_dim'), rules)
+  # Rows and heads stay split as the rules say; the sequence is split over `context`, the head dim is whole.
+  q_spec = PartitionSpec(q_axes[0], context_lib.AXIS, q_axes[2], None)
+  kv_spec = PartitionSpec(kv_axes[0], context_lib.AXIS, kv_axes[2], None)
+  ids_spec = PartitionSpec(q_axes[0], context_lib.AXIS)
+
+  def local(q, k, v, ids=None):
+    return _local(q, k, v, ids, causal=causal, seq_len=seq_len, parts=parts, kernel=kernel, interpret=interpret)
+
+  # Mosaic kernels carry no varying-axes types: splash runs unchecked, as trainer/attention/splash.py does.
+  sharded = functools.partial(jax.shard_map, mesh=mesh, out_specs=q_spec, check_vma=kernel != 'splash')
+  if segment_ids_BL is None:
+    return sharded(local, in_specs=(q_spec, kv_spec, kv_spec))(q_BLHK, k_BLGK, v_BLGK)
+  return sharded(local, in_specs=(q_spec, kv_spec, kv_spec, ids_spec))(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL)
