@@ -53,7 +53,7 @@ def test_grouped_query_attention_is_multi_head_attention_with_each_kv_head_share
   np.testing.assert_allclose(gqa_logits, mha_logits, atol=1e-5, rtol=1e-5)
   # With a mesh the key/value activations are constrained by 'kv_heads' (on the tensor axis): the same logits.
   config = _config(num_kv_heads=2)
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 1, 2), ('data', 'fsdp', 'expert', 'tensor'))
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 1, 1, 2), ('data', 'fsdp', 'expert', 'context', 'tensor'))
   sharded = llama.build(config, mesh, config.parallel.logical_axis_rules)
   np.testing.assert_allclose(jax.jit(sharded.apply)({'params': params}, tokens), gqa_logits, atol=1e-5, rtol=1e-5)
   # num_kv_heads == num_heads is plain multi-head attention: the parameters of num_kv_heads=0.

@@ -37,7 +37,7 @@ def test_two_fills_is_an_error_naming_both():
 
 
 def test_wrong_product_suggests_shapes_that_fit():
-  with pytest.raises(UserError, match=r'needs 6 devices but 8 are available.*data=8,fsdp=1,expert=1,tensor=1'):
+  with pytest.raises(UserError, match=r'needs 6 devices but 8 are available.*data=8,fsdp=1,tensor=1'):
     mesh_lib.resolve_shape(_mesh_config(3, 2), 8)
 
 
