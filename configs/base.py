@@ -40,7 +40,7 @@ def get_config() -> config_dict.ConfigDict:
   c.train.compute_dtype = 'auto'  # 'auto' (bfloat16 on GPU/TPU, float32 on CPU), 'float32' or 'bfloat16'.
   c.train.param_dtype = 'float32'  # Storage dtype of parameters and optimizer state.
   c.train.remat_policy = 'none'  # Per-block rematerialization: 'auto' (least recomputation that fits, trainer/memory/remat.py), 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'save_qkv_proj', 'save_attention_and_mlp_hidden'.
-  c.train.adam_mu_dtype = 'float32'  # Storage dtype of Adam's first moment; 'bfloat16' halves it (the second moment stays float32).
+  c.train.adam_mu_dtype = 'float32'  # Storage dtype of the first moment (momentum) of adamw, muon, lion and sgd; 'bfloat16' halves it (Adam's second moment stays float32).
   c.train.device_memory_gb = config_dict.placeholder(float)  # GiB one device may use (pre-flight check, remat 'auto'); None = the device's reported limit (CPU reports none).
   c.train.grad_accum_steps = 1  # Microbatches per step, run by lax.scan with gradients summed: the same update in less memory.
   c.train.loss_chunks = 1  # > 1: the output head and loss run on this many slices of positions, so the (batch, seq_len, vocab) logits are never held whole (one more head matmul per token); must divide data.seq_len.

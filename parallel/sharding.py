@@ -92,7 +92,8 @@ def sharding_table(abstract_state, shardings, notes: dict[str, str] | None = Non
                 + (('yes' if decays.get(where) else 'no',) if decays else ())
                 + ((notes.get(where, 'from the model'),) if notes else ()))
   totals = {}
-  for part in ('params', 'opt_state'):
+  parts = ('params', 'opt_state') + (('ema_params',) if getattr(abstract_state, 'ema_params', None) is not None else ())
+  for part in parts:
     leaves = jax.tree.leaves(getattr(abstract_state, part))
     named = jax.tree.leaves(getattr(shardings, part))
     totals[f'{part}_bytes_per_device'] = sum(_bytes_per_device(a, n) for a, n in zip(leaves, named))
@@ -100,7 +101,7 @@ def sharding_table(abstract_state, shardings, notes: dict[str, str] | None = Non
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   lines = ['  '.join(c.rjust(w) if i == 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
            for r in rows]
-  for part in ('params', 'opt_state'):
+  for part in parts:
     lines.append(f'{part} per device: {totals[f"{part}_bytes_per_device"]:,} bytes '
                  f'of {totals[f"{part}_bytes_total"]:,} in total')
   return '\n'.join(lines), totals
@@ -113,7 +114,9 @@ def summary(abstract_state, shardings, totals: dict[str, int]) -> str:
   mib = lambda n: f'{n / 2**20:,.2f} MiB'
   return (f'{split} of {len(leaves)} parameter arrays split across devices, {len(leaves) - split} whole on each; per '
           f'device {mib(totals["params_bytes_per_device"])} of parameters (of {mib(totals["params_bytes_total"])}) and '
-          f'{mib(totals["opt_state_bytes_per_device"])} of optimizer state (of {mib(totals["opt_state_bytes_total"])})')
+          f'{mib(totals["opt_state_bytes_per_device"])} of optimizer state (of {mib(totals["opt_state_bytes_total"])})'
+          + (f' and {mib(totals["ema_params_bytes_per_device"])} of parameter average (train.ema_decay)'
+             if 'ema_params_bytes_per_device' in totals else ''))
 
 
 def check_divisible(abstract_boxed_params, mesh: Mesh, rules: Rules) -> None:

@@ -1,6 +1,7 @@
 """Write the parameters of a run's checkpoint as a plain Orbax checkpoint that needs nothing of this project.
 
   python scripts/export_params.py --config=configs/default.py --workdir=DIR --output=/abs/path/params [--step=N]
+      [--params=raw|ema]
 
 --config (and any --config.x=y overrides) must describe the model the run
 trained, as for a relaunch: the checkpoint's manifest is checked against it and
@@ -32,22 +33,28 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'The config the run wa
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The run folder (or gs:// URL) holding checkpoints/.')
 _OUTPUT = flags.DEFINE_string('output', None, 'Folder to create for the exported parameters (must not exist).')
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step to export; default: the newest intact one.')
+_PARAMS = flags.DEFINE_enum('params', 'raw', ['raw', 'ema'], "'raw': the parameters as trained; 'ema': their "
+                            'average, in the parameters\' dtypes (runs trained with train.ema_decay > 0).')
 flags.mark_flags_as_required(['config', 'workdir', 'output'])
 
 
-def export(config, workdir: str, output: str, step: int | None = None) -> int:
-  """Exports the params of checkpoint `step` (default newest intact) of `workdir` to `output`; returns the step."""
+def export(config, workdir: str, output: str, step: int | None = None, params: str = 'raw') -> int:
+  """Exports the params of checkpoint `step` (default newest intact) of `workdir` to `output`; returns the step.
+
+  `params`: 'raw', or 'ema' for the run's parameter average (trainer/state.py `params_of`).
+  """
   import orbax.checkpoint as ocp
 
   from trainer import checkpoint, storage
   from trainer import job as job_lib
+  from trainer import state as state_lib
   from trainer.errors import UserError
   output_path = storage.path(output)  # A local folder or a gs:// URL, like the workdir.
   if output_path.exists():
     raise UserError(f'--output={output} exists; choose a new folder (nothing is overwritten).')
   step, state = checkpoint.restore_for_tool(job_lib.build_job(config), workdir, step)
   with ocp.StandardCheckpointer() as writer:
-    writer.save(output_path, state.params)
+    writer.save(output_path, state_lib.params_of(state, params))
   logging.info('Exported the parameters of step %d of %s to %s', step, workdir, output_path)
   return step
 
@@ -59,7 +66,7 @@ def main(argv):
   from trainer.errors import UserError
   console.quiet_library_info()  # Orbax's dozens of INFO lines per save and restore; --verbosity=1 shows them.
   try:
-    export(_CONFIG.value, _WORKDIR.value, _OUTPUT.value, _STEP.value)
+    export(_CONFIG.value, _WORKDIR.value, _OUTPUT.value, _STEP.value, _PARAMS.value)
   except UserError as e:
     print(f'export_params.py: error: {e}', file=sys.stderr)
     sys.exit(2)

@@ -1,7 +1,7 @@
 """Print a prompt and the continuation a trained LM writes for it.
 
   python scripts/sample.py --workdir=DIR [--prompt='def '] [--num_tokens=200] [--temperature=0.8] [--seed=0]
-      [--top_k=0] [--top_p=1.0] [--step=latest]
+      [--top_k=0] [--top_p=1.0] [--step=latest] [--params=raw|ema]
 
 Reads the run's config from WORKDIR/config.json (written by launch.py),
 restores the parameters of the newest intact checkpoint (or --step) onto one
@@ -41,6 +41,8 @@ _TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k likeliest tokens o
 _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Sample among the smallest set of likeliest tokens whose probabilities add '
                             'up to at least p; 1.0 = all.')
 _STEP = flags.DEFINE_string('step', 'latest', "Checkpoint step to load, or 'latest' (the newest intact one).")
+_PARAMS = flags.DEFINE_enum('params', 'raw', ['raw', 'ema'], "'raw': the parameters as trained; 'ema': their "
+                            'average (runs trained with train.ema_decay > 0).')
 flags.mark_flags_as_required(['workdir'])
 
 
@@ -70,8 +72,10 @@ def load_run_config(workdir):
   return config
 
 
-def restore_model(config, workdir, step: str):
+def restore_model(config, workdir, step: str, which: str = 'raw'):
   """(step, bind, params) of checkpoint `step` ('latest': the newest intact one), on one CPU device.
+
+  `which`: 'raw' parameters or their 'ema' average (trainer/state.py `params_of`).
 
   `bind(params)` is the model: `bind(params)(tokens)` -> logits.
 
@@ -88,7 +92,8 @@ def restore_model(config, workdir, step: str):
 
   from trainer import checkpoint
   from trainer import job as job_lib
-  for key in ('data', 'fsdp', 'tensor', 'dcn_data', 'dcn_fsdp'):
+  from trainer import state as state_lib
+  for key in config.mesh:  # Every axis, per slice and across slices: one device.
     config.mesh[key] = 1
   config.parallel.strategy = 'jit'
   config.train.grad_accum_steps = 1
@@ -99,7 +104,7 @@ def restore_model(config, workdir, step: str):
   # `targets` as training has them (the window shifted left one): what a model.unshifted_inputs model is fed.
   def outputs(params, tokens_BL):
     return task.outputs(params, {'inputs': tokens_BL, 'targets': jax.numpy.roll(tokens_BL, -1, axis=1)})
-  return restored, lambda params: functools.partial(outputs, params), state.params
+  return restored, lambda params: functools.partial(outputs, params), state_lib.params_of(state, which)
 
 
 def byte_level(config) -> bool:
@@ -175,7 +180,7 @@ def generate(bind, params, prompt: list[int], num_tokens: int, seq_len: int, tem
 
 
 def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed: int, step: str, top_k: int = 0,
-           top_p: float = 1.0) -> bytes:
+           top_p: float = 1.0, params: str = 'raw') -> bytes:
   """The prompt and its continuation, as the bytes to print."""
   import jax
 
@@ -197,9 +202,9 @@ def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed:
     tokens = [*tok.prefix, *tok.encode(prompt, document=False)]
   else:
     tokens = encode_prompt(prompt, as_bytes, config.model.vocab_size)
-  _, bind, params = restore_model(config, workdir, step)
+  _, bind, weights = restore_model(config, workdir, step, params)
   with jax.default_device(jax.devices('cpu')[0]):
-    new = generate(bind, params, tokens, num_tokens, config.data.seq_len, temperature, seed, top_k, top_p)
+    new = generate(bind, weights, tokens, num_tokens, config.data.seq_len, temperature, seed, top_k, top_p)
   if as_bytes:
     return bytes(tokens + new)
   if tok is not None:
@@ -215,7 +220,7 @@ def main(argv):
     logging.set_verbosity(logging.ERROR)
   try:
     out = sample(_WORKDIR.value, _PROMPT.value, _NUM_TOKENS.value, _TEMPERATURE.value, _SEED.value, _STEP.value,
-                 _TOP_K.value, _TOP_P.value)
+                 _TOP_K.value, _TOP_P.value, _PARAMS.value)
   except UserError as e:
     print(f'sample.py: error: {" ".join(str(e).split())}', file=sys.stderr)
     sys.exit(2)

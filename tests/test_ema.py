@@ -1,17 +1,21 @@
 """train.ema_decay: a float32 moving average of the parameters, updated by the step and evaluated."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import read_metrics
+from conftest import REPO, launcher_env, read_metrics
 
 from configs import tiny
 from parallel import sharding
 from trainer import checkpoint
 from trainer import job as job_lib
 from trainer import loop
+from trainer import state as state_lib
 from trainer.errors import UserError
 from test_strategies import TEXT_DIR
 
@@ -69,6 +73,35 @@ def test_ema_is_evaluated_and_survives_resume_bit_exactly(tmp_path):
   ema, again = _ema_at(straight, 4), _ema_at(resumed, 4)
   assert jax.tree.leaves(ema)[0].dtype == np.float32
   jax.tree.map(np.testing.assert_array_equal, ema, again)
+
+  # The exports and sample.py use the average when asked: the exported tree is the average, in the parameters' dtype.
+  import orbax.checkpoint as ocp
+
+  from scripts import sample  # Imported once per process: its absl flags can be defined only once.
+  export = subprocess.run([sys.executable, str(REPO / 'scripts/export_params.py'), '--config=configs/tiny.py',
+                           f'--config.data.text_dir={TEXT_DIR}', f'--config.train.ema_decay={DECAY}',
+                           '--config.train.compute_dtype=float32', f'--workdir={straight}',
+                           f'--output={tmp_path / "ema_export"}', '--params=ema'],
+                          cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300)
+  assert export.returncode == 0, export.stderr[-2000:]
+  meta = ocp.PyTreeCheckpointer().metadata(tmp_path / 'ema_export').item_metadata.tree
+  exported = ocp.PyTreeCheckpointer().restore(
+      tmp_path / 'ema_export', restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta))
+  jax.tree.map(lambda e, x: np.testing.assert_array_equal(np.asarray(e, np.float32), x), ema, exported)
+  greedy = {which: sample.sample(str(straight), 'def ', 8, 0.0, 0, 'latest', params=which) for which in ('raw', 'ema')}
+  assert all(text.startswith(b'def ') and len(text) == 4 + 8 for text in greedy.values())
+
+  # Turning the average off on resume is refused in one line: the saved state has it.
+  with pytest.raises(UserError, match=r'trained with train.ema_decay=0.75, so its checkpoints keep a parameter '
+                                      r'average; resume with --config.train.ema_decay=0.75'):
+    loop.run(_config(steps=6, ema_decay=0.0), str(straight))
+
+
+def test_asking_for_the_average_of_a_run_without_one_is_one_line():
+  job = job_lib.build_job(_config(ema_decay=0.0), jax.devices()[:1])
+  with pytest.raises(UserError, match=r'--params=ema: this run kept no parameter average \(it was trained with '
+                                      r'train.ema_decay=0\)'):
+    state_lib.params_of(job.init_state(0), 'ema')
 
 
 def test_ema_decay_out_of_range_is_refused():

@@ -311,3 +311,15 @@ def test_plan_says_remat_auto_and_the_flops_once(caplog):
   said = lines + [r.getMessage() for r in caplog.records]
   assert sum("remat 'auto': 'none'" in s for s in said) == 1, said
   assert sum('FLOPs per step' in s for s in said) == 1, said
+
+
+def test_plan_names_the_optimizer_and_counts_the_parameter_average():
+  config = tiny.get_config()
+  config.train.optimizer, config.train.ema_decay = 'adafactor', 0.99
+  result = plan.make_plan(config)
+  text = plan.report(result, config)
+  assert f'optimizer state     {plan.footprint.gib(result.opt_state_bytes)} (adafactor)' in text
+  # The float32 average, sharded like the (float32) parameters: as many bytes per device.
+  assert result.ema_bytes == result.params_bytes > 0
+  assert 'parameter average' in text
+  assert result.params_bytes + result.opt_state_bytes + result.ema_bytes <= result.alias_bytes

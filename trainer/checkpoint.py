@@ -130,6 +130,18 @@ def _check_schedule(step: int, saved: dict[str, Any], manifest: dict[str, Any]) 
                   f'take it, or with the checkpoint\'s values to keep the schedule it was trained on.')
 
 
+def _check_same_average(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
+  """A parameter average is in the saved state or not: train.ema_decay may change its value, not turn it on or off."""
+  before = saved.get('config', {}).get('train', {}).get('ema_decay', 0.0) or 0.0
+  now = manifest.get('config', {}).get('train', {}).get('ema_decay', 0.0) or 0.0
+  if bool(before) != bool(now):
+    kept = 'keep a parameter average' if before else 'keep no parameter average'
+    raise UserError(f'--workdir {directory.parent} was trained with train.ema_decay={before}, so its checkpoints '
+                    f'{kept}; resume with --config.train.ema_decay={before if before else 0}'
+                    f'{" (any value in (0, 1) works)" if before else ""}, or use a fresh --workdir for '
+                    f'train.ema_decay={now}.')
+
+
 def _check_same_optimizer(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
   """Another optimizer's state cannot be restored into this one's (a schedule change can, and is logged)."""
   # Checkpoints written before train.optimizer existed were AdamW's.
@@ -273,6 +285,7 @@ class Checkpointer:
                       f'{self.directory}. Resume with the config it was trained with, or use a fresh --workdir; '
                       f'nothing was changed.')
     _check_same_optimizer(saved, manifest, self.directory)
+    _check_same_average(saved, manifest, self.directory)
     # Another process count is fine: the data position is a count of global examples (trainer/data/pipeline.py).
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator, manifest: dict[str, Any],

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import optax
+from absl import logging
 from jax.sharding import Mesh, NamedSharding
 
 from configs import base as base_config
@@ -68,7 +69,10 @@ def build_job(config, devices: Sequence[jax.Device] | None = None) -> Job:
   rules = sharding.rules_from_config(config.parallel)
   task = task_lib.build_task(config, mesh, rules)
   sharding.check_divisible(task.model.abstract_boxed, mesh, rules)
-  optimizer.validate(config.train, base_config.get_config().train)
+  defaults = base_config.get_config().train
+  optimizer.validate(config.train, defaults)
+  if note := optimizer.unused_first_moment_dtype(config.train, defaults):
+    logging.info('%s', note)
   tx, schedule = optimizer.build_optimizer(config.train, task.model.abstract_boxed)
   guardrails.validate(config.train.on_nonfinite)
   tx = guardrails.guard_optimizer(tx)  # A non-finite update is never applied, in any train.on_nonfinite mode.

@@ -19,6 +19,7 @@ from trainer import checkpoint, compilation_cache, data, flops, guardrails, obje
 from trainer import goodput as goodput_lib
 from trainer import optimizer, profiling, progress, storage
 from trainer import job as job_lib
+from trainer import state as state_lib
 from trainer.hf import load as hf_load
 from trainer.memory import preflight, remat
 from trainer.models import contract
@@ -260,8 +261,8 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
       run.hang.phase('eval')
       evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
-      if state.ema_params is not None:  # The same eval step, on the average cast to the parameters' dtypes.
-        ema = jax.tree.map(lambda e, p: e.astype(p.dtype), state.ema_params, state.params)
+      if state.ema_params is not None:  # The same eval step, on the average.
+        ema = state_lib.params_of(state, 'ema')
         evals[step]['eval_ema_loss'] = _evaluate(run.eval_step, ema, run.eval_set, run.objective)['eval_loss']
     run.writer.goodput.record_side(eval_s=time.perf_counter() - t_eval, checkpoint_s=t_eval - t_side)
     side_time += time.perf_counter() - t_side

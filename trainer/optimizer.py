@@ -10,6 +10,9 @@ With the default float32 parameters Adam's moments are float32. optax keeps the
 second moment in the parameters' dtype and the first in `train.adam_mu_dtype`:
 a bfloat16 first moment saves a quarter of the optimizer state's memory; the
 second moment, whose small values bfloat16 would round away, stays float32.
+Despite its name the key sets the first moment (momentum) of every optimizer
+that keeps one (Lion's, SGD's, Muon's), so a preset that asks for a bfloat16
+first moment can switch optimizer by one flag; Adafactor keeps none.
 """
 
 import flax.linen as nn
@@ -26,7 +29,7 @@ SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'rsqrt')
 DECAY_SHAPES = ('linear', '1-sqrt')
 # The keys only some optimizers read; set on another optimizer they would be silently ignored.
 OWN_KEYS = {
-    'adam_b1': ('adamw', 'muon'), 'adam_b2': ('adamw', 'muon'), 'adam_mu_dtype': ('adamw', 'muon'),
+    'adam_b1': ('adamw', 'muon'), 'adam_b2': ('adamw', 'muon'),
     'adafactor_min_dim_size_to_factor': ('adafactor',), 'adafactor_decay_rate': ('adafactor',),
     'lion_b1': ('lion',), 'lion_b2': ('lion',),
     'muon_beta': ('muon',), 'muon_ns_steps': ('muon',), 'muon_consistent_rms': ('muon',),
@@ -50,6 +53,17 @@ def validate(train_config, defaults) -> None:
     if train_config.optimizer not in owners and train_config[key] != defaults[key]:
       raise UserError(f'train.{key}={train_config[key]!r} applies only to train.optimizer={" or ".join(owners)}, '
                       f'not {train_config.optimizer!r}: remove it or change train.optimizer.')
+
+
+def unused_first_moment_dtype(train_config, defaults) -> str | None:
+  """A note when `train.adam_mu_dtype` is set but the optimizer keeps no first moment to store in it."""
+  t = train_config
+  if t.adam_mu_dtype == defaults.adam_mu_dtype:
+    return None
+  if t.optimizer == 'adafactor' or (t.optimizer == 'sgd' and not t.sgd_momentum):
+    return (f'train.adam_mu_dtype={t.adam_mu_dtype!r} is unused: train.optimizer={t.optimizer!r}'
+            f'{" with train.sgd_momentum=0" if t.optimizer == "sgd" else ""} keeps no first moment.')
+  return None
 
 
 def learning_rate_schedule(train_config) -> optax.Schedule:
@@ -110,7 +124,8 @@ def _base(train_config, schedule, infos):
                            decay_rate=t.adafactor_decay_rate, weight_decay_rate=decay_rate,
                            weight_decay_mask=decay_mask)
   if t.optimizer == 'lion':
-    return optax.lion(schedule, b1=t.lion_b1, b2=t.lion_b2, weight_decay=t.weight_decay, mask=decay_mask)
+    return optax.lion(schedule, b1=t.lion_b1, b2=t.lion_b2, mu_dtype=mu_dtype, weight_decay=t.weight_decay,
+                      mask=decay_mask)
   if t.optimizer == 'muon':
     # consistent_rms scales each orthogonalized update to AdamW's typical RMS, so one
     # train.learning_rate serves both the Muon and the AdamW parameters.
@@ -120,7 +135,8 @@ def _base(train_config, schedule, infos):
                               adam_b2=t.adam_b2, adam_weight_decay=t.weight_decay,
                               muon_weight_dimension_numbers=dimensions, consistent_rms=t.muon_consistent_rms)
   decay = optax.add_decayed_weights(t.weight_decay, decay_mask) if t.weight_decay else optax.identity()
-  return optax.chain(decay, optax.sgd(schedule, momentum=t.sgd_momentum or None, nesterov=t.sgd_nesterov))
+  return optax.chain(decay, optax.sgd(schedule, momentum=t.sgd_momentum or None, nesterov=t.sgd_nesterov,
+                                           accumulator_dtype=mu_dtype))
 
 
 def decaying_params(train_config, abstract_params) -> dict[str, bool]:

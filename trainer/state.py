@@ -18,7 +18,10 @@ from jax.sharding import Mesh
 
 from parallel import sharding
 from trainer import optimizer
+from trainer.errors import UserError
 from trainer.models.adapters import AdaptedModel
+
+PARAMS_CHOICES = ('raw', 'ema')
 
 
 @flax.struct.dataclass
@@ -67,3 +70,16 @@ def create_state(seed: int, model: AdaptedModel, tx, shardings: TrainState, ema_
   init = jax.jit(lambda s, p: nn.meta.unbox(_init_boxed(s, model, tx, ema_decay, p)), out_shardings=shardings,
                  donate_argnums=1)
   return init(seed, params)
+
+
+def params_of(state: TrainState, which: str = 'raw') -> Any:
+  """The parameters as trained ('raw'), or ('ema') their average cast to the parameters' dtypes: what eval,
+  scripts/sample.py and the exports use."""
+  if which not in PARAMS_CHOICES:
+    raise UserError(f'--params={which!r}: give one of {", ".join(PARAMS_CHOICES)}.')
+  if which == 'raw':
+    return state.params
+  if state.ema_params is None:
+    raise UserError("--params=ema: this run kept no parameter average (it was trained with train.ema_decay=0); "
+                    "use --params=raw, or train with --config.train.ema_decay=0.999.")
+  return jax.tree.map(lambda e, p: e.astype(p.dtype), state.ema_params, state.params)
