@@ -1,9 +1,11 @@
 """Write a run's newest checkpoint as a Hugging Face model folder that transformers and vLLM load.
 
   python scripts/export_hf.py --workdir=DIR --output=OUT [--step=latest] [--dtype=float32] [--max_shard_gb=5]
+      [--params=raw|ema]
 
 Reads the run's config from WORKDIR/config.json, restores the parameters of the
-newest intact checkpoint (or --step) onto one CPU device, and writes OUT/config.json
+newest intact checkpoint (or --step) onto one CPU device (or, with --params=ema,
+their moving average: train.ema_decay), and writes OUT/config.json
 (LlamaForCausalLM, or Qwen2ForCausalLM for a model with q/k/v biases) and the
 weights as safetensors, split into files of at most --max_shard_gb with
 model.safetensors.index.json when larger. The tokenizer files travel along: those
@@ -39,7 +41,8 @@ def tokenizer_files(config) -> tuple[pathlib.Path, ...]:
   return () if folder is None else tuple(folder / n for n in TOKENIZER_FILES if (folder / n).is_file())
 
 
-def export(workdir: str, output: str, step: str = 'latest', dtype: str = 'float32', max_shard_gb: float = 5.0):
+def export(workdir: str, output: str, step: str = 'latest', dtype: str = 'float32', max_shard_gb: float = 5.0,
+           params: str = 'raw'):
   """Writes `output`; returns (the checkpoint step exported, the file names written)."""
   import sample
 
@@ -54,8 +57,8 @@ def export(workdir: str, output: str, step: str = 'latest', dtype: str = 'float3
   out = pathlib.Path(output)
   if out.exists():
     raise UserError(f'--output={output!r} exists; choose a new folder (nothing is overwritten).')
-  restored, _, params = sample.restore_model(config, run, step)
-  names = save.export(config.model, params, out, dtype, int(max_shard_gb * (1 << 30)), tokenizer_files(config))
+  restored, _, weights = sample.restore_model(config, run, step, params)
+  names = save.export(config.model, weights, out, dtype, int(max_shard_gb * (1 << 30)), tokenizer_files(config))
   logging.info('Exported step %d of %s to %s (%s)', restored, workdir, out, ', '.join(names))
   return restored, names
 
@@ -68,12 +71,14 @@ def main(argv=None):
   parser.add_argument('--step', default='latest', help="checkpoint step to export, or 'latest' (newest intact)")
   parser.add_argument('--dtype', default='float32', help="written weights: 'float32', 'bfloat16' or 'float16'")
   parser.add_argument('--max_shard_gb', type=float, default=5.0, help='largest safetensors file, in GiB')
+  parser.add_argument('--params', default='raw', choices=('raw', 'ema'),
+                      help="'raw': the parameters as trained; 'ema': their moving average (train.ema_decay > 0)")
   args = parser.parse_args(argv)
   from trainer import console
   from trainer.errors import UserError
   console.quiet_library_info()
   try:
-    step, names = export(args.workdir, args.output, args.step, args.dtype, args.max_shard_gb)
+    step, names = export(args.workdir, args.output, args.step, args.dtype, args.max_shard_gb, args.params)
   except UserError as e:
     sys.exit(f'export_hf.py: error: {e}')
   print(f'wrote {args.output}: config.json, {", ".join(names)} (step {step})')

@@ -153,3 +153,14 @@ def test_column_slices_read_only_what_is_asked(tmp_path):
   from safetensors.numpy import load_file
   whole = load_file(FIXTURES / 'llama' / 'model.safetensors')['model.layers.0.mlp.up_proj.weight']
   np.testing.assert_array_equal(safetensors_files.read_block(info, slice(3, 70), slice(5, 37)), whole[3:70, 5:37])
+
+
+def test_the_launcher_says_a_bad_folder_in_one_line_before_compiling(launcher, tmp_path):
+  folder = _copy('llama', tmp_path)
+  (folder / 'model.safetensors').unlink()
+  result = launcher('--config=configs/base.py', f'--workdir={tmp_path / "run"}', f'--config.model.init_from=hf:{folder}',
+                    '--config.data.source=synthetic', '--config.data.seq_len=24', '--config.train.batch_size=8')
+  assert result.returncode == 2
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("launch.py: error: model.init_from='hf:") and 'has no weights' in last
+  assert 'Compiled the train step' not in result.stderr

@@ -170,7 +170,7 @@ def _token_shards(config):
     raise UserError(f'data.path={str(root)!r} has no train split; {token_shards.REPREPARE}.')
   vocab = token_shards.read_meta(root)['vocab_size']
   if vocab > config.model.vocab_size:
-    fix = (f"prepare the data with model.init_from's own tokenizer (scripts/prepare_data.py --tokenizer=FOLDER)"
+    fix = ("prepare the data with model.init_from's own tokenizer (scripts/prepare_data.py --tokenizer=FOLDER)"
            if config.model.get('init_from') else f'set --config.model.vocab_size={vocab} (or more)')
     raise UserError(f'the shards in {str(root)!r} use a vocabulary of {vocab} tokens but model.vocab_size='
                     f'{config.model.vocab_size}; {fix}.')

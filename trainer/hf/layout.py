@@ -71,7 +71,13 @@ class Placement:
     if not self.stacked:
       return self._read_layer(self.hf_names[0], index, read_block)
     layers = range(len(self.hf_names))[index[0]]
-    return np.stack([self._read_layer(self.hf_names[i], index[1:], read_block) for i in layers])
+    out = None
+    for j, i in enumerate(layers):  # Filled a layer at a time: never the slice twice over.
+      layer = self._read_layer(self.hf_names[i], index[1:], read_block)
+      if out is None:
+        out = np.empty((len(layers),) + layer.shape, layer.dtype)
+      out[j] = layer
+    return out
 
   def to_hf(self, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
     """(Hugging Face name, tensor) pairs of our whole parameter `value`: the inverse of `read`."""

@@ -7,10 +7,11 @@ Two calls, at two moments of a run:
   launch is refused naming both.
 - `load_params(config, abstract_params, shardings)` reads the safetensors headers,
   checks every tensor's name and shape against the model (one line for a missing,
-  extra or misshapen tensor, before any compile), then builds each parameter with
-  `jax.make_array_from_callback`: every process reads only the slices its own
-  devices hold (trainer/hf/safetensors_files.py reads them without mapping the
-  file), so no host ever holds the whole model.
+  extra or misshapen tensor, before any compile), then builds each parameter from
+  its devices' slices: every process reads only the slices its own devices hold
+  (trainer/hf/safetensors_files.py reads them without mapping the file), one device
+  at a time, so no host ever holds the whole model, nor more than one device's
+  slice beyond what its devices keep.
 
 The run calls `load_params` only when it starts fresh; a resumed run restores its
 checkpoint and says that init_from was not read (trainer/loop.py).
@@ -93,6 +94,25 @@ def check_weights(config, abstract_params) -> tuple[dict, list[layout.Placement]
   return tensors, placements
 
 
+def _assemble(placement: layout.Placement, leaf, sharding, read_block) -> jax.Array:
+  """One parameter on this process's devices, each device's slice read, put on it and let go before the next.
+
+  (jax.make_array_from_callback would hold every device's host copy at once.) Devices holding the same slice
+  (replicas) get it from one read.
+  """
+  indices = sharding.addressable_devices_indices_map(leaf.shape)
+  waiting = collections.Counter(_key(index, leaf.shape) for index in indices.values())
+  cache, shards = {}, []
+  for device, index in indices.items():
+    key = _key(index, leaf.shape)
+    if key not in cache:
+      block = placement.read(tuple(slice(*k) for k in key), read_block)
+      cache[key] = np.ascontiguousarray(block.astype(leaf.dtype, copy=False))
+    waiting[key] -= 1
+    shards.append(jax.device_put(cache.pop(key) if waiting[key] == 0 else cache[key], device))
+  return jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards)
+
+
 def _key(index: tuple[slice, ...], shape) -> tuple[tuple[int, int], ...]:
   """A device's slice as ((start, stop), ...) per dimension, None bounds resolved."""
   return tuple(tuple(s.indices(n)[:2]) for s, n in zip(index, shape))
@@ -110,19 +130,6 @@ def load_params(config, abstract_params, shardings):
   loaded = {}
   for placement in placements:
     leaf, sharding = flat_abstract[placement.path], flat_shardings[placement.path]
-    # Devices holding the same slice (replicas) read it once; it is dropped when the last of them has it, so a
-    # process holds at most the slices of one parameter beside the device copies.
-    waiting = collections.Counter(_key(i, leaf.shape) for i in sharding.addressable_devices_indices_map(leaf.shape)
-                                  .values())
-    cache = {}
-
-    def callback(index, placement=placement, leaf=leaf, cache=cache, waiting=waiting):
-      key = _key(index, leaf.shape)
-      if key not in cache:
-        cache[key] = np.ascontiguousarray(placement.read(tuple(slice(*k) for k in key), read_block).astype(leaf.dtype))
-      waiting[key] -= 1
-      return cache.pop(key) if waiting[key] <= 0 else cache[key]
-
-    loaded[placement.path] = jax.make_array_from_callback(leaf.shape, sharding, callback)
+    loaded[placement.path] = _assemble(placement, leaf, sharding, read_block)
   logging.info('%s: read %d parameters into the run\'s shardings.', _where(config), len(placements))
   return layout.unflatten(loaded)

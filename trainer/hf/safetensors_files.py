@@ -66,17 +66,17 @@ def weight_files(folder: pathlib.Path, where: str) -> list[pathlib.Path]:
     try:
       weight_map = json.loads(index.read_text())['weight_map']
     except (OSError, ValueError, KeyError) as e:
-      raise UserError(f'{str(index)!r} is unreadable or has no weight_map ({type(e).__name__}); {where}: download '
+      raise UserError(f'{where}: {str(index)!r} is unreadable or has no weight_map ({type(e).__name__}); download '
                       f'the model folder again.') from e
     files = [folder / name for name in sorted(set(weight_map.values()))]
     missing = [str(f.name) for f in files if not f.is_file()]
     if missing:
-      raise UserError(f'{str(index)!r} lists {", ".join(missing)}, missing from {str(folder)!r}; {where}: download '
-                      f'the whole model folder.')
+      raise UserError(f'{where}: {str(index)!r} lists {", ".join(missing)}, missing from the folder; download the '
+                      f'whole model folder.')
     return files
   if (folder / SINGLE).is_file():
     return [folder / SINGLE]
-  raise UserError(f'{str(folder)!r} has no weights: neither {INDEX} nor {SINGLE}; {where} must be a Hugging Face '
+  raise UserError(f'{where}: {str(folder)!r} has no weights: neither {INDEX} nor {SINGLE}; give a Hugging Face '
                   f'model folder with its safetensors weights (.bin and .pth files are not read).')
 
 
