@@ -38,11 +38,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from trainer.data import finetune_jsonl, token_shards  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
+from trainer.data import file_tokenizers  # noqa: E402
 from trainer.hf import tokenizer as hf_tokenizer  # noqa: E402
-
-CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
-                  r"""\s*[\r\n]|\s+(?!\S)|\s+""")
-
 
 def load_tokenizer(path: str | None):
   """(encode: str -> list[int], vocab_size, description) from a local file; bytes when `path` is None."""
@@ -51,30 +48,8 @@ def load_tokenizer(path: str | None):
   if hf_tokenizer.is_hf_tokenizer(path):
     tok = hf_tokenizer.load(path)
     return tok.encode, tok.vocab_size, f'hf:{pathlib.Path(path).resolve()}'
-  file = pathlib.Path(path)
-  if not file.is_file():
-    raise UserError(f'--tokenizer={path!r} is not a file; give a local tokenizer.json (or its folder), SentencePiece '
-                    f'.model or tiktoken file.')
-  if file.suffix == '.model':
-    try:
-      import sentencepiece
-    except ImportError:
-      raise UserError(f'--tokenizer={path!r} is a SentencePiece model but the sentencepiece package is not '
-                      f'installed; pip install sentencepiece, or omit --tokenizer for bytes.') from None
-    sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
-    return sp.encode, sp.vocab_size(), f'sentencepiece:{file.name}'
-  if file.suffix == '.tiktoken':
-    try:
-      import tiktoken
-      from tiktoken.load import load_tiktoken_bpe
-    except ImportError:
-      raise UserError(f'--tokenizer={path!r} is a tiktoken file but the tiktoken package is not installed; '
-                      f'pip install tiktoken, or omit --tokenizer for bytes.') from None
-    ranks = load_tiktoken_bpe(str(file))
-    encoding = tiktoken.Encoding(file.stem, pat_str=CL100K_PATTERN, mergeable_ranks=ranks, special_tokens={})
-    return encoding.encode_ordinary, encoding.n_vocab, f'tiktoken:{file.name}'
-  raise UserError(f'--tokenizer={path!r}: unknown kind; use a tokenizer.json (or its folder), a SentencePiece .model '
-                  f'or a .tiktoken file.')
+  tok = file_tokenizers.load(path)
+  return tok.encode, tok.vocab_size, tok.name
 
 
 def read_documents(root: pathlib.Path, glob: str, encode) -> list[tuple[str, np.ndarray]]:
@@ -152,10 +127,14 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     token_shards.write_shards(out, splits, vocab_size, tokenizer, args.num_shards,
                               masks if source.suffix == '.jsonl' else None)
-    if tokenizer.startswith('hf:'):  # Kept with the data: export_hf.py ships them, sample.py decodes with them.
+    # Kept with the data: export_hf.py ships them, sample.py encodes and decodes with them.
+    if tokenizer.startswith('hf:'):
       (out / 'tokenizer').mkdir()
       for file in hf_tokenizer.load(args.tokenizer).files:
         shutil.copy2(file, out / 'tokenizer' / file.name)
+    elif tokenizer != 'bytes':
+      (out / 'tokenizer').mkdir()
+      shutil.copy2(args.tokenizer, out / 'tokenizer' / pathlib.Path(args.tokenizer).name)
   except UserError as e:
     sys.exit(f'prepare_data.py: error: {e}')
   counts = {split: f'{len(d)} documents, {sum(map(len, d))} tokens' for split, d in splits.items()}

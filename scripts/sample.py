@@ -16,8 +16,10 @@ tokenized as bytes) take the prompt as text and print text; so do runs whose
 shards prepare_data.py made with a Hugging Face tokenizer (kept in DATA/tokenizer/)
 or that started from a Hugging Face folder holding tokenizer.json
 (model.init_from): the prompt is encoded after the tokenizer's document prefix
-(BOS), the output decoded. Other runs know no tokenizer here: the prompt is token
-ids ('15 27 3') and the output is ids.
+(BOS), the output decoded; and runs whose shards it made with a SentencePiece
+model or a tiktoken file (kept there too; the package must be installed). Runs
+whose tokens came with no tokenizer (arrays, synthetic): the prompt is token ids
+('15 27 3') and the output is ids.
 """
 
 import functools
@@ -193,13 +195,11 @@ def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed:
   workdir = storage.path(workdir)  # A local folder or gs://bucket/run.
   config = load_run_config(workdir)
   as_bytes = byte_level(config)
-  from trainer.hf import tokenizer as hf_tokenizer
-  folder = None if as_bytes else hf_tokenizer.run_folder(config)
-  tok = None if folder is None else hf_tokenizer.load(str(folder), flag='the run\'s tokenizer')
-  if tok is not None:
+  encode, decode = text_codec(config, as_bytes)
+  if encode is not None:
     if not prompt:
       raise UserError('--prompt is empty; give at least one token to continue.')
-    tokens = [*tok.prefix, *tok.encode(prompt, document=False)]
+    tokens = encode(prompt)
   else:
     tokens = encode_prompt(prompt, as_bytes, config.model.vocab_size)
   _, bind, weights = restore_model(config, workdir, step, params)
@@ -207,9 +207,30 @@ def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed:
     new = generate(bind, weights, tokens, num_tokens, config.data.seq_len, temperature, seed, top_k, top_p)
   if as_bytes:
     return bytes(tokens + new)
-  if tok is not None:
-    return tok.decode(tokens[len(tok.prefix):] + new).encode()
+  if decode is not None:
+    return decode(tokens, new).encode()
   return ' '.join(map(str, tokens + new)).encode()
+
+
+def text_codec(config, as_bytes: bool):
+  """(encode(prompt) -> ids, decode(prompt ids, new ids) -> text) for runs tokenized with a Hugging Face tokenizer
+  (trainer/hf/tokenizer.py) or a SentencePiece/tiktoken file kept with the shards (trainer/data/file_tokenizers.py);
+  (None, None) for byte-level runs and runs whose tokens came with no tokenizer (ids in, ids out)."""
+  from trainer.data import file_tokenizers
+  from trainer.hf import tokenizer as hf_tokenizer
+  if as_bytes:
+    return None, None
+  folder = hf_tokenizer.run_folder(config)
+  if folder is not None:
+    tok = hf_tokenizer.load(str(folder), flag='the run\'s tokenizer')
+    return ((lambda text: [*tok.prefix, *tok.encode(text, document=False)]),
+            (lambda prompt, new: tok.decode(prompt[len(tok.prefix):] + new)))
+  meta = pathlib.Path(config.data.path or '') / 'meta.json'
+  if config.data.source == 'array_record' and meta.is_file():
+    tok = file_tokenizers.of_run(config.data.path, json.loads(meta.read_text()).get('tokenizer', ''))
+    if tok is not None:
+      return (lambda text: list(tok.encode(text))), (lambda prompt, new: tok.decode(prompt + new))
+  return None, None
 
 
 def main(argv):

@@ -211,7 +211,8 @@ def test_vocabulary_larger_than_the_model(tmp_path):
 @pytest.mark.parametrize('args, expected', [
     (['--input={tmp}/none'], "--input='{tmp}/none' is not a folder"),
     (['--input={tmp}', '--tokenizer={tmp}/tok.model'], 'sentencepiece package is not installed'),
-    (['--input={tmp}', '--tokenizer={tmp}/tok.tiktoken'], 'tiktoken package is not installed'),
+    (['--input={tmp}', '--tokenizer={tmp}/tok.tiktoken'], "--tokenizer='{tmp}/tok.tiktoken' is not a tiktoken BPE "
+                                                            "file (a base64 token and its rank per line"),
     (['--input={tmp}', '--output={tmp}'], "--output='{tmp}' is not empty"),
 ])
 def test_prepare_data_errors_name_the_flag(tmp_path, args, expected):

@@ -78,3 +78,30 @@ def test_top_k_1_is_greedy(workdir):
                  '--seed=3')
   assert greedy.returncode == 0 and top1.returncode == 0, top1.stderr[-2000:]
   assert top1.stdout == greedy.stdout
+
+
+def test_a_run_tokenized_with_a_tiktoken_file_samples_text(tmp_path):
+  """prepare_data.py keeps a .tiktoken file with the shards; sample.py encodes the prompt and decodes with it."""
+  import base64
+
+  from ml_collections import config_dict
+  merges = [b'th', b'he', b'the', b'in', b'de', b'def']  # Byte pairs first: each merge joins two known tokens.
+  tokens = [bytes([b]) for b in range(256)] + merges
+  (tmp_path / 'tiny.tiktoken').write_text(''.join(f'{base64.b64encode(t).decode()} {i}\n' for i, t in enumerate(tokens)))
+  text = tmp_path / 'text'
+  text.mkdir()
+  (text / 'a.txt').write_text('def the_thing(): return the other thing\n' * 20)
+  prepared = subprocess.run([sys.executable, str(REPO / 'scripts/prepare_data.py'), f'--input={text}',
+                             f'--output={tmp_path / "data"}', f'--tokenizer={tmp_path / "tiny.tiktoken"}',
+                             '--glob=*.txt', '--eval_percent=0'], capture_output=True, text=True, timeout=120)
+  assert prepared.returncode == 0, prepared.stderr
+  assert (tmp_path / 'data' / 'tokenizer' / 'tiny.tiktoken').read_bytes() == (tmp_path / 'tiny.tiktoken').read_bytes()
+  config = config_dict.ConfigDict({'data': {'source': 'array_record', 'path': str(tmp_path / 'data')},
+                                   'model': {'init_from': None}})
+  encode, decode = _sample_module().text_codec(config, as_bytes=False)
+  ids = encode('def the')
+  assert ids == [261, 32, 258]  # 'def', ' ', 'the': the merges, not bytes.
+  assert decode(ids, [258]) == 'def thethe'
+  (tmp_path / 'data' / 'tokenizer' / 'tiny.tiktoken').unlink()
+  with pytest.raises(Exception, match=r'was tokenized with tiktoken:tiny.tiktoken but .*tiny.tiktoken is missing'):
+    _sample_module().text_codec(config, as_bytes=False)
