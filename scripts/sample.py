@@ -84,7 +84,7 @@ def restore_model(config, workdir, step: str):
 
   from trainer import checkpoint
   from trainer import job as job_lib
-  for key in ('data', 'fsdp', 'expert', 'tensor', 'dcn_data', 'dcn_fsdp'):
+  for key in ('data', 'fsdp', 'tensor', 'dcn_data', 'dcn_fsdp'):
     config.mesh[key] = 1
   config.parallel.strategy = 'jit'
   config.train.grad_accum_steps = 1
