@@ -56,13 +56,16 @@ def expert_1(tmp_path_factory):
   return _losses(tmp_path_factory.mktemp('expert1'), _config((4, 2, 1)))
 
 
-@pytest.mark.parametrize('mesh', [(2, 2, 2), (1, 1, 8)], ids=['expert2', 'expert8'])
-def test_expert_axis_trains_the_same_losses(mesh, expert_1, tmp_path):
-  _assert_close(_losses(tmp_path, _config(mesh)), expert_1)
+def test_expert_axis_of_8_trains_the_same_losses(expert_1, tmp_path):
+  _assert_close(_losses(tmp_path, _config((1, 1, 8))), expert_1)
 
 
 def test_checkpoint_from_expert_4_resumes_at_expert_2(expert_1, tmp_path, caplog):
-  """5 steps at data=1 x fsdp=2 x expert=4, then steps 6-10 at data=2 x fsdp=2 x expert=2 from its checkpoint."""
+  """5 steps at data=1 x fsdp=2 x expert=4, then steps 6-10 at data=2 x fsdp=2 x expert=2 from its checkpoint.
+
+  Both sizes train the reference's losses (expert=4 steps 1-5, expert=2 steps 6-10), so expert = 1, 2, 4 and 8
+  are all compared with one compile each (the CPU budget of the suite).
+  """
   first = _losses(tmp_path / 'run', _config((1, 2, 4), steps=5))
   _assert_close(first, expert_1[:5])
   with caplog.at_level('INFO'):

@@ -107,6 +107,17 @@ def test_a_chunked_loss_is_proposed_where_the_logits_weigh_on_the_budget():
   assert not any('loss_chunks' in f for f in flags(budget=1))
 
 
+def test_a_larger_expert_axis_is_proposed_for_a_mixture_of_experts():
+  config = tiny.get_config()
+  shape = lambda data, expert: {'data': data, 'fsdp': 1, 'expert': expert, 'tensor': 1}
+  flags = lambda shape: [f for f, _ in plan._candidates(config, shape, None)]
+  assert not any('mesh.expert' in f for f in flags(shape(8, 1)))  # A dense model has no experts to split.
+  config.model.num_experts = 8
+  assert '--config.mesh.expert=2 --config.mesh.data=-1' in flags(shape(8, 1))
+  config.mesh.expert = 8
+  assert not any('mesh.expert' in f for f in flags(shape(1, 8)))  # Every expert on its own device already.
+
+
 def test_launcher_plan_needs_no_workdir_and_topology_needs_plan(launcher):
   result = launcher(TINY, '--plan', '--config.model.num_layers=1')
   assert result.returncode == 0, result.stderr[-2000:]
