@@ -170,6 +170,13 @@ def test_sample_and_export_read_the_run_from_the_bucket(runs, tmp_path):
   assert export.returncode == 0, export.stderr[-3000:]
   assert 'Exported the parameters of step 6' in export.stderr
   assert 'run-params/_METADATA' in _objects(f'{BUCKET}/run-params')
+  # The Hugging Face export (issue 26) reads a bucket workdir the same way.
+  hf = subprocess.run([sys.executable, str(REPO / 'scripts/export_hf.py'), f'--workdir={RUN}',
+                       f'--output={tmp_path / "hf"}'], cwd=REPO, capture_output=True, text=True, timeout=180,
+                      env=launcher_env())
+  assert hf.returncode == 0, hf.stderr[-3000:]
+  assert json.loads((tmp_path / 'hf' / 'config.json').read_text())['architectures'] == ['LlamaForCausalLM']
+  assert (tmp_path / 'hf' / 'model.safetensors').stat().st_size > 0
 
 
 def test_a_second_launch_is_refused_while_the_lock_object_is_held(emulator):
