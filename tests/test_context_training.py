@@ -130,3 +130,15 @@ def test_brought_model_with_attention_of_its_own_is_refused_and_one_calling_the_
     job_lib.build_job(config)
   config.model.name = 'tests.custom_models:launcher_attention_lm'
   assert job_lib.build_job(config).mesh.shape['context'] == 2
+
+
+def test_a_mixture_of_experts_trains_the_same_with_rows_and_experts_split(tmp_path):
+  """The two new axes together: a top-2-of-4 MoE on (data=2, expert=2, context=2) gives the losses of whole rows and
+  whole experts on data=8 (the balanced row order reaches the router, which sees every token once either way)."""
+  def moe(data=8, context=1, expert=1):
+    c = _config(data=data, context=context, steps=5)
+    c.model.num_experts, c.model.experts_per_token, c.mesh.expert = 4, 2, expert
+    return c
+  reference = _train(tmp_path / 'whole', moe())
+  loop.run(moe(data=2, context=2, expert=2), str(tmp_path / 'split'), devices=jax.devices()[:8])
+  _assert_same(read_metrics(tmp_path / 'split'), reference, steps=range(1, 6))
