@@ -133,6 +133,7 @@ def get_config() -> config_dict.ConfigDict:
   c.model.num_layers = 4  # Transformer blocks.
   c.model.d_model = 256  # Residual stream width.
   c.model.num_heads = 4  # Attention heads; d_model must divide by it.
+  c.model.head_dim = 0  # Width of each attention head; 0 = d_model / num_heads (Mistral Nemo and Qwen3 set their own, e.g. 128 at d_model 5120).
   c.model.mlp_dim = 1024  # Hidden width of the SwiGLU MLP.
   c.model.vocab_size = 256  # Vocabulary; 256 = raw bytes, no tokenizer.
   c.model.rope_max_wavelength = 10_000.0  # RoPE base wavelength (a float: published configs give e.g. 500000.0).

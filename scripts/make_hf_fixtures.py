@@ -52,6 +52,10 @@ MODELS = {
         rope_type='default', rope_theta=1000000.0))),
     'mistral': (transformers.MistralConfig, dict(tie_word_embeddings=False, sliding_window=4096, rope_parameters=dict(
         rope_type='default', rope_theta=10000.0))),
+    # Heads wider than hidden_size / num_attention_heads (16 here), as Mistral Nemo's 128 at 5120 / 32.
+    'mistral_head_dim': (transformers.MistralConfig, dict(tie_word_embeddings=False, head_dim=32, sliding_window=None,
+                                                          rope_parameters=dict(rope_type='default',
+                                                                               rope_theta=1000000.0))),
 }
 SHARDED = 'llama3_rope'
 

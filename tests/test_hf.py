@@ -20,7 +20,7 @@ from trainer.hf import load as hf_load
 from trainer.hf import safetensors_files
 
 FIXTURES = pathlib.Path(__file__).parent / 'fixtures' / 'hf'
-NAMES = ('llama', 'llama_tied', 'llama3_rope', 'qwen2', 'mistral')
+NAMES = ('llama', 'llama_tied', 'llama3_rope', 'qwen2', 'mistral', 'mistral_head_dim')
 
 
 def import_config(folder, **mesh):

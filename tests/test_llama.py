@@ -101,8 +101,9 @@ def test_preset_parameter_counts_from_abstract_shapes(name, expected, target):
 
 
 @pytest.mark.parametrize('overrides,message', [
-    ({'model.d_model': 30}, 'model.d_model=30 must divide by model.num_heads=4.'),
-    ({'model.d_model': 12}, 'head dim model.d_model/model.num_heads=3 must be even for RoPE'),
+    ({'model.d_model': 30}, 'model.d_model=30 must divide by model.num_heads=4 (or set model.head_dim).'),
+    ({'model.d_model': 12}, 'the head dim 3 (model.head_dim, or model.d_model/model.num_heads) must be even for RoPE'),
+    ({'model.head_dim': -2}, 'model.head_dim=-2 must be a width in channels'),
     ({'model.num_kv_heads': 3}, 'model.num_kv_heads=3 must divide model.num_heads=4'),
     ({'model.num_kv_heads': -1}, 'model.num_kv_heads=-1 must divide model.num_heads=4'),
     ({'model.vocab_size': 100}, 'model.vocab_size=100 is too small for byte-level text; use at least 256.'),

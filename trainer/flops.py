@@ -90,7 +90,7 @@ def step_flops(model_config, batch_size: int, seq_len: int) -> StepFlops:
   m = model_config
   d, f, v, layers, heads = m.d_model, m.mlp_dim, m.vocab_size, m.num_layers, m.num_heads
   kv_heads = m.num_kv_heads or heads  # Grouped-query attention shrinks only the k/v projections.
-  head_dim = d // heads
+  head_dim = getattr(m, 'head_dim', 0) or d // heads
   tokens = batch_size * seq_len
   # Per token, forward, one block: q/k/v and out projections, the SwiGLU's gate, up and down.
   block_matmul_flops = 2 * ((heads + 2 * kv_heads) * d * head_dim + heads * head_dim * d + 3 * d * f)

@@ -68,9 +68,6 @@ def model_keys(hf: dict, seq_len: int, where: str) -> dict:
   refusals = []
   if hf.get('hidden_act', 'silu') != 'silu':
     refusals.append(f"hidden_act={hf['hidden_act']!r} (the model's MLP is SwiGLU: 'silu')")
-  if hf.get('head_dim') not in (None, d // heads):
-    refusals.append(f"head_dim={hf['head_dim']} (the model's head dim is hidden_size / num_attention_heads = "
-                    f"{d // heads})")
   if hf.get('attention_bias'):
     refusals.append('attention_bias=true (a bias on the output projection too; only q/k/v biases, as Qwen2, are '
                     'supported)')
@@ -84,6 +81,8 @@ def model_keys(hf: dict, seq_len: int, where: str) -> dict:
     raise UserError(f'{where}: the built-in Llama cannot be this {arch}: {"; ".join(refusals)}.')
   return {
       'num_layers': hf['num_hidden_layers'], 'd_model': d, 'num_heads': heads,
+      # Most configs' head_dim (when they name one) is hidden_size / num_attention_heads: model.head_dim=0 says that.
+      'head_dim': 0 if hf.get('head_dim') in (None, d // heads) else hf['head_dim'],
       'num_kv_heads': hf.get('num_key_value_heads') or heads, 'mlp_dim': hf['intermediate_size'],
       'vocab_size': hf['vocab_size'], 'norm_eps': float(hf.get('rms_norm_eps', 1e-6)),
       'tie_embeddings': bool(hf.get('tie_word_embeddings', False)), 'qkv_bias': arch == 'Qwen2ForCausalLM',
@@ -98,7 +97,7 @@ def hf_config(model, torch_dtype: str = 'float32') -> dict:
       'model_type': 'qwen2' if qwen else 'llama',
       'hidden_size': model.d_model, 'num_hidden_layers': model.num_layers, 'num_attention_heads': model.num_heads,
       'num_key_value_heads': model.num_kv_heads or model.num_heads, 'intermediate_size': model.mlp_dim,
-      'head_dim': model.d_model // model.num_heads, 'vocab_size': model.vocab_size, 'hidden_act': 'silu',
+      'head_dim': model.get('head_dim', 0) or model.d_model // model.num_heads, 'vocab_size': model.vocab_size, 'hidden_act': 'silu',
       'rms_norm_eps': model.norm_eps, 'tie_word_embeddings': bool(model.tie_embeddings),
       'rope_theta': float(model.rope_max_wavelength), 'torch_dtype': torch_dtype,
       'max_position_embeddings': max(8192, model.get('rope_original_max_positions', 8192)),

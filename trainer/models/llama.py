@@ -59,6 +59,7 @@ class LlamaConfig:
   mlp_dim: int
   vocab_size: int
   num_kv_heads: int = 0  # Key/value heads of grouped-query attention, dividing num_heads; 0 = num_heads.
+  head_dim_override: int = 0  # model.head_dim: each head's width; 0 = d_model // num_heads.
   tie_embeddings: bool = False  # Logits from the embedding table (transposed) instead of a separate head.
   rope_max_wavelength: float = 10_000.0
   # Llama 3.1+'s long-context RoPE frequencies (model.rope_scaling): 'none' or 'llama3' with its four numbers.
@@ -84,7 +85,7 @@ class LlamaConfig:
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.num_heads
+    return self.head_dim_override or self.d_model // self.num_heads
 
   @property
   def kv_heads(self) -> int:
@@ -339,10 +340,15 @@ def _require(ok: bool, message: str) -> None:
 def check_config(config) -> None:
   """Raises UserError, naming the key and the fix, for model settings this model cannot build."""
   m = config.model
-  _require(m.d_model % m.num_heads == 0, f'model.d_model={m.d_model} must divide by model.num_heads={m.num_heads}.')
-  _require((m.d_model // m.num_heads) % 2 == 0,
-           f'head dim model.d_model/model.num_heads={m.d_model // m.num_heads} must be even for RoPE; '
-           f'change model.d_model or model.num_heads.')
+  head_dim = m.get('head_dim', 0)  # A run's config.json from before the key has none: d_model / num_heads.
+  _require(isinstance(head_dim, int) and head_dim >= 0,
+           f'model.head_dim={head_dim!r} must be a width in channels, or 0 for d_model / num_heads.')
+  if not head_dim:
+    _require(m.d_model % m.num_heads == 0, f'model.d_model={m.d_model} must divide by model.num_heads={m.num_heads} '
+                                           f'(or set model.head_dim).')
+  head_dim = head_dim or m.d_model // m.num_heads
+  _require(head_dim % 2 == 0, f'the head dim {head_dim} (model.head_dim, or model.d_model/model.num_heads) must be '
+                              f'even for RoPE; change model.d_model, model.num_heads or model.head_dim.')
   _require(isinstance(m.num_kv_heads, int) and m.num_kv_heads >= 0 and m.num_heads % (m.num_kv_heads or 1) == 0,
            f'model.num_kv_heads={m.num_kv_heads!r} must divide model.num_heads={m.num_heads} '
            f'(or be 0 for one key/value head per query head).')
@@ -372,6 +378,7 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
     logging.info(moe_lib.dispatch_note(moe_fields['moe'], platform))
   return Llama(LlamaConfig(
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
+      head_dim_override=m.get('head_dim', 0),
       vocab_size=m.vocab_size, num_kv_heads=m.num_kv_heads, tie_embeddings=m.tie_embeddings,
       rope_max_wavelength=m.rope_max_wavelength, norm_eps=m.norm_eps, qkv_bias=m.get('qkv_bias', False),
       # A run's config.json from before these keys has none: plain RoPE.
