@@ -146,6 +146,7 @@ def get_config() -> config_dict.ConfigDict:
   c.model.rope_high_freq_factor = 4.0  # 'llama3': wavelengths below original_max_positions / this are unchanged.
   c.model.rope_original_max_positions = 8192  # 'llama3': the context the model was first trained at.
   c.model.qkv_bias = False  # Biases on the query, key and value projections (Qwen2); none on the output projection.
+  c.model.qk_norm = False  # RMSNorm of each query and key head before RoPE (Qwen3).
   c.model.num_kv_heads = 0  # Grouped-query attention: key/value heads, dividing num_heads; 0 = num_heads (multi-head).
   c.model.tie_embeddings = False  # The output head reuses the input embedding table (GPT-2, Llama 3.2 1B) instead of its own.
   c.model.num_classes = 10  # Classifier output classes; labels are integers in [0, num_classes).

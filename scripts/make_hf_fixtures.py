@@ -56,6 +56,11 @@ MODELS = {
     'mistral_head_dim': (transformers.MistralConfig, dict(tie_word_embeddings=False, head_dim=32, sliding_window=None,
                                                           rope_parameters=dict(rope_type='default',
                                                                                rope_theta=1000000.0))),
+    # Qwen3: RMSNorm of each query and key head, and heads of its own width (head_dim 128 at hidden 1024 in
+    # Qwen3-0.6B; 24 at 64 here).
+    'qwen3': (transformers.Qwen3Config, dict(tie_word_embeddings=True, head_dim=24, rope_parameters=dict(
+        rope_type='default', rope_theta=1000000.0))),
+    # New fixtures go last: each model's weights are drawn with its index as the seed.
 }
 SHARDED = 'llama3_rope'
 

@@ -16,11 +16,12 @@ import pytest
 from configs import base
 from trainer import job as job_lib
 from trainer.errors import UserError
+from trainer.hf import architectures
 from trainer.hf import load as hf_load
 from trainer.hf import safetensors_files
 
 FIXTURES = pathlib.Path(__file__).parent / 'fixtures' / 'hf'
-NAMES = ('llama', 'llama_tied', 'llama3_rope', 'qwen2', 'mistral', 'mistral_head_dim')
+NAMES = ('llama', 'llama_tied', 'llama3_rope', 'qwen2', 'qwen3', 'mistral', 'mistral_head_dim')
 
 
 def import_config(folder, **mesh):
@@ -87,6 +88,9 @@ def test_config_json_sets_the_model_and_a_contradicting_override_is_refused():
   assert m.qkv_bias and not m.tie_embeddings and m.rope_max_wavelength == 1e6 and m.norm_eps == 1e-5
   rope = hf_load.configure(import_config(FIXTURES / 'llama3_rope')).model
   assert (rope.rope_scaling, rope.rope_scaling_factor, rope.rope_original_max_positions) == ('llama3', 8.0, 64)
+  qwen3 = hf_load.configure(import_config(FIXTURES / 'qwen3')).model
+  assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 24 and qwen3.tie_embeddings
+  assert hf_load.configure(import_config(FIXTURES / 'llama')).model.head_dim == 0  # hidden_size / heads: the default.
   bad = import_config(FIXTURES / 'llama')
   bad.model.d_model = 128
   with pytest.raises(UserError, match=r"model.d_model=128 \(config.json: 64\).*drop that override"):
@@ -164,3 +168,19 @@ def test_the_launcher_says_a_bad_folder_in_one_line_before_compiling(launcher, t
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("launch.py: error: model.init_from='hf:") and 'has no weights' in last
   assert 'Compiled the train step' not in result.stderr
+
+
+@pytest.mark.parametrize('name', ['llama', 'qwen2', 'qwen3', 'mistral_head_dim'])
+def test_the_exported_config_json_describes_the_imported_model(name):
+  """config.json -> model keys -> config.json -> the same keys (export_hf.py writes hf_config)."""
+  model = hf_load.configure(import_config(FIXTURES / name)).model
+  again = architectures.model_keys(architectures.hf_config(model), seq_len=24, where='test')
+  assert again == {k: model[k] for k in again}, name
+
+
+def test_export_refuses_a_model_no_hugging_face_architecture_describes():
+  model = hf_load.configure(import_config(FIXTURES / 'llama')).model
+  model.num_experts = 4
+  with pytest.raises(UserError, match=r'model.num_experts > 0 \(a mixture of experts\), which none of the exported '
+                                      r'Hugging Face architectures .* scripts/export_params.py instead'):
+    architectures.hf_config(model)

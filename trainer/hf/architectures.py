@@ -1,7 +1,7 @@
 """Hugging Face config.json <-> the built-in Llama's model.* keys, for the architectures it can be.
 
-Llama (2, 3.x, with `rope_scaling` of type 'llama3'), Qwen2/2.5 (biases on q/k/v)
-and Mistral (no sliding window within data.seq_len) are the same decoder as
+Llama (2, 3.x, with `rope_scaling` of type 'llama3'), Qwen2/2.5 (biases on q/k/v),
+Qwen3 (RMSNorm of each query and key head; its own head_dim) and Mistral (no sliding window within data.seq_len) are the same decoder as
 trainer/models/llama.py. A setting outside it (another activation, a bias on
 the output projection, another RoPE scaling) is refused by name here, before
 anything is built, rather than imported approximately.
@@ -15,7 +15,8 @@ import pathlib
 
 from trainer.errors import UserError
 
-SUPPORTED = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'MistralForCausalLM': 'mistral'}
+SUPPORTED = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3',
+             'MistralForCausalLM': 'mistral'}
 LLAMA3_KEYS = {'factor': 'rope_scaling_factor', 'low_freq_factor': 'rope_low_freq_factor',
                'high_freq_factor': 'rope_high_freq_factor',
                'original_max_position_embeddings': 'rope_original_max_positions'}
@@ -86,15 +87,25 @@ def model_keys(hf: dict, seq_len: int, where: str) -> dict:
       'num_kv_heads': hf.get('num_key_value_heads') or heads, 'mlp_dim': hf['intermediate_size'],
       'vocab_size': hf['vocab_size'], 'norm_eps': float(hf.get('rms_norm_eps', 1e-6)),
       'tie_embeddings': bool(hf.get('tie_word_embeddings', False)), 'qkv_bias': arch == 'Qwen2ForCausalLM',
+      'qk_norm': arch == 'Qwen3ForCausalLM',
       **_rope(hf, where)}
 
 
 def hf_config(model, torch_dtype: str = 'float32') -> dict:
-  """The config.json of the built-in Llama of `model` (config.model): Qwen2 when it has q/k/v biases, else Llama."""
-  qwen = bool(model.get('qkv_bias', False))
+  """The config.json of the built-in Llama of `model` (config.model): Qwen2 when it has q/k/v biases, Qwen3 when it
+  norms queries and keys, else Llama; UserError for a model no Hugging Face architecture describes."""
+  bias, qk_norm = bool(model.get('qkv_bias', False)), bool(model.get('qk_norm', False))
+  unexportable = [what for what, on in (('model.num_experts > 0 (a mixture of experts)', model.get('num_experts', 0)),
+                                        ('both model.qkv_bias and model.qk_norm', bias and qk_norm)) if on]
+  if unexportable:
+    raise UserError(f'this run\'s model has {unexportable[0]}, which none of the exported Hugging Face architectures '
+                    f'(LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM) describes; export it with '
+                    f'scripts/export_params.py instead.')
+  model_type = 'qwen3' if qk_norm else 'qwen2' if bias else 'llama'
   out = {
-      'architectures': ['Qwen2ForCausalLM' if qwen else 'LlamaForCausalLM'],
-      'model_type': 'qwen2' if qwen else 'llama',
+      'architectures': [{'qwen3': 'Qwen3ForCausalLM', 'qwen2': 'Qwen2ForCausalLM', 'llama': 'LlamaForCausalLM'}[
+          model_type]],
+      'model_type': model_type,
       'hidden_size': model.d_model, 'num_hidden_layers': model.num_layers, 'num_attention_heads': model.num_heads,
       'num_key_value_heads': model.num_kv_heads or model.num_heads, 'intermediate_size': model.mlp_dim,
       'head_dim': model.get('head_dim', 0) or model.d_model // model.num_heads, 'vocab_size': model.vocab_size, 'hidden_act': 'silu',

@@ -35,6 +35,8 @@ PER_LAYER = {
     ('attention', 'key', 'bias'): ('self_attn.k_proj.bias', False, 2),
     ('attention', 'value', 'bias'): ('self_attn.v_proj.bias', False, 2),
     ('attention', 'out', 'kernel'): ('self_attn.o_proj.weight', True, 2),
+    ('attention', 'query_norm', 'scale'): ('self_attn.q_norm.weight', False, 1),
+    ('attention', 'key_norm', 'scale'): ('self_attn.k_norm.weight', False, 1),
     ('mlp', 'gate', 'kernel'): ('mlp.gate_proj.weight', True, 1),
     ('mlp', 'up', 'kernel'): ('mlp.up_proj.weight', True, 1),
     ('mlp', 'down', 'kernel'): ('mlp.down_proj.weight', True, 1),

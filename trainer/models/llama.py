@@ -69,6 +69,7 @@ class LlamaConfig:
   rope_high_freq_factor: float = 4.0
   rope_original_max_positions: int = 8192
   qkv_bias: bool = False  # Biases on the query, key and value projections (Qwen2); the output projection has none.
+  qk_norm: bool = False  # RMSNorm over each query and key head's channels before RoPE (Qwen3).
   norm_eps: float = 1e-6
   dtype: jnp.dtype = jnp.float32  # Compute dtype of matmuls; norms, softmax and logits stay float32.
   param_dtype: jnp.dtype = jnp.float32
@@ -163,6 +164,8 @@ class Attention(nn.Module):
     q_BLHK = checkpoint_name(dense(cfg.num_heads, 'query', ('embed', 'heads', 'head_dim'))(x_BLD), 'query_proj')
     k_BLGK = checkpoint_name(dense(cfg.kv_heads, 'key', ('embed', 'kv_heads', 'head_dim'))(x_BLD), 'key_proj')
     v_BLGK = checkpoint_name(dense(cfg.kv_heads, 'value', ('embed', 'kv_heads', 'head_dim'))(x_BLD), 'value_proj')
+    if cfg.qk_norm:  # One (head_dim,) scale each for queries and keys, shared by their heads.
+      q_BLHK, k_BLGK = RMSNorm(cfg, name='query_norm')(q_BLHK), RMSNorm(cfg, name='key_norm')(k_BLGK)
     kv_axes = ('batch', 'length', 'kv_heads', 'head_dim')
     freq_K = rope_frequencies(cfg.head_dim, cfg)
     q_BLHK = constrain(rope(q_BLHK, positions_BL, freq_K), ('batch', 'length', 'heads', 'head_dim'), cfg)
@@ -381,6 +384,7 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
       head_dim_override=m.get('head_dim', 0),
       vocab_size=m.vocab_size, num_kv_heads=m.num_kv_heads, tie_embeddings=m.tie_embeddings,
       rope_max_wavelength=m.rope_max_wavelength, norm_eps=m.norm_eps, qkv_bias=m.get('qkv_bias', False),
+      qk_norm=m.get('qk_norm', False),
       # A run's config.json from before these keys has none: plain RoPE.
       rope_scaling=m.get('rope_scaling', 'none'), rope_scaling_factor=m.get('rope_scaling_factor', 8.0),
       rope_low_freq_factor=m.get('rope_low_freq_factor', 1.0), rope_high_freq_factor=m.get('rope_high_freq_factor', 4.0),
