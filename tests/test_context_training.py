@@ -15,6 +15,7 @@ import pytest
 from conftest import read_metrics
 
 from configs import tiny
+from trainer import checkpoint
 from trainer import job as job_lib
 from trainer import loop
 from trainer.errors import UserError
@@ -79,6 +80,9 @@ def unsplit(unsplit_run):
 
 def test_rows_split_over_four_devices_train_the_numbers_of_whole_rows(split4_run, unsplit):
   _assert_same(split4_run[1], unsplit)
+  _, manifest = checkpoint.newest_manifest(str(split4_run[0]))  # The run records how attention crossed the split.
+  assert manifest['mesh']['context'] == 4 and manifest['attention']['kernel'] == 'xla'
+  assert 'all-gather of keys/values over mesh.context=4' in manifest['attention']['reason']
 
 
 # context=8 alone is left to tests/test_context_attention.py (the attention call), to keep this file near a minute.
