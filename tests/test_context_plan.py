@@ -17,7 +17,8 @@ def test_context_four_needs_at_most_0_4x_the_temporaries_of_whole_rows_on_v5p():
   heads and mlp but holds every token of a row on each chip."""
   config = tiny.get_config()
   config.data.seq_len, config.train.batch_size = 16_384, 4
-  config.model.update(num_layers=1, d_model=256, num_heads=4, mlp_dim=1024)  # Heads of 64, as llama_1b's.
+  # llama_1b's proportions at a sixteenth of its width: heads of 64, 4 query heads per key/value head, mlp 4 x d.
+  config.model.update(num_layers=1, d_model=1024, num_heads=16, num_kv_heads=4, mlp_dim=4096)
   temp_bytes = {}
   for context, tensor in ((4, 1), (1, 4)):
     config.mesh.data, config.mesh.fsdp, config.mesh.context, config.mesh.tensor = 1, 4, context, tensor
