@@ -19,6 +19,7 @@ from trainer import checkpoint
 from trainer import job as job_lib
 from trainer import loop
 from trainer.errors import UserError
+from trainer.models import contract
 
 RTOL = 1e-5
 TEXT_DIR = pathlib.Path(os.__file__).parent / 'email'
@@ -133,4 +134,6 @@ def test_brought_model_with_attention_of_its_own_is_refused_and_one_calling_the_
                                       r"step gathers nothing over the context axis"):
     job_lib.build_job(config)
   config.model.name = 'tests.custom_models:launcher_attention_lm'
-  assert job_lib.build_job(config).mesh.shape['context'] == 2
+  job = job_lib.build_job(config)
+  assert job.mesh.shape['context'] == 2
+  contract.check_alignment(job, 0)  # Its logits, in row order again, read no later input.
