@@ -4,12 +4,13 @@ One row of 128k tokens does not fit one v5p chip whatever the rematerialization 
 temporaries at remat 'full', over 95.73 GiB of HBM): the sequence is split instead (docs/context.md). On a
 v5p:2x2x4 slice (16 chips), fsdp=4 x context=4 holds 4 rows a step, each chip a quarter of one row:
 
-  python launch.py --config=configs/llama_1b_long.py --plan --topology=v5p:2x2x4    # needs requirements-tpu-plan.txt
+  python launch.py --config=configs/llama_1b_long.py --plan --topology=v5p:2x2x4 --config.data.source=synthetic \
+      --config.data.packing=False    # needs requirements-tpu-plan.txt; fits: 11.93 GiB of 95 per chip
   python launch.py --config=configs/llama_1b_long.py --workdir=/tmp/llama_1b_long --config.data.path=/data/shards
 
-The same slice without the split (--config.mesh.context=1 --config.mesh.fsdp=16 --config.train.batch_size=16, one
-row a chip) is refused by the compiler (BENCHMARKS.md "Long sequences"). Batch: 4 x 131,072 = 0.5M tokens a step,
-as llama_1b's 256 x 2048.
+Without the split a chip holds at least one whole row, which the compiler refuses (116.77 GiB of temporaries at
+remat 'full' for llama_1b on v5p:2x2x1, one row a chip; BENCHMARKS.md "Long sequences"). Batch: 4 x 131,072 =
+0.5M tokens a step, as llama_1b's 256 x 2048.
 """
 
 from configs import llama_1b

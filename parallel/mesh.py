@@ -56,7 +56,8 @@ def resolve_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
     if num_devices % fixed:
       raise UserError(
           f'mesh {dict(zip(AXES, sizes))} cannot fill {num_devices} devices: the fixed axes use '
-          f'{fixed}, which does not divide {num_devices}. Shapes that fit: {"; ".join(_fitting_shapes(mesh_config, num_devices))}.')
+          f'{fixed}, which does not divide {num_devices}. Shapes that fit: '
+          f'{"; ".join(_fitting_shapes(mesh_config, num_devices))}.')
     sizes = [num_devices // fixed if s == -1 else s for s in sizes]
   elif fixed != num_devices:
     raise UserError(

@@ -58,7 +58,8 @@ def _split_call(mesh, causal, ids, kernel='auto'):
     back = np.argsort(where)
     ids_ = None if ids is None else jnp.asarray(ids)[:, where]
     out = jax.jit(lambda q, k, v: attention.dot_product_attention(
-        q, k, v, causal=causal, segment_ids_BL=ids_, mesh=mesh, rules=rules, kernel=kernel))(q[:, where], k[:, where], v[:, where])
+        q, k, v, causal=causal, segment_ids_BL=ids_, mesh=mesh, rules=rules, kernel=kernel))(
+            q[:, where], k[:, where], v[:, where])
     return out[:, back]
   return fn
 

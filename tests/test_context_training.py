@@ -15,9 +15,11 @@ import pytest
 from conftest import read_metrics
 
 from configs import tiny
+from trainer import checkpoint
 from trainer import job as job_lib
 from trainer import loop
 from trainer.errors import UserError
+from trainer.models import contract
 
 RTOL = 1e-5
 TEXT_DIR = pathlib.Path(os.__file__).parent / 'email'
@@ -79,6 +81,9 @@ def unsplit(unsplit_run):
 
 def test_rows_split_over_four_devices_train_the_numbers_of_whole_rows(split4_run, unsplit):
   _assert_same(split4_run[1], unsplit)
+  _, manifest = checkpoint.newest_manifest(str(split4_run[0]))  # The run records how attention crossed the split.
+  assert manifest['mesh']['context'] == 4 and manifest['attention']['kernel'] == 'xla'
+  assert 'all-gather of keys/values over mesh.context=4' in manifest['attention']['reason']
 
 
 # context=8 alone is left to tests/test_context_attention.py (the attention call), to keep this file near a minute.
@@ -129,7 +134,10 @@ def test_brought_model_with_attention_of_its_own_is_refused_and_one_calling_the_
                                       r"step gathers nothing over the context axis"):
     job_lib.build_job(config)
   config.model.name = 'tests.custom_models:launcher_attention_lm'
-  assert job_lib.build_job(config).mesh.shape['context'] == 2
+  job = job_lib.build_job(config)
+  assert job.mesh.shape['context'] == 2
+  contract.check_alignment(job, 0)  # Its logits, in row order again, read no later input.
+
 
 
 def test_a_mixture_of_experts_trains_the_same_with_rows_and_experts_split(tmp_path):

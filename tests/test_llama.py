@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 import configs.gpt2_124m
 import configs.llama_1b
 import configs.tiny
+from parallel import mesh as mesh_lib
 from trainer import job, validation
 from trainer.errors import UserError
 from trainer.models import layer_scan, llama
@@ -53,7 +54,8 @@ def test_grouped_query_attention_is_multi_head_attention_with_each_kv_head_share
   np.testing.assert_allclose(gqa_logits, mha_logits, atol=1e-5, rtol=1e-5)
   # With a mesh the key/value activations are constrained by 'kv_heads' (on the tensor axis): the same logits.
   config = _config(num_kv_heads=2)
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 1, 1, 2), ('data', 'fsdp', 'expert', 'context', 'tensor'))
+  sizes = {'data': 2, 'fsdp': 2, 'tensor': 2}  # Every launcher axis present, as the default rules name them all.
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape([sizes.get(a, 1) for a in mesh_lib.AXES]), mesh_lib.AXES)
   sharded = llama.build(config, mesh, config.parallel.logical_axis_rules)
   np.testing.assert_allclose(jax.jit(sharded.apply)({'params': params}, tokens), gqa_logits, atol=1e-5, rtol=1e-5)
   # num_kv_heads == num_heads is plain multi-head attention: the parameters of num_kv_heads=0.

@@ -33,6 +33,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
@@ -105,10 +106,13 @@ class Task:
     return context_lib.balance(batch, self.context_parts)
 
   def outputs(self, params, batch: Batch) -> jax.Array:
-    """The model's own output on `batch` (logits), called the way the objective calls it."""
-    args, kwargs = self.objective.model_inputs(batch)
+    """The model's own output on `batch` (logits), called the way the objective calls it, in the batch's order."""
+    args, kwargs = self.objective.model_inputs(self.balanced(batch))
     with self.context():
-      return self.bind(params)(*args, **kwargs)
+      logits = self.bind(params)(*args, **kwargs)
+    if self.context_parts == 1:
+      return logits
+    return logits[:, np.argsort(context_lib.order(logits.shape[1], self.context_parts))]  # Back to row order.
 
   def weight(self, batch: Batch) -> jax.Array:
     return self.objective.weight(batch)

@@ -109,6 +109,7 @@ def loss_chunks_worth_trying(config, mesh_shape: dict[str, int], budget: int | N
   if config.model.name != 'llama' or config.train.get('loss_chunks', 1) != 1 or budget is None:
     return None
   rows = config.train.batch_size // (mesh_shape['data'] * mesh_shape['fsdp'] * mesh_shape.get('expert', 1))
-  logits_bytes = 4 * rows * config.data.seq_len * config.model.vocab_size // mesh_shape['tensor']
+  tokens = config.data.seq_len // mesh_shape.get('context', 1)  # A device's part of each row.
+  logits_bytes = 4 * rows * tokens * config.model.vocab_size // mesh_shape['tensor']
   divisors = [n for n in range(2, 9) if config.data.seq_len % n == 0]
   return divisors[-1] if divisors and logits_bytes >= 0.05 * budget else None
