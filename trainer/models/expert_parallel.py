@@ -10,10 +10,12 @@ with the reverse all-to-all, and combines them with the router weights. An exper
 end (exact up to float rounding).
 
 Why shard_map: under jit GSPMD never produces this exchange. Given expert weights split over `expert` and tokens
-split over the batch axes, it gives every device the routing of all tokens and all-reduces the outputs: the
-compiled train step of tests/test_expert_axis.py's model (8 experts, mesh data=1 fsdp=2 expert=4) has 0 all-to-all
-ops before this module and 12 with it (2 per MoE layer forward, 2 backward, with the scanned layers' loop counted
-once; tests/test_expert_dispatch.py counts them), and the traffic of the all-reduce grows with the expert axis.
+split over the batch axes, it gives every device the routing of all tokens and all-reduces the outputs. Measured on
+the compiled train step of tests/test_expert_dispatch.py (tiny Llama, 8 experts top-2, mesh fsdp=2 x expert=4, 8
+CPU devices): before this module 3 all-to-alls, none a token exchange (GSPMD's resharding of (1, 1, 32, 2, 16)
+slices of the combine's output and its gradient), 21 all-reduces and 31 all-gathers; with it 5 all-to-alls (the
+forward's rows, their expert ids and the results back; the backward's transposes of the two float ones), 15
+all-reduces and 16 all-gathers (scripts/bench_expert_dispatch.py prints the counts, BENCHMARKS.md "MoE dispatch").
 
 Static shapes, and what they cost. XLA:CPU has no `ragged_all_to_all` ("HLO opcode `ragged-all-to-all` is not
 supported by XLA:CPU ThunkEmitter", jax 0.10.2), so the exchange is the fixed-size `all_to_all`:
