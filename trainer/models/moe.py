@@ -33,7 +33,9 @@ Dispatch:
   path only) and counted. Buffers (E, C, D) run as one batched matmul.
 
 Expert weights carry the logical names ('expert', 'embed', 'expert_mlp'): the 'expert'
-rule splits them over the `expert` mesh axis.
+rule splits them over the `expert` mesh axis. With more than one device on that axis
+(the jit strategy gives the layer its mesh) tokens travel to their experts' devices
+all-to-all: trainer/models/expert_parallel.py, which reuses the local math here.
 """
 
 import dataclasses
@@ -141,7 +143,7 @@ def with_capacity(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, capa
 class MoeMlp(nn.Module):
   """x (B, L, D) -> (B, L, D): the weighted sum of each token's top-k experts (SwiGLU MLPs)."""
   cfg: MoeConfig
-  # The jit strategy's mesh: with an expert axis over 1 device, tokens go to their experts' devices all-to-all
+  # The jit strategy's mesh: with more than 1 device on the expert axis, tokens go to their experts' devices all-to-all
   # (trainer/models/expert_parallel.py); None or expert=1 runs the one-device dispatch below under GSPMD.
   mesh: jax.sharding.Mesh | None = None
 
