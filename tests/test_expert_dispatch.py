@@ -32,7 +32,7 @@ def _config(capacity_factor):
 @pytest.fixture(scope='module')
 def setup():
   x = jax.random.normal(jax.random.key(0), (B, L, D))
-  boxed = moe.MoeMlp(_config(None)).init(jax.random.key(1), x)['params']
+  boxed = jax.jit(moe.MoeMlp(_config(None)).init)(jax.random.key(1), x)['params']
   return x, jax.tree.map(lambda b: b.value, boxed, is_leaf=lambda b: hasattr(b, 'value'))
 
 
