@@ -12,6 +12,7 @@ from jax.sharding import AxisType
 
 from configs import tiny
 from parallel import mesh as mesh_lib
+from trainer import flops
 from trainer import job as job_lib
 from trainer.models import moe
 
@@ -73,12 +74,22 @@ def test_capacity_drops_per_device_group(setup):
   np.testing.assert_allclose(float(got_dropped), want_dropped, rtol=1e-6)
 
 
-def test_compiled_train_step_exchanges_tokens_all_to_all():
+def _moe_job(data, fsdp, expert):
   c = tiny.get_config()
-  c.mesh.data, c.mesh.fsdp, c.mesh.expert = 1, 2, 4
+  c.mesh.data, c.mesh.fsdp, c.mesh.expert = data, fsdp, expert
   c.train.compute_dtype = 'float32'
   c.model.num_experts, c.model.experts_per_token = 8, 2
-  hlo = job_lib.build_job(c).compile_train_step().as_text()
+  return job_lib.build_job(c)
+
+
+def test_traced_flops_do_not_count_the_exchange_buffers():
+  """The dropless exchange's receive buffers have room for 4x the routed rows; the FLOPs (and MFU) must not grow."""
+  count = lambda job: flops.traced_step_flops(job.task, job.abstract.params, job.task.batch_shapes()).flops
+  assert count(_moe_job(1, 2, 4)) == count(_moe_job(4, 2, 1))
+
+
+def test_compiled_train_step_exchanges_tokens_all_to_all():
+  hlo = _moe_job(1, 2, 4).compile_train_step().as_text()
   # Scanned layers: one loop body forward with the dropless exchange's 3 all-to-alls (rows, their experts, results
   # back), one backward with the transposes of the 2 float ones (the expert ids have no gradient). GSPMD alone: 0.
   assert hlo.count(' all-to-all(') == 5

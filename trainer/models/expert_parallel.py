@@ -27,6 +27,9 @@ supported by XLA:CPU ThunkEmitter", jax 0.10.2), so the exchange is the fixed-si
   can therefore differ from the one-device layer, where all tokens compete; when nothing drops the two are equal.
 """
 
+import contextlib
+import contextvars
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -39,9 +42,24 @@ AXIS = 'expert'
 TENSOR = 'tensor'  # The axis an expert's hidden width is split over in the shard_map (the default 'expert_mlp' rule).
 
 
+_COUNTING = contextvars.ContextVar('expert_one_device_for_counting', default=False)
+
+
+@contextlib.contextmanager
+def one_device_for_counting():
+  """Within, MoE layers run the one-device dispatch: the same math, but the dropless exchange's ragged_dot runs over
+  a receive buffer with room for N times the routed rows, and a jaxpr cannot tell its empty rows from the rest, so
+  trainer/flops.py would count the experts' matmuls N times."""
+  token = _COUNTING.set(True)
+  try:
+    yield
+  finally:
+    _COUNTING.reset(token)
+
+
 def size(mesh: Mesh | None) -> int:
-  """Devices on the expert axis; 1 without a mesh."""
-  return 1 if mesh is None else dict(mesh.shape).get(AXIS, 1)
+  """Devices on the expert axis the dispatch exchanges tokens over; 1 without a mesh, and while counting FLOPs."""
+  return 1 if mesh is None or _COUNTING.get() else dict(mesh.shape).get(AXIS, 1)
 
 
 def _send_dropless(x_TD, experts_TK, num_devices: int, local_experts: int):
