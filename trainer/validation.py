@@ -89,8 +89,9 @@ def validate_strategy(config, mesh: Mesh) -> None:
   """Checks that `parallel.strategy` can run on the mesh's shape."""
   name, tensor, fsdp = config.parallel.strategy, mesh.shape['tensor'], mesh.shape['fsdp']
   expert = mesh.shape.get('expert', 1)
-  # The per-device strategies run the model on whole, gathered parameters: an expert axis would need the tokens
-  # exchanged by an all-to-all inside the model, which only the 'jit' strategy's GSPMD partitioning does here.
+  # The per-device strategies run the model on whole, gathered parameters: an expert axis needs the tokens
+  # exchanged all-to-all inside the model, which the MoE layer does only under 'jit', where it gets the mesh
+  # (trainer/models/expert_parallel.py).
   _require(name == 'jit' or expert == 1,
            f"parallel.strategy={name!r} does not support an expert axis (mesh.expert={expert}); set "
            f"mesh.expert=1, or use parallel.strategy='jit' for expert parallelism.")

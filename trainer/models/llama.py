@@ -215,7 +215,7 @@ class Block(nn.Module):
     h_BLD = RMSNorm(cfg, name='mlp_norm')(x_BLD)
     if not self.moe:
       return constrain(x_BLD + Mlp(cfg, name='mlp')(h_BLD), ('batch', 'length', 'embed'), cfg), None
-    y_BLD = moe_lib.MoeMlp(cfg.moe, name='moe')(h_BLD)
+    y_BLD = moe_lib.MoeMlp(cfg.moe, mesh=cfg.mesh, name='moe')(h_BLD)
     if cfg.shared_expert:
       y_BLD = y_BLD + Mlp(dataclasses.replace(cfg, mlp_dim=cfg.moe.expert_mlp_dim), name='shared_expert')(h_BLD)
     return constrain(x_BLD + y_BLD, ('batch', 'length', 'embed'), cfg), None

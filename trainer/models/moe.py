@@ -33,7 +33,9 @@ Dispatch:
   path only) and counted. Buffers (E, C, D) run as one batched matmul.
 
 Expert weights carry the logical names ('expert', 'embed', 'expert_mlp'): the 'expert'
-rule splits them over the `expert` mesh axis.
+rule splits them over the `expert` mesh axis. With more than one device on that axis
+(the jit strategy gives the layer its mesh) tokens travel to their experts' devices
+all-to-all: trainer/models/expert_parallel.py, which reuses the local math here.
 """
 
 import dataclasses
@@ -44,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from trainer.errors import UserError
-from trainer.models import sown
+from trainer.models import expert_parallel, sown
 
 EXPERT_AXES_IN = ('expert', 'embed', 'expert_mlp')  # Gate and up projections (E, D, F).
 EXPERT_AXES_OUT = ('expert', 'expert_mlp', 'embed')  # Down projection (E, F, D).
@@ -67,8 +69,12 @@ class MoeConfig:
     return not self.capacity_factor
 
   def capacity(self, num_tokens: int) -> int:
-    """Assignments one expert takes in capacity mode: ceil(factor * T * K / E)."""
-    return max(1, math.ceil(self.capacity_factor * num_tokens * self.experts_per_token / self.num_experts))
+    return capacity_of(self.capacity_factor, num_tokens, self.experts_per_token, self.num_experts)
+
+
+def capacity_of(factor: float, num_tokens: int, experts_per_token: int, num_experts: int) -> int:
+  """Assignments one expert takes in capacity mode: ceil(factor * T * K / E)."""
+  return max(1, math.ceil(factor * num_tokens * experts_per_token / num_experts))
 
 
 def dispatch_note(cfg: MoeConfig, platform: str) -> str:
@@ -93,7 +99,7 @@ def route(x_TD, router_DE, k: int):
   return logits_TE, weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True), experts_TK
 
 
-def _swiglu_ragged(x_AD, gate_EDF, up_EDF, down_EFD, group_sizes_E):
+def swiglu_ragged(x_AD, gate_EDF, up_EDF, down_EFD, group_sizes_E):
   h_AF = nn.silu(jax.lax.ragged_dot(x_AD, gate_EDF, group_sizes_E)) * jax.lax.ragged_dot(x_AD, up_EDF, group_sizes_E)
   return jax.lax.ragged_dot(h_AF, down_EFD, group_sizes_E)
 
@@ -105,7 +111,7 @@ def dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD):
   experts_A = experts_TK.reshape(-1)
   order_A = jnp.argsort(experts_A, stable=True)
   group_sizes_E = jnp.bincount(experts_A, length=E).astype(jnp.int32)
-  out_AD = _swiglu_ragged(x_TD[order_A // K], gate_EDF, up_EDF, down_EFD, group_sizes_E)
+  out_AD = swiglu_ragged(x_TD[order_A // K], gate_EDF, up_EDF, down_EFD, group_sizes_E)
   out_TKD = out_AD[jnp.argsort(order_A)].reshape(T, K, -1)  # Back to (token, choice) order by a gather.
   return jnp.einsum('tkd,tk->td', out_TKD, weights_TK.astype(out_TKD.dtype))
 
@@ -137,6 +143,9 @@ def with_capacity(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, capa
 class MoeMlp(nn.Module):
   """x (B, L, D) -> (B, L, D): the weighted sum of each token's top-k experts (SwiGLU MLPs)."""
   cfg: MoeConfig
+  # The jit strategy's mesh: with more than 1 device on the expert axis, tokens go to their experts' devices all-to-all
+  # (trainer/models/expert_parallel.py); None or expert=1 runs the one-device dispatch below under GSPMD.
+  mesh: jax.sharding.Mesh | None = None
 
   @nn.compact
   def __call__(self, x_BLD):
@@ -155,7 +164,12 @@ class MoeMlp(nn.Module):
     x_TD = x_BLD.reshape(B * L, D)
     logits_TE, weights_TK, experts_TK = route(x_TD, router_DE, K)
     dropped = None
-    if cfg.dropless:
+    if expert_parallel.size(self.mesh) > 1:
+      out_BLD, dropped = expert_parallel.dispatch(
+          x_BLD, experts_TK.reshape(B, L, K), weights_TK.reshape(B, L, K), gate_EDF, up_EDF, down_EFD,
+          mesh=self.mesh, capacity_factor=cfg.capacity_factor)
+      out_TD = out_BLD.reshape(B * L, D)
+    elif cfg.dropless:
       out_TD = dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD)
     else:
       out_TD, dropped = with_capacity(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD,
