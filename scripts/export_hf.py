@@ -26,7 +26,6 @@ import sys
 from absl import logging
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # Restored onto one CPU device; don't claim an accelerator.
 
 # Copied beside the weights when the run's tokenizer folder has them (generation_config.json: the imported model's).
@@ -44,7 +43,7 @@ def tokenizer_files(config) -> tuple[pathlib.Path, ...]:
 def export(workdir: str, output: str, step: str = 'latest', dtype: str = 'float32', max_shard_gb: float = 5.0,
            params: str = 'raw'):
   """Writes `output`; returns (the checkpoint step exported, the file names written)."""
-  import sample
+  from scripts import sample
 
   from trainer import storage
   from trainer.errors import UserError

@@ -99,7 +99,7 @@ def test_a_short_finetune_of_the_imported_model_lowers_the_completion_loss(tmp_p
   # Each prompt is ~30 tokens and its completion 2-3 (a colour, EOS): a small share of the 256 tokens a step.
   assert all(0 < r['trained_tokens'] < 64 for r in records)
   # sample.py reads the tokenizer kept with the data: text in, text out.
-  import sample
+  from scripts import sample  # Imported once per process: its absl flags can be defined only once.
   prompt = 'Question : name a colour for the fox ? Answer :'
   text = sample.sample(str(tmp_path / 'run'), prompt, 2, 0.0, 0, 'latest').decode()
   assert text.startswith(prompt + ' ') and len(text) > len(prompt) + 1, text

@@ -118,7 +118,7 @@ def test_bad_folders_fail_in_one_line(tmp_path):
   cfg = json.loads((folder / 'config.json').read_text())
   (folder / 'config.json').write_text(json.dumps({**cfg, 'architectures': ['GemmaForCausalLM']}))
   with pytest.raises(UserError, match='names architecture GemmaForCausalLM.*supported: LlamaForCausalLM, '
-                                      'Qwen2ForCausalLM, MistralForCausalLM'):
+                                      'Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM'):
     hf_load.configure(import_config(folder))
   (folder / 'config.json').write_text(json.dumps(cfg))
   (folder / 'model.safetensors').unlink()

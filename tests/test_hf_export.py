@@ -5,7 +5,6 @@ import json
 import logging
 import pathlib
 import shutil
-import sys
 
 import jax
 import numpy as np
@@ -18,8 +17,7 @@ from trainer import checkpoint, loop, plan
 from trainer import job as job_lib
 from trainer.hf import load as hf_load
 
-sys.path.insert(0, str(REPO / 'scripts'))
-import export_hf  # noqa: E402
+from scripts import export_hf
 
 FIXTURES = pathlib.Path(__file__).parent / 'fixtures' / 'hf'
 
