@@ -17,9 +17,7 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 import argparse  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
@@ -29,6 +27,7 @@ import numpy as np  # noqa: E402
 from configs import default  # noqa: E402
 from parallel import context as context_lib  # noqa: E402
 from trainer import job as job_lib  # noqa: E402
+from scripts import bench_parallel  # noqa: E402
 
 
 def _runner(context: int, seq_len: int):
@@ -51,18 +50,7 @@ def _runner(context: int, seq_len: int):
 def step_times(seq_len: int, steps: int, rounds: int = 3) -> dict[int, float]:
   """Median step time per context size; rounds alternate sizes so drift hits all alike."""
   runners = {c: _runner(c, seq_len) for c in (1, 2, 4)}
-  times = {c: [] for c in runners}
-  for _ in range(rounds):
-    for context, runner in runners.items():
-      compiled, state, batch = runner
-      for i in range(steps + 2):  # Two warm-up steps per round.
-        start = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        if i >= 2:
-          times[context].append(time.perf_counter() - start)
-      runner[1] = state
-  return {c: statistics.median(t) for c, t in times.items()}
+  return bench_parallel.alternating_medians(runners, steps, rounds)
 
 
 def main() -> None:

@@ -80,18 +80,24 @@ def strategy_times(base_config, steps: int, rounds: int = 3) -> dict[str, float]
              for k in ('inputs', 'targets')}
     batch = {k: jax.device_put(v, job.batch_shardings[k]) for k, v in local.items()}
     runners[strategy] = [compiled, state, batch]
-  times = {s: [] for s in runners}
+  return alternating_medians(runners, steps, rounds)
+
+
+def alternating_medians(runners: dict, steps: int, rounds: int) -> dict:
+  """Median seconds per step of each `[compiled, state, batch]` runner, the runners taking turns each round so
+  that drift in the machine's load hits all alike; two warm-up steps per round are not timed."""
+  times = {name: [] for name in runners}
   for _ in range(rounds):
-    for strategy, runner in runners.items():
+    for name, runner in runners.items():
       compiled, state, batch = runner
-      for i in range(steps + 2):  # Two warm-up steps per round.
+      for i in range(steps + 2):
         start = time.perf_counter()
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         if i >= 2:
-          times[strategy].append(time.perf_counter() - start)
+          times[name].append(time.perf_counter() - start)
       runner[1] = state
-  return {s: statistics.median(t) for s, t in times.items()}
+  return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
