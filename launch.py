@@ -32,7 +32,19 @@ _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the r
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, "This process's index, 0 .. num_processes-1.")
 _TIMEOUT = flags.DEFINE_integer('distributed_timeout_s', 300, 'Seconds to wait for every process to join.')
 # The supervisor; see trainer/supervision/supervisor.py.
-_MAX_RESTARTS = flags.DEFINE_integer('max_restarts', int(os.environ.get('LAUNCH_MAX_RESTARTS', '3')),
+
+
+def _restarts_from_environment() -> int:
+  """$LAUNCH_MAX_RESTARTS (unset or empty: 3); anything but a count ends the launch in one line."""
+  value = os.environ.get('LAUNCH_MAX_RESTARTS', '').strip() or '3'
+  if not value.isdigit():
+    print(f'launch.py: error: LAUNCH_MAX_RESTARTS={value!r} is not a count of restarts; set it to 0 or more, or '
+          f'unset it for the default 3.', file=sys.stderr)
+    sys.exit(2)
+  return int(value)
+
+
+_MAX_RESTARTS = flags.DEFINE_integer('max_restarts', _restarts_from_environment(),
                                      'Restarts after a retryable failure (lost peer, crash, hang, saved preemption) '
                                      'before the run stops; 0 runs training in this process, unsupervised. Default: '
                                      '$LAUNCH_MAX_RESTARTS, else 3.')

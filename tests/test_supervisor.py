@@ -251,3 +251,17 @@ def test_two_processes_wedged_in_the_step_are_ended_and_restarted_together(text_
   assert 'hang: no progress for' in result.stderr
   stacks = [p.read_text() for p in (tmp_path / 'hangs').iterdir()]
   assert stacks and any('in inject' in s or 'device_get' in s or 'block_until_ready' in s for s in stacks), stacks
+
+
+@pytest.mark.parametrize('value, ok', [('', True), ('abc', False)])
+def test_launch_max_restarts_empty_is_the_default_and_a_non_count_is_one_line(value, ok, tmp_path):
+  env = {**launcher_env(), 'LAUNCH_MAX_RESTARTS': value}
+  result = subprocess.run([sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py', '--plan',
+                           '--config.model.num_layers=1'], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+  if ok:
+    assert result.returncode == 0 and 'Plan: mesh' in result.stdout, result.stderr[-2000:]
+  else:
+    assert result.returncode == 2 and result.stderr == (
+        "launch.py: error: LAUNCH_MAX_RESTARTS='abc' is not a count of restarts; set it to 0 or more, or unset it "
+        "for the default 3.\n"), result.stderr
