@@ -5,9 +5,16 @@
 
 Reads the run's config from WORKDIR/config.json (written by launch.py),
 restores the parameters of the newest intact checkpoint (or --step) onto one
-CPU device, and generates one token at a time: each step runs the model over
-the last data.seq_len tokens (no KV cache: simple, and fast enough for the
-small models this runs on a CPU). --temperature=0 is greedy; --top_k keeps the k
+CPU device, and generates one token at a time, each from the model's logits
+over the last data.seq_len tokens. The launcher's own Llama (model.name='llama')
+runs with a KV cache: the prompt's window runs once (the prefill), then each new
+token runs alone against the cached keys and values; once the text outgrows
+data.seq_len the cache is rebuilt from the last data.seq_len tokens for every
+token (see CachedLogits), as costly as no cache. Brought models (an import path
+in model.name), whose internals the launcher does not know, and Llama MoE runs in
+capacity mode (model.expert_capacity_factor > 0: a token's routing depends on the
+other tokens of the call) run the model over the whole window for every token.
+Both give the same tokens. --temperature=0 is greedy; --top_k keeps the k
 likeliest tokens, --top_p the smallest set whose probabilities reach p (nucleus
 sampling), both before the temperature's softmax draw.
 
@@ -153,31 +160,103 @@ def filter_logits(logits_V, top_k: int, top_p: float):
   return logits_V
 
 
-def generate(bind, params, prompt: list[int], num_tokens: int, seq_len: int, temperature: float,
-             seed: int, top_k: int = 0, top_p: float = 1.0) -> list[int]:
-  """`num_tokens` tokens after `prompt`, each from the logits `bind(params)(window)` of the last `seq_len` tokens.
+def _window(tokens: list[int], seq_len: int):
+  """(the last `seq_len` tokens as a (1, seq_len) array, right-padded while the text is shorter, index of the last).
 
-  The window is always `seq_len` long (right-padded while the text is shorter), so the forward compiles once;
-  causal attention keeps the padding from reaching the position read.
+  Always `seq_len` long, so the forward compiles once; causal attention keeps the padding from reaching the
+  position read.
+  """
+  import numpy as np
+  context = tokens[-seq_len:]
+  window = np.zeros((1, seq_len), np.int32)
+  window[0, :len(context)] = context
+  return window, len(context) - 1
+
+
+class WindowLogits:
+  """tokens -> the next token's logits (V,) float32: `bind(params)` run over the whole window, every call."""
+
+  def __init__(self, bind, params, seq_len: int):
+    import jax
+    import jax.numpy as jnp
+    # params as an argument: closed over, they would be constants.
+    self._logits = jax.jit(lambda params, window_1L, last: bind(params)(window_1L)[0, last].astype(jnp.float32))
+    self._params, self._seq_len = params, seq_len
+
+  def __call__(self, tokens: list[int]):
+    return self._logits(self._params, *_window(tokens, self._seq_len))
+
+
+class CachedLogits:
+  """tokens -> the next token's logits (V,) float32, from `decoder` (llama.for_decoding) and its KV cache.
+
+  Called with the text grown by one token each time. The first call runs the window (the prefill, compiled once
+  at `seq_len`); each later one runs the new token alone at its position. Past `seq_len` tokens every call runs
+  the prefill again on the last `seq_len`, i.e. slides by recomputing rather than by rolling the cache: the window
+  the model reads (in training and in WindowLogits) starts at position 0 with its first token, and dropping the
+  oldest token changes every later token's keys and values in every layer above the first (they attended to
+  it), not only their RoPE phase, so no cached entry stays valid. Rolling the cache would give other logits than
+  the last `seq_len` tokens do.
+  """
+
+  def __init__(self, decoder, params, seq_len: int):
+    import jax
+
+    def prefill(params, window_1L, last):
+      logits_1LV, variables = decoder.apply({'params': params}, window_1L, mutable=['cache'])
+      return logits_1LV[0, last], variables['cache']
+
+    def step(params, cache, token_11, position_11):
+      logits_11V, variables = decoder.apply({'params': params, 'cache': cache}, token_11, positions=position_11,
+                                            mutable=['cache'])
+      return logits_11V[0, 0], variables['cache']
+
+    self._prefill, self._step = jax.jit(prefill), jax.jit(step, donate_argnums=1)  # The cache is updated in place.
+    self._params, self._seq_len, self._cache = params, seq_len, None
+
+  def __call__(self, tokens: list[int]):
+    import numpy as np
+    if self._cache is None or len(tokens) > self._seq_len:
+      logits_V, self._cache = self._prefill(self._params, *_window(tokens, self._seq_len))
+    else:
+      logits_V, self._cache = self._step(self._params, self._cache, np.array([[tokens[-1]]], np.int32),
+                                         np.array([[len(tokens) - 1]], np.int32))
+    return logits_V
+
+
+def cached_decoder(config):
+  """The run's Llama for decoding with a KV cache (llama.for_decoding); None where sample.py runs the whole window
+  per token: brought models (the launcher does not know their internals) and MoE in capacity mode, where a token
+  dropped or kept depends on the other tokens of the call, so one token alone routes unlike the window."""
+  from trainer.models import llama
+  m = config.model
+  if m.name != 'llama' or (m.get('num_experts', 0) and m.get('expert_capacity_factor')):
+    return None
+  return llama.for_decoding(llama.build(config))  # No mesh: one device, no sharding constraints.
+
+
+def generate(bind, params, prompt: list[int], num_tokens: int, seq_len: int, temperature: float,
+             seed: int, top_k: int = 0, top_p: float = 1.0, decoder=None) -> list[int]:
+  """`num_tokens` tokens after `prompt`, each from the logits of the last `seq_len` tokens.
+
+  With `decoder` (cached_decoder's) from CachedLogits, else from WindowLogits: `bind(params)(window)`.
   """
   import jax
   import jax.numpy as jnp
-  import numpy as np
 
   @jax.jit
-  def next_token(params, window_1L, last, key):  # params as an argument: closed over, they would be constants.
-    logits_V = filter_logits(bind(params)(window_1L)[0, last].astype(jnp.float32), top_k, top_p)
+  def pick(logits_V, key):
+    logits_V = filter_logits(logits_V, top_k, top_p)
     greedy = jnp.argmax(logits_V)
     sampled = jax.random.categorical(key, logits_V / jnp.maximum(temperature, 1e-6))
     return jnp.where(temperature > 0, sampled, greedy)
 
+  next_logits = (WindowLogits(bind, params, seq_len) if decoder is None else
+                 CachedLogits(decoder, params, seq_len))
   tokens, key = list(prompt), jax.random.key(seed)
   for _ in range(num_tokens):
-    context = tokens[-seq_len:]
-    window = np.zeros((1, seq_len), np.int32)
-    window[0, :len(context)] = context
     key, sub = jax.random.split(key)
-    tokens.append(int(next_token(params, window, len(context) - 1, sub)))
+    tokens.append(int(pick(next_logits(tokens), sub)))
   return tokens[len(prompt):]
 
 
@@ -204,7 +283,8 @@ def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed:
     tokens = encode_prompt(prompt, as_bytes, config.model.vocab_size)
   _, bind, weights = restore_model(config, workdir, step, params)
   with jax.default_device(jax.devices('cpu')[0]):
-    new = generate(bind, weights, tokens, num_tokens, config.data.seq_len, temperature, seed, top_k, top_p)
+    new = generate(bind, weights, tokens, num_tokens, config.data.seq_len, temperature, seed, top_k, top_p,
+                   decoder=cached_decoder(config))
   if as_bytes:
     return bytes(tokens + new)
   if decode is not None:

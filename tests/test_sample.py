@@ -105,3 +105,72 @@ def test_a_run_tokenized_with_a_tiktoken_file_samples_text(tmp_path):
   (tmp_path / 'data' / 'tokenizer' / 'tiny.tiktoken').unlink()
   with pytest.raises(Exception, match=r'was tokenized with tiktoken:tiny.tiktoken but .*tiny.tiktoken is missing'):
     _sample_module().text_codec(config, as_bytes=False)
+
+
+# The KV cache (sample.CachedLogits, llama.for_decoding) against the whole window run for every token
+# (sample.WindowLogits, the path brought models take), on tiny random Llamas whose window is SEQ_LEN tokens.
+SEQ_LEN = 16
+KV_CASES = {
+    'scanned': {},
+    'unrolled': {'scan_layers': False},
+    'gqa': {'num_kv_heads': 2},
+    'moe_scanned_groups': {'num_experts': 4, 'experts_per_token': 2, 'moe_layers': 2, 'shared_expert': True},
+    'moe_unrolled': {'num_experts': 4, 'experts_per_token': 2, 'scan_layers': False},
+    'qwen_style': {'qk_norm': True, 'qkv_bias': True, 'num_kv_heads': 1, 'head_dim': 16, 'rope_scaling': 'llama3'},
+}
+
+
+def _tiny_llama(**model):
+  """(config, model, random float32 parameters): configs/tiny.py with 4 heads and `model` overrides."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import configs.tiny
+  from trainer.models import llama
+  config = configs.tiny.get_config()
+  config.model.num_heads, config.data.seq_len = 4, SEQ_LEN
+  for key, value in model.items():
+    config.model[key] = value
+  module = llama.build(config)
+  rng = np.random.default_rng(0)  # NumPy draws: compiling init would take seconds.
+  abstract = nn.unbox(jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, SEQ_LEN), jnp.int32)))['params']
+  return config, module, jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype), abstract)
+
+
+@pytest.mark.parametrize('case', list(KV_CASES))
+def test_the_kv_cache_gives_the_whole_windows_logits_and_greedy_tokens(case):
+  import functools
+
+  import numpy as np
+  sample = _sample_module()
+  config, module, params = _tiny_llama(**KV_CASES[case])
+  bind = lambda p: functools.partial(module.apply, {'params': p})
+  decoder = sample.cached_decoder(config)
+  assert decoder is not None and decoder.cfg.decode and not module.cfg.decode
+  # Logits, the text grown one token at a time past the window: prefill at 3 tokens, steps to SEQ_LEN, then the
+  # window slides (recomputed) for 8 more.
+  text = np.random.default_rng(1).integers(0, 256, SEQ_LEN + 8).tolist()
+  window, cached = sample.WindowLogits(bind, params, SEQ_LEN), sample.CachedLogits(decoder, params, SEQ_LEN)
+  for n in range(3, len(text) + 1):
+    np.testing.assert_allclose(np.asarray(cached(text[:n])), np.asarray(window(text[:n])), rtol=0, atol=1e-5,
+                               err_msg=f'{case}: logits after {n} tokens')
+  # Greedy generation: 5 prompt tokens + 20 new ones run 9 past the window.
+  reference = sample.generate(bind, params, [5, 17, 99, 3, 250], 20, SEQ_LEN, temperature=0.0, seed=0)
+  assert sample.generate(bind, params, [5, 17, 99, 3, 250], 20, SEQ_LEN, temperature=0.0, seed=0,
+                         decoder=decoder) == reference
+
+
+def test_the_kv_cache_is_for_the_builtin_llama_only_and_not_for_capacity_mode_moe():
+  import configs.tiny
+  sample = _sample_module()
+  config = configs.tiny.get_config()
+  assert sample.cached_decoder(config) is not None
+  config.model.name = 'tests.custom_models:Anything'  # A brought model: never built here, its internals unknown.
+  assert sample.cached_decoder(config) is None
+  config = configs.tiny.get_config()
+  config.model.num_experts, config.model.experts_per_token, config.model.expert_capacity_factor = 4, 2, 1.25
+  assert sample.cached_decoder(config) is None
+  config.model.expert_capacity_factor = None  # Dropless: each token's experts do not depend on the others.
+  assert sample.cached_decoder(config) is not None

@@ -20,7 +20,7 @@ from trainer.attention import context, cudnn, splash, xla
 from trainer.attention.choice import KERNELS, Call, Choice, choose, log_once
 from trainer.precision import compute_dtype
 
-__all__ = ['KERNELS', 'Call', 'Choice', 'choose', 'dot_product_attention', 'check_config', 'platform_of',
+__all__ = ['KERNELS', 'Call', 'Choice', 'choose', 'dot_product_attention', 'cached_attention', 'check_config', 'platform_of',
            'xla_for_counting', 'fused_forward_saveable', 'dots_saveable']
 
 _COUNTING = contextvars.ContextVar('attention_xla_for_counting', default=False)
@@ -119,6 +119,16 @@ def dot_product_attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_B
     return splash.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL, mesh=mesh,
                             rules=rules, interpret=platform != 'tpu')
   return xla.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL)
+
+
+def cached_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL):
+  """Decoding with a KV cache (trainer/models/kv_cache.py): queries at `positions_BL` (B, L) against S cached
+  key/value slots (B, S, G, K), slot s holding position s; each query attends to the slots up to its position.
+
+  Always XLA's: a step's few queries against the cache are matrix-vector work the fused kernels do not target, and
+  the mask is by position, not the causal triangle they build in.
+  """
+  return xla.attention_to_positions(q_BLHK, k_BSGK, v_BSGK, positions_BL)
 
 
 def context_choice(mesh: Mesh, setting: str, seq_len: int, head_dim: int) -> Choice:

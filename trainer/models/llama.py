@@ -16,6 +16,10 @@ axis, so compile time does not grow with depth. Rematerialization wraps each
 block, scanned or not; the names given to activations with `checkpoint_name`
 below are what the save-by-name policies keep.
 
+Decoding (scripts/sample.py) runs `for_decoding(model)`: the same parameters, with each attention layer keeping
+its keys and values in a 'cache' collection (trainer/models/kv_cache.py) so a new token runs alone against them.
+Training never sets `decode`, so its step is the one traced before the cache existed.
+
 `build(config, mesh, rules)` is the launcher's entry point (registered as
 'llama'): it checks the model's config keys and returns the Linen module.
 """
@@ -31,7 +35,7 @@ from jax.sharding import Mesh
 
 from trainer import attention as attention_lib
 from trainer.errors import UserError
-from trainer.models import checkpoint_policies, layer_scan, sown
+from trainer.models import checkpoint_policies, kv_cache, layer_scan, sown
 from trainer.models import moe as moe_lib
 from trainer.precision import compute_dtype
 
@@ -83,6 +87,7 @@ class LlamaConfig:
   moe: moe_lib.MoeConfig | None = None
   moe_interval: int = 1  # Every moe_interval-th block (blocks k-1, 2k-1, ...) is an MoE block.
   shared_expert: bool = False  # MoE blocks also run a dense MLP of moe.expert_mlp_dim on every token.
+  decode: bool = False  # Attention keeps keys/values in the 'cache' collection (for_decoding); never in training.
 
   @property
   def head_dim(self) -> int:
@@ -171,10 +176,16 @@ class Attention(nn.Module):
     q_BLHK = constrain(rope(q_BLHK, positions_BL, freq_K), ('batch', 'length', 'heads', 'head_dim'), cfg)
     k_BLGK = constrain(rope(k_BLGK, positions_BL, freq_K), kv_axes, cfg)
     v_BLGK = constrain(v_BLGK, kv_axes, cfg)
-    # Packed rows: a token attends only to earlier tokens of its own document (segment), on every kernel.
-    out_BLHK = attention_lib.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, causal=True, segment_ids_BL=segment_ids_BL,
-                                                   kernel=cfg.attention, mesh=cfg.mesh, rules=cfg.rules,
-                                                   max_segments=cfg.max_segments)
+    if cfg.decode and kv_cache.filled(self):  # New positions against the cached ones.
+      k_BSGK, v_BSGK = kv_cache.update(self, k_BLGK, v_BLGK, positions_BL)
+      out_BLHK = attention_lib.cached_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL)
+    else:
+      if cfg.decode:  # The prefill: its window's keys and values become the cache.
+        kv_cache.fill(self, k_BLGK, v_BLGK)
+      # Packed rows: a token attends only to earlier tokens of its own document (segment), on every kernel.
+      out_BLHK = attention_lib.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, causal=True,
+                                                     segment_ids_BL=segment_ids_BL, kernel=cfg.attention,
+                                                     mesh=cfg.mesh, rules=cfg.rules, max_segments=cfg.max_segments)
     out_BLHK = checkpoint_name(out_BLHK, 'attention_out')
     return nn.DenseGeneral(
         cfg.d_model, axis=(-2, -1), use_bias=False, kernel_init=_init(('heads', 'head_dim', 'embed')),
@@ -241,7 +252,9 @@ def block_stack(cfg: LlamaConfig):
     block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
   if cfg.scan_layers:
     # What layers sow (MoE loss terms and metrics) is stacked per layer, like the parameters.
-    block = nn.scan(block, variable_axes={'params': 0, **{c: 0 for c in sown.COLLECTIONS}},
+    # Decoding stacks each layer's KV cache the same way.
+    stacked = ('params', *sown.COLLECTIONS, *((kv_cache.COLLECTION,) if cfg.decode else ()))
+    block = nn.scan(block, variable_axes={c: 0 for c in stacked},
                     split_rngs={'params': True}, in_axes=(nn.broadcast, nn.broadcast),
                     length=cfg.num_layers // (cfg.moe_interval if cfg.scans_groups else 1),
                     metadata_params={nn.PARTITION_NAME: 'layers'})
@@ -330,6 +343,17 @@ class Llama(nn.Module):
       return x_BLD, head_DV
     logits_BLV = jnp.einsum('bld,dv->blv', x_BLD, head_DV)
     return constrain(logits_BLV, ('batch', 'length', 'vocab'), cfg).astype(jnp.float32)
+
+
+def for_decoding(model: Llama) -> Llama:
+  """`model` for generation with a KV cache; it takes `model`'s parameters.
+
+  `apply({'params': p}, window_1L, mutable=['cache'])` runs the window as training does (the prefill) and returns
+  (logits, {'cache': ...}) holding its keys and values, one slot per position; then
+  `apply({'params': p, 'cache': cache}, tokens_1L, positions=positions_1L, mutable=['cache'])` runs only the new
+  tokens, writing their slots and attending to slots up to their positions. No remat: nothing is differentiated.
+  """
+  return Llama(dataclasses.replace(model.cfg, decode=True, remat_policy='none'))
 
 
 ROPE_SCALINGS = ('none', 'llama3')
