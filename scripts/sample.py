@@ -190,8 +190,9 @@ class WindowLogits:
 class CachedLogits:
   """tokens -> the next token's logits (V,) float32, from `decoder` (llama.for_decoding) and its KV cache.
 
-  Called with the text grown by one token each time. The first call runs the window (the prefill, compiled once
-  at `seq_len`); each later one runs the new token alone at its position. Past `seq_len` tokens every call runs
+  A call whose text is the last call's grown by one token runs the new token alone at its position, against the
+  cache; any other (the first, a new text) runs the window (the prefill, compiled once at `seq_len`). Past
+  `seq_len` tokens every call runs
   the prefill again on the last `seq_len`, i.e. slides by recomputing rather than by rolling the cache: the window
   the model reads (in training and in WindowLogits) starts at position 0 with its first token, and dropping the
   oldest token changes every later token's keys and values in every layer above the first (they attended to
@@ -212,15 +213,18 @@ class CachedLogits:
       return logits_11V[0, 0], variables['cache']
 
     self._prefill, self._step = jax.jit(prefill), jax.jit(step, donate_argnums=1)  # The cache is updated in place.
-    self._params, self._seq_len, self._cache = params, seq_len, None
+    self._params, self._seq_len = params, seq_len
+    self._cache, self._text = None, []  # The cache holds the keys and values of `_text`.
 
   def __call__(self, tokens: list[int]):
     import numpy as np
-    if self._cache is None or len(tokens) > self._seq_len:
-      logits_V, self._cache = self._prefill(self._params, *_window(tokens, self._seq_len))
-    else:
+    grown = self._cache is not None and len(tokens) == len(self._text) + 1 and tokens[:-1] == self._text
+    if grown and len(tokens) <= self._seq_len:
       logits_V, self._cache = self._step(self._params, self._cache, np.array([[tokens[-1]]], np.int32),
                                          np.array([[len(tokens) - 1]], np.int32))
+    else:
+      logits_V, self._cache = self._prefill(self._params, *_window(tokens, self._seq_len))
+    self._text = list(tokens)
     return logits_V
 
 
@@ -235,28 +239,30 @@ def cached_decoder(config):
   return llama.for_decoding(llama.build(config))  # No mesh: one device, no sharding constraints.
 
 
-def generate(bind, params, prompt: list[int], num_tokens: int, seq_len: int, temperature: float,
-             seed: int, top_k: int = 0, top_p: float = 1.0, decoder=None) -> list[int]:
-  """`num_tokens` tokens after `prompt`, each from the logits of the last `seq_len` tokens.
-
-  With `decoder` (cached_decoder's) from CachedLogits, else from WindowLogits: `bind(params)(window)`.
-  """
+@functools.cache  # One compile per (top_k, top_p) in a process, however many generations.
+def _picker(top_k: int, top_p: float):
+  """A jitted (logits (V,), key, temperature) -> token: greedy at temperature 0, else sampled."""
   import jax
   import jax.numpy as jnp
 
   @jax.jit
-  def pick(logits_V, key):
+  def pick(logits_V, key, temperature):
     logits_V = filter_logits(logits_V, top_k, top_p)
     greedy = jnp.argmax(logits_V)
     sampled = jax.random.categorical(key, logits_V / jnp.maximum(temperature, 1e-6))
     return jnp.where(temperature > 0, sampled, greedy)
+  return pick
 
-  next_logits = (WindowLogits(bind, params, seq_len) if decoder is None else
-                 CachedLogits(decoder, params, seq_len))
+
+def generate(next_logits, prompt: list[int], num_tokens: int, temperature: float, seed: int, top_k: int = 0,
+             top_p: float = 1.0) -> list[int]:
+  """`num_tokens` tokens after `prompt`; `next_logits(tokens)` (a WindowLogits or CachedLogits) scores each."""
+  import jax
+  pick = _picker(top_k, top_p)
   tokens, key = list(prompt), jax.random.key(seed)
   for _ in range(num_tokens):
     key, sub = jax.random.split(key)
-    tokens.append(int(pick(next_logits(tokens), sub)))
+    tokens.append(int(pick(next_logits(tokens), sub, temperature)))
   return tokens[len(prompt):]
 
 
@@ -282,9 +288,11 @@ def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed:
   else:
     tokens = encode_prompt(prompt, as_bytes, config.model.vocab_size)
   _, bind, weights = restore_model(config, workdir, step, params)
+  decoder = cached_decoder(config)
   with jax.default_device(jax.devices('cpu')[0]):
-    new = generate(bind, weights, tokens, num_tokens, config.data.seq_len, temperature, seed, top_k, top_p,
-                   decoder=cached_decoder(config))
+    next_logits = (WindowLogits(bind, weights, config.data.seq_len) if decoder is None else
+                   CachedLogits(decoder, weights, config.data.seq_len))
+    new = generate(next_logits, tokens, num_tokens, temperature, seed, top_k, top_p)
   if as_bytes:
     return bytes(tokens + new)
   if decode is not None:

@@ -20,8 +20,8 @@ from trainer.attention import context, cudnn, splash, xla
 from trainer.attention.choice import KERNELS, Call, Choice, choose, log_once
 from trainer.precision import compute_dtype
 
-__all__ = ['KERNELS', 'Call', 'Choice', 'choose', 'dot_product_attention', 'cached_attention', 'check_config', 'platform_of',
-           'xla_for_counting', 'fused_forward_saveable', 'dots_saveable']
+__all__ = ['KERNELS', 'Call', 'Choice', 'choose', 'dot_product_attention', 'cached_attention', 'check_config',
+           'platform_of', 'xla_for_counting', 'fused_forward_saveable', 'dots_saveable']
 
 _COUNTING = contextvars.ContextVar('attention_xla_for_counting', default=False)
 
