@@ -37,7 +37,23 @@ from trainer.attention import splash
 from trainer.attention.choice import SPLASH_LANES, SPLASH_TPU_HEAD_DIM_MULTIPLE
 from trainer.errors import UserError
 
-SCHEME = 'all-gather'  # Of keys/values over the context axis; recorded in the run manifest.
+AUTO_WHY = 'PLACEHOLDER'
+SCHEMES = ('auto', 'all-gather', 'ring')  # model.context_scheme; the one that runs is recorded in the run manifest.
+
+
+def scheme_for(setting: str, kernel_setting: str, parts: int) -> tuple[str, str]:
+  """(scheme, why) for `model.context_scheme=setting` across `parts` devices (see the module docstring's "Why")."""
+  if setting not in SCHEMES:
+    raise UserError(f'model.context_scheme={setting!r} is not a scheme; choose one of {SCHEMES}.')
+  if setting == 'ring':
+    if kernel_setting in ('splash', 'cudnn'):
+      raise UserError(f"model.context_scheme='ring' computes its own blocks and cannot run "
+                      f"model.attention={kernel_setting!r}: set model.attention to 'auto' or 'xla', or "
+                      f"model.context_scheme to 'all-gather'.")
+    return 'ring', 'named in the config'
+  if setting == 'auto':
+    return 'all-gather', AUTO_WHY
+  return 'all-gather', 'named in the config'
 
 
 def kernel_for(platform: str, setting: str, seq_len: int, parts: int, head_dim: int) -> tuple[str, str]:
@@ -97,6 +113,95 @@ def _splash_local(q_BlHK, k_BLGK, v_BLGK, ids_Bl, ids_BL, *, causal: bool, seq_l
   return jnp.swapaxes(out_BHlK, 1, 2)
 
 
+NEG = -1e30  # A masked score: finite, so a query that sees no key of a block gives exp(NEG - NEG) = 1, never NaN.
+
+
+def _block(q_BlGRK, k_BsGK, v_BsGK, mask_Bls):
+  """One key/value block's part of this device's attention, unnormalized: (max, sum, accumulated values), float32.
+
+  R: query heads per key/value head. Scores in float32 whatever the compute dtype; the max is a stabilizer the
+  result does not depend on (it cancels between `sum` and `acc`), so no gradient flows through it."""
+  scale = q_BlGRK.shape[-1] ** -0.5
+  s_BGRls = jnp.einsum('blgrk,bsgk->bgrls', q_BlGRK, k_BsGK, preferred_element_type=jnp.float32) * scale
+  if mask_Bls is not None:
+    s_BGRls = jnp.where(mask_Bls[:, None, None], s_BGRls, NEG)
+  m_BGRl = jax.lax.stop_gradient(jnp.max(s_BGRls, axis=-1))
+  p_BGRls = jnp.exp(s_BGRls - m_BGRl[..., None])
+  if mask_Bls is not None:  # A fully masked row would otherwise count each of its keys once (exp(0)).
+    p_BGRls = jnp.where(mask_Bls[:, None, None], p_BGRls, 0)
+  acc_BGRlK = jnp.einsum('bgrls,bsgk->bgrlk', p_BGRls, v_BsGK.astype(jnp.float32))
+  return m_BGRl, jnp.sum(p_BGRls, axis=-1), acc_BGRlK
+
+
+# Flash attention's trade: each block's scores are recomputed in the backward pass instead of kept, so a device holds
+# one (l, l) block of scores at a time rather than (l, L) for the whole row, which is the ring's point.
+_block_remat = jax.checkpoint(_block)
+
+
+def _merge(run, part):
+  """The online softmax: two partial (max, sum, acc) of the same queries over disjoint keys, as one."""
+  (m0, s0, a0), (m1, s1, a1) = run, part
+  m = jnp.maximum(m0, m1)
+  w0, w1 = jnp.exp(m0 - m), jnp.exp(m1 - m)
+  return m, s0 * w0 + s1 * w1, a0 * w0[..., None] + a1 * w1[..., None]
+
+
+def _ring_local(q_BlHK, k_BlGK, v_BlGK, ids_Bl, *, causal: bool, seq_len: int, parts: int):
+  """This device's queries against every device's keys/values, one block a step, passed around the ring.
+
+  Step s holds the block of device j = r - s (mod C). Under the balanced order device r holds chunks (r, 2C-1-r),
+  so for causal rows the blocks off the diagonal are half visible and half not, wholly: j < r, every query of r sees
+  j's first chunk and none of its second; j > r, r's second chunk sees both of j's chunks and r's first sees
+  neither. Each off-diagonal step computes that half only (a `lax.cond` on the device index), exactly, with no
+  position mask; only the diagonal step (s = 0) masks by original position. Segment ids travel with the block.
+  """
+  axis, local = context_lib.AXIS, seq_len // parts
+  chunk = local // 2
+  (batch, _, heads, head_dim), kv_heads = q_BlHK.shape, k_BlGK.shape[2]
+  q_BlGRK = q_BlHK.reshape(batch, local, kv_heads, heads // kv_heads, head_dim)
+  me = jax.lax.axis_index(axis)
+  where_L = jnp.asarray(context_lib.order(seq_len, parts), jnp.int32)
+  where_l = jax.lax.dynamic_slice_in_dim(where_L, me * local, local)
+  ring = [(i, (i + 1) % parts) for i in range(parts)]
+
+  def segments(q_ids, k_ids):
+    return None if q_ids is None else q_ids[:, :, None] == k_ids[:, None, :]
+
+  def empty(rows):  # No key seen yet: merging it with any part gives that part.
+    shape = (batch, kv_heads, heads // kv_heads, rows)
+    return jnp.full(shape, NEG, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (head_dim,), jnp.float32)
+
+  def earlier(k, v, ids):  # j < r: all of r's queries against j's first chunk.
+    return _block_remat(q_BlGRK, k[:, :chunk], v[:, :chunk],
+                        None if ids is None else segments(ids_Bl, ids[:, :chunk]))
+
+  def later(k, v, ids):  # j > r: r's second chunk against all of j; r's first chunk sees nothing of it.
+    half = _block_remat(q_BlGRK[:, chunk:], k, v, None if ids is None else segments(ids_Bl[:, chunk:], ids))
+    return tuple(jnp.concatenate([e, h], axis=3) for e, h in zip(empty(chunk), half))
+
+  k, v, ids = k_BlGK, v_BlGK, ids_Bl
+  run = empty(local)
+  for step in range(parts):
+    if step + 1 < parts:  # Sent before this step's block computes, so the transfer can overlap it.
+      k_next, v_next, ids_next = jax.lax.ppermute((k, v, ids), axis, ring)
+    if step == 0:
+      mask = segments(ids_Bl, ids)
+      if causal:
+        seen = (where_l[None, :] <= where_l[:, None])[None]
+        mask = seen if mask is None else mask & seen
+      part = _block_remat(q_BlGRK, k, v, mask)
+    elif causal:
+      part = jax.lax.cond(me >= step, earlier, later, k, v, ids)
+    else:
+      part = _block_remat(q_BlGRK, k, v, segments(ids_Bl, ids))
+    run = _merge(run, part)
+    if step + 1 < parts:
+      k, v, ids = k_next, v_next, ids_next
+  _, total_BGRl, acc_BGRlK = run
+  out_BGRlK = acc_BGRlK / jnp.where(total_BGRl > 0, total_BGRl, 1)[..., None]  # Every token sees itself: > 0.
+  return jnp.moveaxis(out_BGRlK, 3, 1).reshape(q_BlHK.shape).astype(q_BlHK.dtype)
+
+
 def _local(q_BlHK, k_BlGK, v_BlGK, ids_Bl, *, causal: bool, seq_len: int, parts: int, kernel: str,
            interpret: bool):
   """This device's queries against the whole row's keys and values (gathered over `context`)."""
@@ -119,10 +224,11 @@ def _local(q_BlHK, k_BlGK, v_BlGK, ids_Bl, *, causal: bool, seq_len: int, parts:
 
 
 def attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_BL, mesh: Mesh, rules, kernel: str = 'xla',
-              interpret: bool = False):
+              scheme: str = 'all-gather', interpret: bool = False):
   """Softmax(q k^T / sqrt(K)) v of rows in the balanced order, split over mesh axis `context`; same order out.
 
-  `kernel`: the per-device block, 'xla' or 'splash' (kernel_for decides; `interpret` runs splash off TPU).
+  `scheme`: 'all-gather' or 'ring' (scheme_for decides). `kernel`: all-gather's per-device block, 'xla' or 'splash'
+  (kernel_for decides; `interpret` runs splash off TPU); the ring computes its blocks itself.
   """
   parts, seq_len = mesh.shape[context_lib.AXIS], q_BLHK.shape[1]
   q_axes = nn.logical_to_mesh_axes(('batch', 'length', 'heads', 'head_dim'), rules)
@@ -133,10 +239,13 @@ def attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_BL, mesh: Mes
   ids_spec = PartitionSpec(q_axes[0], context_lib.AXIS)
 
   def local(q, k, v, ids=None):
+    if scheme == 'ring':
+      return _ring_local(q, k, v, ids, causal=causal, seq_len=seq_len, parts=parts)
     return _local(q, k, v, ids, causal=causal, seq_len=seq_len, parts=parts, kernel=kernel, interpret=interpret)
 
   # Mosaic kernels carry no varying-axes types: splash runs unchecked, as trainer/attention/splash.py does.
-  sharded = functools.partial(jax.shard_map, mesh=mesh, out_specs=q_spec, check_vma=kernel != 'splash')
+  sharded = functools.partial(jax.shard_map, mesh=mesh, out_specs=q_spec,
+                              check_vma=scheme == 'ring' or kernel != 'splash')
   if segment_ids_BL is None:
     return sharded(local, in_specs=(q_spec, kv_spec, kv_spec))(q_BLHK, k_BLGK, v_BLGK)
   return sharded(local, in_specs=(q_spec, kv_spec, kv_spec, ids_spec))(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL)
