@@ -15,6 +15,7 @@ from parallel import mesh as mesh_lib
 from parallel import sharding
 from configs import base
 from trainer import attention
+from trainer.attention import context as scheme_lib
 from trainer.errors import UserError
 
 B, L, H, G, K = 2, 64, 4, 2, 8
@@ -107,6 +108,16 @@ def test_named_kernels_that_cannot_run_across_the_split_are_refused():
   with pytest.raises(UserError, match=r"model.attention='splash' cannot run across mesh.context=2: splash needs "
                                       r"chunks \(data.seq_len / 2 / mesh.context = 16\)"):
     _split_call(_mesh(2), True, None, kernel='splash')(q, k, v)
+
+
+def test_auto_takes_the_all_gather_where_splash_runs_the_blocks_and_the_ring_elsewhere():
+  # The rule is a pure function of the platform and shapes.
+  assert scheme_lib.scheme_for('auto', 'auto', 'tpu', 16_384, 4, 64)[:2] == ('all-gather', 'splash')
+  assert scheme_lib.scheme_for('auto', 'auto', 'tpu', 1024, 8, 64)[:2] == ('ring', 'xla')  # Chunks of 64: no splash.
+  assert scheme_lib.scheme_for('auto', 'xla', 'tpu', 16_384, 4, 64)[:2] == ('ring', 'xla')
+  assert scheme_lib.scheme_for('auto', 'auto', 'gpu', 16_384, 4, 64)[:2] == ('ring', 'xla')
+  assert scheme_lib.scheme_for('auto', 'auto', 'cpu', 64, 4, 8)[:2] == ('ring', 'xla')
+  assert scheme_lib.scheme_for('all-gather', 'auto', 'cpu', 64, 4, 8)[:2] == ('all-gather', 'xla')
 
 
 def test_ring_with_a_named_fused_kernel_and_unknown_schemes_are_refused():

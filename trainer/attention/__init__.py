@@ -131,13 +131,9 @@ def context_choice(mesh: Mesh, setting: str, scheme_setting: str, seq_len: int,
   """(kernel choice, scheme) of attention across a context axis of the mesh; the choice's reason names the scheme
   (logged once, in the run manifest)."""
   parts = mesh.shape[context.context_lib.AXIS]
-  scheme, scheme_why = context.scheme_for(scheme_setting, setting, parts)
-  if scheme == 'ring':
-    kernel, why = 'xla', 'blocks of XLA einsums merged by an online softmax'
-  else:
-    kernel, why = context.kernel_for(platform_of(mesh)[0], setting, seq_len, parts, head_dim)
-  return Choice(kernel, setting, f'{scheme} of keys/values over mesh.context={parts} (model.context_scheme='
-                f'{scheme_setting!r}: {scheme_why}), balanced (zig-zag) row order; {why}'), scheme
+  scheme, kernel, why = context.scheme_for(scheme_setting, setting, platform_of(mesh)[0], seq_len, parts, head_dim)
+  return Choice(kernel, setting, f'{scheme} of keys/values over mesh.context={parts}, balanced (zig-zag) row order '
+                f'(model.context_scheme={scheme_setting!r}): {why}'), scheme
 
 
 def config_call(config, mesh: Mesh | None = None) -> Call | None:

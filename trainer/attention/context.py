@@ -1,26 +1,42 @@
-"""Exact attention when the sequence is split over the `context` mesh axis: all-gather of keys and values.
+"""Exact attention when the sequence is split over the `context` mesh axis: an all-gather or a ring of keys/values.
 
 Shape letters: B batch, L sequence length (l: this device's part, L / C), H query heads, G key/value heads, K head dim.
 
 Each device holds l = L / C tokens of every row, in the balanced order of parallel/context.py. Inside a shard_map
-over the whole mesh, each device gathers the keys, values and segment ids of the full row over `context` (tiled:
-device r's part lands at r*l) and attends with its own queries against all of them. Masks are built from each
-token's *original* position (`context.order`), never from its place in the balanced row, so causality and packed
-documents are exact however the row was reordered. The backward pass of the gather is a reduce-scatter of the
-key/value gradients, which jax derives.
+over the whole mesh, two schemes (model.context_scheme) bring each device's queries the whole row's keys/values:
 
-Why all-gather and not a ring (ppermute of key/value blocks with an online softmax): the gathered keys and values
-of one layer are G/H of the query's size times L, small next to the activations the split saves (for llama_1b,
-8 key/value heads of 64 = 1 KiB a token in bfloat16), and one collective that XLA overlaps with the projections is
-simpler than C - 1 dependent steps; it is MaxText's default on TPU for the same reason. A ring pays off when even
-the gathered keys/values of a layer no longer fit, far beyond 128k tokens at these widths.
+- 'all-gather': gather the keys, values and segment ids of the full row over `context` (tiled: device r's part
+  lands at r*l) and attend with the local queries against all of them; the backward pass of the gather is a
+  reduce-scatter of the key/value gradients, which jax derives.
+- 'ring': C steps; at each the device attends to the block it holds, passes it on with `ppermute` (sent before the
+  block computes, so the transfer can overlap it), and merges the part with an online softmax (running max and sum,
+  float32). Under the balanced order every causal block off the diagonal is exactly half visible, and the ring
+  computes that half only; each block's scores are recomputed in the backward pass (jax.checkpoint), so a device
+  holds one (l, l/2) block of scores at a time. Plain jax autodiff: the ppermutes transpose to the reverse ring.
 
-The per-device block: on TPU, splash attention (what 'auto' picks there) once per query chunk against the whole
-row in its original order, with a causal mask offset to the chunk's start. Offsets are static in splash's masks and
-differ per device, so a `lax.switch` on the device's index holds one static pair per device; blocks above the
-diagonal are skipped, which is where the balanced order pays (parallel/context.py: causal_work). Elsewhere (CPU, and
-GPUs for now: cuDNN's masks are causal from position 0 only), XLA's attention with an explicit (l, L) mask built
-from original positions.
+Masks are built from each token's *original* position (`context.order`), never from its place in the balanced row,
+so causality and packed documents are exact however the row was reordered.
+
+Why 'auto' takes the all-gather where splash runs its blocks and the ring elsewhere, measured side by side
+(BENCHMARKS.md "Long sequences"): with XLA blocks the all-gather computes the full (l, L) scores, the masked half
+included, and keeps them for the backward pass; the ring computes the visible half and keeps none.
+- CPU step time (`python scripts/bench_context.py --steps=3 --seq_len=1024`: 2 shared, loaded cores, 8 fake
+  devices, the default LM at batch 8 x 1024, float32, 3 alternating rounds; two runs): ring / all-gather 0.56 and
+  0.72 at context 2, 0.63 and 0.73 at context 4.
+- Per-chip temporaries planned for v5p:2x2x4 (libtpu 0.0.51, XLA blocks for both, tests/test_context_plan.py's
+  one-layer config: 4 x 16,384 tokens, fsdp 4 x context 4, bfloat16): ring 1,815,003,136 bytes, all-gather
+  6,724,534,272 (0.27x). The all-gather with splash blocks needs 279,281,664 (that test), less than either.
+Splash already skips the masked blocks and never holds scores, so on TPU the all-gather keeps its single collective,
+which XLA overlaps with the projections (MaxText's default there too); the ring would save it only the gathered
+keys/values, small at grouped-query widths (llama_1b: 1 KiB a token in bfloat16). Not measured: interconnect time
+on any accelerator (none lent), and GPUs, where 'auto' takes the ring on the same FLOP and memory argument as CPU.
+
+The all-gather's per-device block: on TPU, splash attention (what 'auto' picks there) once per query chunk against
+the whole row in its original order, with a causal mask offset to the chunk's start. Offsets are static in splash's
+masks and differ per device, so a `lax.switch` on the device's index holds one static pair per device; blocks above
+the diagonal are skipped, which is where the balanced order pays (parallel/context.py: causal_work). Elsewhere (CPU,
+and GPUs for now: cuDNN's masks are causal from position 0 only), XLA's attention with an explicit (l, L) mask built
+from original positions. The ring's blocks are its own einsums; it runs no fused kernel.
 """
 
 import functools
@@ -37,12 +53,16 @@ from trainer.attention import splash
 from trainer.attention.choice import SPLASH_LANES, SPLASH_TPU_HEAD_DIM_MULTIPLE
 from trainer.errors import UserError
 
-AUTO_WHY = 'PLACEHOLDER'
 SCHEMES = ('auto', 'all-gather', 'ring')  # model.context_scheme; the one that runs is recorded in the run manifest.
+RING_BLOCK = 'blocks of XLA einsums merged by an online softmax, causal halves skipped'
 
 
-def scheme_for(setting: str, kernel_setting: str, parts: int) -> tuple[str, str]:
-  """(scheme, why) for `model.context_scheme=setting` across `parts` devices (see the module docstring's "Why")."""
+def scheme_for(setting: str, kernel_setting: str, platform: str, seq_len: int, parts: int,
+               head_dim: int) -> tuple[str, str, str]:
+  """(scheme, per-device kernel, why) for model.context_scheme=`setting` and model.attention=`kernel_setting`.
+
+  'auto' is the rule of the module docstring's "Why": the all-gather where splash runs its blocks, else the ring.
+  """
   if setting not in SCHEMES:
     raise UserError(f'model.context_scheme={setting!r} is not a scheme; choose one of {SCHEMES}.')
   if setting == 'ring':
@@ -50,10 +70,13 @@ def scheme_for(setting: str, kernel_setting: str, parts: int) -> tuple[str, str]
       raise UserError(f"model.context_scheme='ring' computes its own blocks and cannot run "
                       f"model.attention={kernel_setting!r}: set model.attention to 'auto' or 'xla', or "
                       f"model.context_scheme to 'all-gather'.")
-    return 'ring', 'named in the config'
-  if setting == 'auto':
-    return 'all-gather', AUTO_WHY
-  return 'all-gather', 'named in the config'
+    return 'ring', 'xla', f'named in the config; {RING_BLOCK}'
+  kernel, why = kernel_for(platform, kernel_setting, seq_len, parts, head_dim)
+  if setting == 'all-gather':
+    return 'all-gather', kernel, f'named in the config; {why}'
+  if kernel == 'splash':
+    return 'all-gather', kernel, f'splash skips masked blocks and holds no scores; {why}'
+  return 'ring', 'xla', f'faster than the all-gather with XLA blocks ({why}); {RING_BLOCK}'
 
 
 def kernel_for(platform: str, setting: str, seq_len: int, parts: int, head_dim: int) -> tuple[str, str]:
@@ -129,7 +152,8 @@ def _block(q_BlGRK, k_BsGK, v_BsGK, mask_Bls):
   p_BGRls = jnp.exp(s_BGRls - m_BGRl[..., None])
   if mask_Bls is not None:  # A fully masked row would otherwise count each of its keys once (exp(0)).
     p_BGRls = jnp.where(mask_Bls[:, None, None], p_BGRls, 0)
-  acc_BGRlK = jnp.einsum('bgrls,bsgk->bgrlk', p_BGRls, v_BsGK.astype(jnp.float32))
+  # Probabilities in the values' dtype, accumulated in float32, as XLA's and the fused kernels' attention do.
+  acc_BGRlK = jnp.einsum('bgrls,bsgk->bgrlk', p_BGRls.astype(v_BsGK.dtype), v_BsGK, preferred_element_type=jnp.float32)
   return m_BGRl, jnp.sum(p_BGRls, axis=-1), acc_BGRlK
 
 
