@@ -155,6 +155,7 @@ def get_config() -> config_dict.ConfigDict:
   # small depth: 2 layers ran 40% faster unrolled on CPU); 'auto' scans above 4 layers (trainer/models/layer_scan.py).
   c.model.scan_layers = config_dict.FieldReference('auto', field_type=object)  # True, False or 'auto' (any type).
   c.model.attention = 'auto'  # Attention kernel: 'auto' (cuDNN on NVIDIA GPUs, splash on TPUs, XLA elsewhere; the log says which and why), 'xla', 'cudnn' or 'splash'.
+  c.model.context_scheme = 'auto'  # How attention crosses mesh.context > 1: 'auto' (the all-gather where splash runs the blocks, on TPU; the ring elsewhere: measured, trainer/attention/context.py), 'all-gather' of keys/values, or 'ring' (ppermute of key/value blocks, an online softmax; XLA blocks only) (docs/context.md).
   c.model.check_alignment = True  # Your own 'lm' model: before step 1, probe that logits[t] read inputs[t] and no later input (trainer/models/contract.py).
   # Brought models' call conventions (issue 24)
   c.model.call_kwargs = ()  # Your model's constant call keywords as (name, value) pairs, e.g. (('train', True),); also at init.

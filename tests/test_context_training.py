@@ -83,7 +83,20 @@ def test_rows_split_over_four_devices_train_the_numbers_of_whole_rows(split4_run
   _assert_same(split4_run[1], unsplit)
   _, manifest = checkpoint.newest_manifest(str(split4_run[0]))  # The run records how attention crossed the split.
   assert manifest['mesh']['context'] == 4 and manifest['attention']['kernel'] == 'xla'
-  assert 'all-gather of keys/values over mesh.context=4' in manifest['attention']['reason']
+  assert manifest['attention']['reason'].startswith(  # 'auto' on CPU: the ring (trainer/attention/context.py).
+      "ring of keys/values over mesh.context=4, balanced (zig-zag) row order (model.context_scheme='auto'): faster")
+
+
+def test_the_all_gather_scheme_trains_the_numbers_of_whole_rows(unsplit, tmp_path):
+  """model.context_scheme='all-gather' at context 4 (what 'auto' picks on TPU, with splash), with XLA blocks here;
+  the other split runs in this file take 'auto', the ring on CPU."""
+  config = _config(2, 1, 4, 1)
+  config.model.context_scheme = 'all-gather'
+  _assert_same(_train(tmp_path, config), unsplit)
+  _, manifest = checkpoint.newest_manifest(str(tmp_path))
+  assert manifest['attention']['kernel'] == 'xla'
+  assert manifest['attention']['reason'].startswith("all-gather of keys/values over mesh.context=4, balanced "
+                                                    "(zig-zag) row order (model.context_scheme='all-gather')")
 
 
 # context=8 alone is left to tests/test_context_attention.py (the attention call), to keep this file near a minute.

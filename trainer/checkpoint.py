@@ -40,7 +40,7 @@ from trainer.safety import disk
 _UNSAFE_SECTIONS = ('model',)
 # Model keys that change how the step computes, never the parameters: a run may resume under another value.
 # init_from only seeds a fresh run (a resumed one never reads it), so a moved or re-exported folder is no other model.
-_KERNEL_ONLY_KEYS = ('attention', 'init_from')
+_KERNEL_ONLY_KEYS = ('attention', 'context_scheme', 'init_from')
 _TMP_MARK = '.orbax-checkpoint-tmp'
 # Where Orbax's JsonSave of the 'manifest' item puts it in a step folder (tests/test_gcs.py lists the object).
 _MANIFEST_FILE = 'manifest/metadata'

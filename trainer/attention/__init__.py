@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from trainer.attention import context, cudnn, splash, xla
 from trainer.attention.choice import KERNELS, Call, Choice, choose, log_once
+from trainer.errors import UserError
 from trainer.precision import compute_dtype
 
 __all__ = ['KERNELS', 'Call', 'Choice', 'choose', 'dot_product_attention', 'cached_attention', 'check_config',
@@ -73,7 +74,8 @@ def platform_of(mesh: Mesh | None = None) -> tuple[str, float | None]:
 
 
 def dot_product_attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_BL=None, kernel: str = 'auto',
-                          mesh: Mesh | None = None, rules=(), max_segments: int | None = None):
+                          mesh: Mesh | None = None, rules=(), max_segments: int | None = None,
+                          context_scheme: str = 'auto'):
   """Softmax(q k^T / sqrt(K)) v, on the kernel `kernel` names ('auto': the fastest that fits the call).
 
   Args:
@@ -93,6 +95,8 @@ def dot_product_attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_B
       and keeps float32 softmax statistics of shape (B * max_segments, H, L) for the backward pass. None takes
       L, always enough but twice the bytes of XLA's (B, H, L, L) bfloat16 scores: pass the real bound. A row with more
       segments than this loses its last ones on cuDNN.
+    context_scheme: `model.context_scheme`, how attention crosses mesh.context > 1: 'auto', 'all-gather' or 'ring'
+      (trainer/attention/context.py). Ignored without the split.
 
   Returns:
     (B, L, H, K) in the dtype of q.
@@ -103,10 +107,11 @@ def dot_product_attention(q_BLHK, k_BLGK, v_BLGK, *, causal: bool, segment_ids_B
   if _COUNTING.get():
     return xla.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL)
   if mesh is not None and mesh.shape.get(context.context_lib.AXIS, 1) > 1:
-    choice = context_choice(mesh, kernel, q_BLHK.shape[1], q_BLHK.shape[-1])
+    choice, scheme = context_choice(mesh, kernel, context_scheme, q_BLHK.shape[1], q_BLHK.shape[-1])
     log_once(choice)
     return context.attention(q_BLHK, k_BLGK, v_BLGK, causal=causal, segment_ids_BL=segment_ids_BL, mesh=mesh,
-                             rules=rules, kernel=choice.kernel, interpret=platform_of(mesh)[0] != 'tpu')
+                             rules=rules, kernel=choice.kernel, scheme=scheme,
+                             interpret=platform_of(mesh)[0] != 'tpu')
   platform, capability = platform_of(mesh)
   call = Call(platform, np.dtype(q_BLHK.dtype).name, tuple(q_BLHK.shape), tuple(k_BLGK.shape), causal,
               segment_ids_BL is not None, capability)
@@ -131,12 +136,14 @@ def cached_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL):
   return xla.attention_to_positions(q_BLHK, k_BSGK, v_BSGK, positions_BL)
 
 
-def context_choice(mesh: Mesh, setting: str, seq_len: int, head_dim: int) -> Choice:
-  """The scheme and kernel of attention across a context axis of the mesh (logged once, in the run manifest)."""
+def context_choice(mesh: Mesh, setting: str, scheme_setting: str, seq_len: int,
+                   head_dim: int) -> tuple[Choice, str]:
+  """(kernel choice, scheme) of attention across a context axis of the mesh; the choice's reason names the scheme
+  (logged once, in the run manifest)."""
   parts = mesh.shape[context.context_lib.AXIS]
-  kernel, why = context.kernel_for(platform_of(mesh)[0], setting, seq_len, parts, head_dim)
-  return Choice(kernel, setting, f'{context.SCHEME} of keys/values over mesh.context={parts}, balanced (zig-zag) '
-                f'row order; {why}')
+  scheme, kernel, why = context.scheme_for(scheme_setting, setting, platform_of(mesh)[0], seq_len, parts, head_dim)
+  return Choice(kernel, setting, f'{scheme} of keys/values over mesh.context={parts}, balanced (zig-zag) row order '
+                f'(model.context_scheme={scheme_setting!r}): {why}'), scheme
 
 
 def config_call(config, mesh: Mesh | None = None) -> Call | None:
@@ -166,6 +173,9 @@ def _config_dtype(config, platform: str) -> str:
 def check_config(config, mesh: Mesh | None = None) -> Choice | None:
   """The kernel a built-in model will run under `config`; UserError now if a named one cannot run it."""
   call = config_call(config, mesh)
+  scheme = config.model.get('context_scheme', 'auto')
+  if scheme not in context.SCHEMES:  # Also without the split: a typo should not wait for mesh.context > 1.
+    raise UserError(f'model.context_scheme={scheme!r} is not a scheme; choose one of {context.SCHEMES}.')
   if call is not None and mesh is not None and mesh.shape.get(context.context_lib.AXIS, 1) > 1:
-    return context_choice(mesh, config.model.attention, call.seq_len, call.head_dim)
+    return context_choice(mesh, config.model.attention, scheme, call.seq_len, call.head_dim)[0]
   return None if call is None else choose(call, config.model.attention)

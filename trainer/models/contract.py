@@ -57,10 +57,15 @@ def _launcher_file(path: str) -> bool:
   return any(path.startswith(str(_REPO / part)) for part in ('parallel', 'trainer'))
 
 
+# How the launcher's attention brings keys/values across the split: all at once, or around a ring
+# (model.context_scheme, trainer/attention/context.py).
+_CROSSING = ('all_gather', 'ppermute')
+
+
 def _gathers_over(jaxpr, axis: str) -> bool:
-  """Whether the jaxpr (or one inside it) all-gathers over mesh axis `axis`."""
+  """Whether the jaxpr (or one inside it) gathers keys/values over mesh axis `axis`, at once or around a ring."""
   for eqn in jaxpr.eqns:
-    names = eqn.params.get('axis_name', ()) if eqn.primitive.name == 'all_gather' else ()
+    names = eqn.params.get('axis_name', ()) if eqn.primitive.name in _CROSSING else ()
     if axis in ((names,) if isinstance(names, str) else tuple(names)):
       return True
     if any(_gathers_over(getattr(sub, 'jaxpr', sub), axis) for sub in jax.extend.core.jaxprs_in_params(eqn.params)):
@@ -69,8 +74,8 @@ def _gathers_over(jaxpr, axis: str) -> bool:
 
 
 def _check_attends_across_context(traced, name: str, parts: int) -> None:
-  """mesh.context > 1: the step must run the launcher's attention across the split (it gathers keys/values over
-  `context`); attention of the model's own would see only each device's part of every row, silently."""
+  """mesh.context > 1: the step must run the launcher's attention across the split (it gathers or passes keys/values
+  over `context`); attention of the model's own would see only each device's part of every row, silently."""
   if parts > 1 and not _gathers_over(traced.jaxpr.jaxpr, context_lib.AXIS):
     raise UserError(f'model.name={name!r} under mesh.context={parts}: its step gathers nothing over the context '
                     f'axis, so its attention would see only each device\'s part of a row. Call '

@@ -80,6 +80,7 @@ class LlamaConfig:
   remat_policy: str = 'none'
   scan_layers: bool = True  # One scanned block over stacked parameters; False unrolls num_layers blocks.
   attention: str = 'auto'  # The attention kernel (model.attention): 'auto', 'xla', 'cudnn' or 'splash'.
+  context_scheme: str = 'auto'  # How attention crosses mesh.context (model.context_scheme): 'all-gather', 'ring'.
   max_segments: int | None = None  # Packed rows: the most documents a row holds (data.max_documents_per_row).
   mesh: Mesh | None = None  # Set to pin activation shardings under jit; None leaves them to the caller.
   rules: tuple = ()  # Logical axis rules for the activation constraints.
@@ -185,7 +186,8 @@ class Attention(nn.Module):
       # Packed rows: a token attends only to earlier tokens of its own document (segment), on every kernel.
       out_BLHK = attention_lib.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, causal=True,
                                                      segment_ids_BL=segment_ids_BL, kernel=cfg.attention,
-                                                     mesh=cfg.mesh, rules=cfg.rules, max_segments=cfg.max_segments)
+                                                     mesh=cfg.mesh, rules=cfg.rules, max_segments=cfg.max_segments,
+                                                     context_scheme=cfg.context_scheme)
     out_BLHK = checkpoint_name(out_BLHK, 'attention_out')
     return nn.DenseGeneral(
         cfg.d_model, axis=(-2, -1), use_bias=False, kernel_init=_init(('heads', 'head_dim', 'embed')),
@@ -415,5 +417,6 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
       rope_original_max_positions=m.get('rope_original_max_positions', 8192),
       dtype=compute_dtype(config.train.compute_dtype), param_dtype=jnp.dtype(config.train.param_dtype),
       remat_policy=config.train.remat_policy, scan_layers=layer_scan.scans(m), attention=m.attention,
+      context_scheme=m.get('context_scheme', 'auto'),
       max_segments=config.data.max_documents_per_row if config.data.packing else None, mesh=mesh, rules=tuple(rules),
       **moe_fields))
