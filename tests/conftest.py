@@ -29,16 +29,21 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
-# jax's persistent compilation cache, shared by every launcher subprocess of the session: identical steps
-# compile once (a tiny run's 17 s of CPU drops to 5 s). In-process tests keep compiling afresh, so the
-# tests that count or time compilations see real compiles.
+# jax's persistent compilation cache, one folder per test process (an xdist worker), used by that process and by
+# every launcher subprocess it starts: identical programs compile once (a tiny launch's 17 s of CPU drops to 9 s,
+# and an in-process run repeating an earlier test's step loads it). Tests that count or time compilations give
+# their runs a folder of their own (train.compilation_cache_dir), as tests/test_step_compile.py does. Not shared
+# between workers: jax writes an entry in place, and a process reading it half-written warns on stderr.
 CACHE_ENV: dict[str, str] = {}
 
 
 @pytest.fixture(scope='session', autouse=True)
 def compile_cache(tmp_path_factory):
-  CACHE_ENV.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp('jax_compilation_cache')),
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+  from trainer import compilation_cache
+  cache_dir = str(tmp_path_factory.mktemp('jax_compilation_cache'))
+  CACHE_ENV.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+  compilation_cache.enable(cache_dir)
 
 
 def xla_flags(device_count: int) -> str:

@@ -99,8 +99,8 @@ def test_the_all_gather_scheme_trains_the_numbers_of_whole_rows(unsplit, tmp_pat
                                                     "(zig-zag) row order (model.context_scheme='all-gather')")
 
 
-# context=8 alone is left to tests/test_context_attention.py (the attention call), to keep this file near a minute.
-@pytest.mark.parametrize('mesh', [(1, 1, 2, 1), (2, 1, 2, 2), (1, 2, 4, 1)],
+# context=8 alone: every device holds two chunks of 2 tokens of each 32-token row, the finest split tiny allows.
+@pytest.mark.parametrize('mesh', [(1, 1, 2, 1), (2, 1, 2, 2), (1, 2, 4, 1), (1, 1, 8, 1)],
                          ids=lambda m: 'data{}_fsdp{}_context{}_tensor{}'.format(*m))
 def test_split_rows_train_the_numbers_of_whole_rows(mesh, unsplit, tmp_path):
   _assert_same(_train(tmp_path, _config(*mesh)), unsplit)
