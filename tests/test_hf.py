@@ -10,6 +10,7 @@ import pathlib
 import shutil
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -150,6 +151,34 @@ def test_missing_extra_and_misshapen_tensors_fail_in_one_line(tmp_path):
   with pytest.raises(UserError, match=r"'model.layers.0.mlp.down_proj.weight'.*shape \(64, 64\), but config.json "
                                       r"makes it \(64, 128\)"):
     _check(folder)
+
+
+def test_corrupt_truncated_and_unreadable_files_fail_in_one_line(tmp_path):
+  folder = _copy('llama', tmp_path)
+  weights = folder / 'model.safetensors'
+  whole = weights.read_bytes()
+  weights.write_bytes(whole[:-100])  # A download cut short.
+  with pytest.raises(UserError, match=r"model.safetensors' is not a readable safetensors file \(SafetensorError: "
+                                      r".*\); download it again"):
+    _check(folder)
+  weights.write_bytes(b'\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}' + whole[24:])
+  with pytest.raises(UserError, match=r'is not a readable safetensors file .*download it again'):
+    _check(folder)
+  f8 = {'model.norm.weight': np.ones(64, ml_dtypes.float8_e4m3fn)}
+  from safetensors.numpy import save_file
+  save_file(f8, weights)
+  with pytest.raises(UserError, match=r"tensor 'model.norm.weight' has dtype F8_E4M3, which is not read here"):
+    _check(folder)
+
+
+def test_bfloat16_slices_are_read_as_bfloat16(tmp_path):
+  from safetensors.numpy import save_file
+  table = (np.arange(6 * 8, dtype=np.float32).reshape(6, 8) / 7).astype(ml_dtypes.bfloat16)
+  save_file({'t': table}, tmp_path / 'model.safetensors')
+  info = safetensors_files.read_tensors(tmp_path, 'test')['t']
+  block = safetensors_files.read_block(info, slice(1, 4), slice(2, 5))
+  assert block.dtype == ml_dtypes.bfloat16 and info.shape == (6, 8)
+  np.testing.assert_array_equal(block.astype(np.float32), table.astype(np.float32)[1:4, 2:5])
 
 
 def test_column_slices_read_only_what_is_asked(tmp_path):

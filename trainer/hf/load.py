@@ -9,7 +9,7 @@ Two calls, at two moments of a run:
   checks every tensor's name and shape against the model (one line for a missing,
   extra or misshapen tensor, before any compile), then builds each parameter from
   its devices' slices: every process reads only the slices its own devices hold
-  (trainer/hf/safetensors_files.py reads them without mapping the file), one device
+  (trainer/hf/safetensors_files.py, through the safetensors package), one device
   at a time, so no host ever holds the whole model, nor more than one device's
   slice beyond what its devices keep.
 
