@@ -1,15 +1,17 @@
 """llama_1b (configs/llama_1b.py) at 131,072 tokens a row, each row split over 4 devices of `mesh.context`.
 
-One row of 128k tokens does not fit one v5p chip whatever the rematerialization (the compiler asks 116.77 GiB of
-temporaries at remat 'full', over 95.73 GiB of HBM): the sequence is split instead (docs/context.md). On a
+One row of 128k tokens of llama_1b (its loss unchunked) does not fit one v5p chip whatever the rematerialization
+(the compiler asks 116.77 GiB of temporaries at remat 'full', over 95.73 GiB of HBM): the sequence is split instead
+(docs/context.md). Whole rows with this preset's chunked loss were planned at 32k and 64k tokens only (10.56 and
+13.90 GiB a chip, against 6.99 and 8.15 GiB at context=4); at 128k that is not measured. On a
 v5p:2x2x4 slice (16 chips), fsdp=4 x context=4 holds 4 rows a step, each chip a quarter of one row:
 
   python launch.py --config=configs/llama_1b_long.py --plan --topology=v5p:2x2x4 --config.data.source=synthetic \
       --config.data.packing=False    # needs requirements-tpu-plan.txt; fits: 11.93 GiB of 95 per chip
   python launch.py --config=configs/llama_1b_long.py --workdir=/tmp/llama_1b_long --config.data.path=/data/shards
 
-Without the split a chip holds at least one whole row, which the compiler refuses (116.77 GiB of temporaries at
-remat 'full' for llama_1b on v5p:2x2x1, one row a chip; BENCHMARKS.md "Long sequences"). Batch: 4 x 131,072 =
+Without the split a chip holds at least one whole row (116.77 GiB of temporaries, refused, at remat 'full' for
+llama_1b on v5p:2x2x1 with its loss unchunked; BENCHMARKS.md "Long sequences"). Batch: 4 x 131,072 =
 0.5M tokens a step, as llama_1b's 256 x 2048.
 """
 
