@@ -16,6 +16,7 @@ from parallel import sharding
 from configs import base
 from trainer import attention
 from trainer.attention import context as scheme_lib
+from trainer.attention import splash
 from trainer.errors import UserError
 
 B, L, H, G, K = 2, 64, 4, 2, 8
@@ -99,6 +100,28 @@ def test_splash_per_chunk_matches_whole_row_attention_in_interpret_mode():
   want = jax.grad(loss(lambda *a: reference(*a, causal, ids)), argnums=(0, 1, 2))(q, k, v)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+
+
+def test_each_splash_mask_is_processed_once_however_often_the_step_is_traced(monkeypatch):
+  """A launch traces the step several times; splash's host-side mask processing (block maps for the forward pass,
+  dq and dkv) runs once per distinct mask, not once per trace. Rows of 1024 over 4 devices: 8 chunk masks (two a
+  device)."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info
+  splash.kernel.cache_clear()  # Kernels an earlier test made would hide the first trace's processing.
+  calls = []
+  for name in ('process_mask', 'process_mask_dkv'):
+    original = getattr(mask_info, name)
+    monkeypatch.setattr(mask_info, name, lambda mask, *a, _f=original, _n=name, **kw: calls.append((_n, mask)) or
+                        _f(mask, *a, **kw))
+  q, k, v = _inputs(5, rows=1, length=1024, heads=2, kv_heads=1)
+  per_trace = []
+  for seed in range(3):  # Three traces of a new function each time, as shapes, FLOPs and compile each trace one.
+    fn = _split_call(_mesh(4), True, None, kernel='splash')
+    jax.make_jaxpr(jax.grad(lambda q, k, v, s=seed: jnp.sum(fn(q, k, v)) * s, argnums=(0, 1, 2)))(q, k, v)
+    per_trace.append(len(calls) - sum(per_trace))
+  # The first trace: 8 masks x (forward, dq, dkv); the later ones reuse the kernels.
+  assert per_trace == [24, 0, 0], per_trace
+  assert len({id(mask) for _, mask in calls}) == 8
 
 
 def test_named_kernels_that_cannot_run_across_the_split_are_refused():

@@ -110,11 +110,7 @@ def _splash_local(q_BlHK, k_BLGK, v_BLGK, ids_Bl, ids_BL, *, causal: bool, seq_l
   k_BGLK, v_BGLK = jnp.swapaxes(k_BLGK, 1, 2), jnp.swapaxes(v_BLGK, 1, 2)
 
   def run(first: int, q_BHcK, ids_Bc):
-    shape = (chunk, seq_len)
-    mask = splash_lib.CausalMask(shape, offset=first) if causal else splash_lib.FullMask(shape)
-    kernel = splash_lib.make_splash_mha(splash_lib.MultiHeadMask([mask] * heads),
-                                        block_sizes=splash.block_sizes(chunk), head_shards=1, q_seq_shards=1,
-                                        interpret=interpret)
+    kernel = splash.kernel(chunk, seq_len, heads, causal=causal, offset=first if causal else 0, interpret=interpret)
     if ids_BL is None:
       return jax.vmap(kernel)(q_BHcK, k_BGLK, v_BGLK)
     return jax.vmap(lambda q, k, v, qi, ki: kernel(q, k, v, segment_ids=splash_lib.SegmentIds(qi, ki)))(

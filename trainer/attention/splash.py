@@ -31,21 +31,39 @@ def block_sizes(seq_len: int) -> splash.BlockSizes:
                            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
 
 
+@functools.lru_cache(maxsize=64)
+def kernel(q_len: int, kv_len: int, num_heads: int, *, causal: bool, offset: int = 0, interpret: bool = False):
+  """Splash's kernel for (q_len, kv_len) scores over `num_heads` heads: causal with query i at key position
+  `offset` + i, or full; one per process for each shape.
+
+  Making one processes its mask on the host block by block (jax's splash_attention_mask_info), for the forward
+  pass, dq and dkv, and a launch traces the step several times (shapes, FLOPs, memory, compile). jax keeps only the
+  12 newest processed masks, and a row split over context=4 has 16 (two query chunks a device, four devices; the
+  forward pass and dkv each), so every trace processed them all again: planning configs/llama_1b_long.py at 32,768
+  tokens for v5p:2x2x4 processed masks 96 times (31 s on the 2-core CPU machine) where 16 (5 s) do, and their cost
+  grows with the square of the row (BENCHMARKS.md "Long sequences").
+  """
+  shape = (q_len, kv_len)
+  mask = splash.CausalMask(shape, offset=offset) if causal else splash.FullMask(shape)
+  # Called while a step is traced: the kernel's block maps (jnp arrays) would be that trace's values and leak into
+  # the next one; made eagerly they are constants every trace can hold.
+  with jax.ensure_compile_time_eval():
+    return splash.make_splash_mha(splash.MultiHeadMask([mask] * num_heads), block_sizes=block_sizes(q_len),
+                                  head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
 def _local_attention(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, *, causal: bool, interpret: bool):
   """The kernel over this device's rows and heads."""
   _, seq_len, num_heads, head_dim = q_BLHK.shape
-  shape = (seq_len, seq_len)
-  mask = splash.MultiHeadMask([splash.CausalMask(shape) if causal else splash.FullMask(shape)] * num_heads)
-  kernel = splash.make_splash_mha(mask, block_sizes=block_sizes(seq_len), head_shards=1, q_seq_shards=1,
-                                  interpret=interpret)
+  attend = kernel(seq_len, seq_len, num_heads, causal=causal, interpret=interpret)
   # The kernel does not scale the logits: queries take the 1/sqrt(K) here.
   q_BHLK = jnp.swapaxes(q_BLHK * jnp.asarray(head_dim ** -0.5, q_BLHK.dtype), 1, 2)
   k_BGLK, v_BGLK = jnp.swapaxes(k_BLGK, 1, 2), jnp.swapaxes(v_BLGK, 1, 2)
   if segment_ids_BL is None:
-    out_BHLK = jax.vmap(kernel)(q_BHLK, k_BGLK, v_BGLK)
+    out_BHLK = jax.vmap(attend)(q_BHLK, k_BGLK, v_BGLK)
   else:
     ids_BL = segment_ids_BL.astype(jnp.int32)
-    out_BHLK = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=splash.SegmentIds(ids, ids)))(
+    out_BHLK = jax.vmap(lambda q, k, v, ids: attend(q, k, v, segment_ids=splash.SegmentIds(ids, ids)))(
         q_BHLK, k_BGLK, v_BGLK, ids_BL)
   return jnp.swapaxes(out_BHLK, 1, 2)
 
