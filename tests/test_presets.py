@@ -1,6 +1,7 @@
-"""Every preset builds, shards on a (2, 2, 2) mesh and runs one step on fake devices.
+"""Every preset builds, shards on a (2, 2, 2) mesh (llama_1b_long: fsdp, context and tensor of 2) and runs one step
+on fake devices.
 
-Presets too large for CI (gpt2_124m, llama_1b, vit_base) are built from
+Presets too large for CI (gpt2_124m, llama_1b, llama_1b_long, vit_base, moe_1b) are built from
 abstract shapes only, where their parameter count and sharding are checked; the
 step then runs on the same preset shrunk to tiny sizes, keeping its structure
 (grouped-query ratio, tied embeddings, patch size, scanned layers, remat).
@@ -19,13 +20,15 @@ from trainer.models import layer_scan
 from trainer.memory import remat
 
 # Preset -> its parameter count from abstract shapes (never allocated here).
-LARGE = {'gpt2_124m': 124e6, 'llama_1b': 1.24e9, 'vit_base': 86e6, 'moe_1b': 0.96e9}
-PRESETS = ('tiny', 'default', 'gpt2_124m', 'llama_1b', 'vit_tiny', 'vit_base', 'moe_1b')
+LARGE = {'gpt2_124m': 124e6, 'llama_1b': 1.24e9, 'llama_1b_long': 1.24e9, 'vit_base': 86e6, 'moe_1b': 0.96e9}
+PRESETS = ('tiny', 'default', 'gpt2_124m', 'llama_1b', 'llama_1b_long', 'vit_tiny', 'vit_base', 'moe_1b')
 
 
 def _preset(name: str):
   config = importlib.import_module(f'configs.{name}').get_config()
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
+  if config.mesh.context > 1:  # llama_1b_long: its rows split over 2 devices in place of the data axis.
+    config.mesh.data, config.mesh.context = 1, 2
   return remat.resolve(config)[0]  # 'auto' (gpt2_124m, llama_1b): 'none' on a CPU with no memory limit set.
 
 
@@ -73,8 +76,9 @@ def test_preset_builds_shards_on_2x2x2_and_runs_one_step(name):
     # fsdp x tensor = 4 ways: a device holds about a quarter of the parameters (norms and biases replicated).
     assert totals['params_bytes_per_device'] < 0.27 * totals['params_bytes_total']
     config = _shrink(config)
-  config.data.source = 'synthetic'
+  config.data.source, config.data.packing = 'synthetic', False  # Random rows: no documents to pack.
   job = job_lib.build_job(config)
+  assert job.mesh.shape['context'] == (2 if name == 'llama_1b_long' else 1)
   state = job.init_state(0)
   state, metrics = job.compile_train_step()(state, _random_batch(job))
   assert int(state.step) == 1
