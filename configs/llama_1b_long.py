@@ -4,9 +4,10 @@ nothing rematerialized.
 What the split buys at this length is memory for the fastest step: planned for v5p:2x2x8 (32 chips, libtpu; the
 numbers in BENCHMARKS.md "Long sequences"), fsdp=4 x context=8 keeps every activation (remat 'none') in 55.55 GiB
 of a chip's 95, while the same slice without the axis, fsdp=4 x tensor=8 (heads split, whole rows), is refused by
-the compiler (over 114 GiB of temporaries), as is one whole row a chip (v5p:2x2x1). With the chunked loss and
-remat 'full', a whole row of this model does fit one chip (23.78 GiB on v5p:2x2x1), recomputing the forward pass
-in every backward one: on fewer chips, add --config.train.remat_policy=full and a smaller mesh.context.
+the compiler (over 114 GiB of temporaries); one whole row a chip (v5p:2x2x1) is refused even keeping only the
+matmul outputs (remat 'dots_saveable': over 164 GiB). With the chunked loss and remat 'full', a whole row of this
+model does fit one chip (23.78 GiB on v5p:2x2x1), recomputing the forward pass in every backward one: on fewer
+chips, add --config.train.remat_policy=full and a smaller mesh.context.
 
   python launch.py --config=configs/llama_1b_long.py --plan --topology=v5p:2x2x8 --config.data.source=synthetic \
       --config.data.packing=False    # needs requirements-tpu-plan.txt; fits: 55.55 GiB of 95 per chip
