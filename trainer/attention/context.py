@@ -110,6 +110,7 @@ def _splash_local(q_BlHK, k_BLGK, v_BLGK, ids_Bl, ids_BL, *, causal: bool, seq_l
   k_BGLK, v_BGLK = jnp.swapaxes(k_BLGK, 1, 2), jnp.swapaxes(v_BLGK, 1, 2)
 
   def run(first: int, q_BHcK, ids_Bc):
+    # A full mask has no offset: one kernel serves every chunk of a non-causal row.
     kernel = splash.kernel(chunk, seq_len, heads, causal=causal, offset=first if causal else 0, interpret=interpret)
     if ids_BL is None:
       return jax.vmap(kernel)(q_BHcK, k_BGLK, v_BGLK)

@@ -40,7 +40,7 @@ def kernel(q_len: int, kv_len: int, num_heads: int, *, causal: bool, offset: int
   pass, dq and dkv, and a launch traces the step several times (shapes, FLOPs, memory, compile). jax keeps only the
   12 newest processed masks, and a row split over context=4 has 16 (two query chunks a device, four devices; the
   forward pass and dkv each), so every trace processed them all again: planning configs/llama_1b_long.py at 32,768
-  tokens for v5p:2x2x4 processed masks 96 times (31 s on the 2-core CPU machine) where 16 (5 s) do, and their cost
+  tokens for v5p:2x2x4 processed masks 96 times (31 s on the 2-core CPU machine) where 16 (4 s) do, and their cost
   grows with the square of the row (BENCHMARKS.md "Long sequences").
   """
   shape = (q_len, kv_len)
