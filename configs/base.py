@@ -102,6 +102,12 @@ def get_config() -> config_dict.ConfigDict:
   c.log.idle_expert_steps = 100  # MoE: warn when an expert receives no tokens this many steps in a row; 0 = off.
   c.log.progress_bar = 'auto'  # 'auto': a live bar when stderr is a terminal; 'on'; 'off' (log lines only).
 
+  # Downstream evals (issue 42; trainer/evals/, docs/evals.md)
+  c.eval = config_dict.ConfigDict()
+  c.eval.tasks = ()  # JSONL multiple-choice task files scored on the training mesh (metrics eval_<file stem>_acc, _acc_norm); () = none.
+  c.eval.every_steps = 0  # Score eval.tasks every N steps and at the last step; 0 = at every checkpoint save.
+  c.eval.max_questions = 0  # Score only the first N questions of each task file; 0 = all.
+
   c.profile = config_dict.ConfigDict()
   c.profile.trace_window = False  # True: trace steps start_step .. start_step + num_steps - 1 into WORKDIR.
   c.profile.start_step = 10  # First traced step; past the first steps, so compile and warm-up stay out.

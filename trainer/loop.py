@@ -17,6 +17,7 @@ from absl import logging
 from parallel import sharding
 from trainer import checkpoint, compilation_cache, data, flops, guardrails, objectives, preemption
 from trainer import goodput as goodput_lib
+from trainer import evals as evals_lib
 from trainer import expert_load, optimizer, profiling, progress, storage
 from trainer import job as job_lib
 from trainer import state as state_lib
@@ -81,6 +82,7 @@ class RunContext:
   notices: 'notices.Notices' = dataclasses.field(default_factory=lambda: notices.Notices((), None))
   examples_per_epoch: int | None = None  # Global training examples in one pass; None where the source has no end.
   idle_experts: expert_load.IdleExperts = dataclasses.field(default_factory=lambda: expert_load.IdleExperts(0))
+  downstream: 'evals_lib.Downstream | None' = None  # eval.tasks, scored on the training mesh (trainer/evals/).
 
 
 def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False) -> None:
@@ -112,6 +114,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   # Global batches reach the devices while the step before them runs; checkpointed by what steps consumed.
   train_iter, eval_set = data.DeviceFeed(inputs.train, job.batch_shardings, process_count), inputs.eval_batches
   logging.info('Data: %s', inputs.description)
+  downstream = evals_lib.build(config.eval, job, workdir) if 'eval' in config else None  # Task files checked now.
   manifest = {**checkpoint.run_manifest(config, abstract, mesh), 'memory': memory_choice.record()}
   # Before compiling: a foreign or unreadable workdir should fail in seconds, not minutes. (Only damaged steps are
   # moved aside here, and kept; intact checkpoints are only read.)
@@ -171,7 +174,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
       fault=faults.for_process(process_index),
       examples_per_epoch=getattr(inputs.train, 'examples_per_epoch', None),
       notices=notice, stragglers=stragglers.StragglerWatch(process_index, process_count, config.train.straggler_warn_fraction),
-      idle_experts=expert_load.IdleExperts(config.log.get('idle_expert_steps', 0)))
+      idle_experts=expert_load.IdleExperts(config.log.get('idle_expert_steps', 0)), downstream=downstream)
   try:
     while True:
       try:
@@ -272,6 +275,9 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
       if state.ema_params is not None:  # The same eval step, on the average.
         ema = state_lib.params_of(state, 'ema')
         evals[step]['eval_ema_loss'] = _evaluate(run.eval_step, ema, run.eval_set, run.objective)['eval_loss']
+    if run.downstream and run.downstream.due(step, total, saving=step % config.ckpt.every_steps == 0 or step == total):
+      run.hang.phase('eval')
+      evals.setdefault(step, {}).update(run.downstream.score(step, state))
     run.writer.goodput.record_side(eval_s=time.perf_counter() - t_eval, checkpoint_s=t_eval - t_side)
     side_time += time.perf_counter() - t_side
     if preempted:

@@ -1,0 +1,113 @@
+"""Per-choice log-likelihoods of multiple-choice questions: padded rows, one jitted function, sharded like training.
+
+Every (question, choice) pair becomes one row of data.seq_len tokens, as lm-eval-harness builds its loglikelihood
+requests: the prompt's and the continuation's tokens, cut from the left when longer than a row (+1, for the shift),
+`inputs` the row, `targets` it shifted left, and a mask on the continuation's targets. Rows are right-padded: the
+model is causal, so padding after a token never reaches that token's logits. Rows go to the devices in calls of
+`rows_per_call` (the training batch split over the same 'batch' axes), all dispatched before one fetch; the
+function compiles once per row count and parameter layout.
+
+The function is the task's own forward (`Task.outputs`: the compute dtype, the mesh context, the context split's
+row order), then log-softmax in float32 and a masked sum per row. It runs under jit with the training
+parameters' shardings whichever strategy trains (shard_map or pmap runs score through GSPMD).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from trainer.errors import UserError
+from trainer.evals.codec import Codec
+from trainer.evals.tasks import TaskFile
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """A task's (question, choice) rows, in question order then choice order."""
+  inputs: np.ndarray  # (R, L) int32.
+  targets: np.ndarray  # (R, L) int32.
+  mask: np.ndarray  # (R, L) float32: 1.0 on the continuation's targets.
+  question: np.ndarray  # (R,) int32: which question a row belongs to.
+
+
+def encode_pair(codec: Codec, prompt: str, continuation: str) -> tuple[list[int], list[int]]:
+  """(context ids, continuation ids) as lm-eval's `_encode_pair`: trailing spaces of the prompt move to the
+  continuation, and the continuation is what encoding the whole adds after the context's own encoding."""
+  spaces = len(prompt) - len(prompt.rstrip(' '))
+  if spaces:
+    prompt, continuation = prompt[:-spaces], prompt[-spaces:] + continuation
+  context = [*codec.prefix, *codec.encode(prompt)]
+  whole = [*codec.prefix, *codec.encode(prompt + continuation)]
+  if whole[:len(context)] != context:  # A tokenizer that merges across the boundary: score the pieces apart.
+    return context, codec.encode(continuation)
+  return context, whole[len(context):]
+
+
+def build_rows(task: TaskFile, codec: Codec, seq_len: int) -> Rows:
+  """The rows of every choice of every question; a continuation longer than a row is an error naming its line."""
+  inputs, targets, masks, owner = [], [], [], []
+  for index, question in enumerate(task.questions):
+    for continuation in question.continuations:
+      context, cont = encode_pair(codec, question.prompt, continuation)
+      if not cont or len(cont) > seq_len:
+        raise UserError(f'eval task file {task.path}, line {question.line}: the continuation {continuation!r} is '
+                        f'{len(cont)} tokens; it must be 1 to data.seq_len={seq_len}.')
+      whole = (context + cont)[-(seq_len + 1):]
+      row_in, row_tgt, row_mask = (np.zeros(seq_len, np.int32), np.zeros(seq_len, np.int32),
+                                   np.zeros(seq_len, np.float32))
+      n = len(whole) - 1
+      row_in[:n], row_tgt[:n] = whole[:-1], whole[1:]
+      row_mask[n - len(cont):n] = 1.0
+      inputs.append(row_in), targets.append(row_tgt), masks.append(row_mask), owner.append(index)
+  return Rows(np.stack(inputs), np.stack(targets), np.stack(masks), np.asarray(owner, np.int32))
+
+
+def _row_log_likelihoods(params, inputs_BL, targets_BL, mask_BL, *, task):
+  """(B,) float32: each row's sum of log p(target) over its masked positions."""
+  logits_BLV = task.outputs(params, {'inputs': inputs_BL, 'targets': targets_BL}).astype(jnp.float32)
+  logp_BL = jnp.take_along_axis(jax.nn.log_softmax(logits_BLV, axis=-1), targets_BL[..., None], axis=-1)[..., 0]
+  return jnp.sum(logp_BL * mask_BL, axis=-1)
+
+
+class Scorer:
+  """Scores Rows with one jitted function on `mesh`, `rows_per_call` rows at a time, split over the batch axes."""
+
+  def __init__(self, task, mesh, params_shardings, row_sharding: NamedSharding, rows_per_call: int):
+    self._rows_per_call = rows_per_call
+    self._row_sharding = row_sharding
+    self._fn = jax.jit(functools.partial(_row_log_likelihoods, task=task),
+                       in_shardings=(params_shardings, row_sharding, row_sharding, row_sharding),
+                       out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+  def _global(self, block: np.ndarray):
+    """A host array every process holds whole, as a global array on the row sharding (any number of processes)."""
+    return jax.make_array_from_callback(block.shape, self._row_sharding, lambda index: block[index])
+
+  def log_likelihoods(self, params, rows: Rows) -> np.ndarray:
+    """(R,) float64 log-likelihood of each row's continuation."""
+    n, per = len(rows.inputs), self._rows_per_call
+    padded = -(-n // per) * per
+
+    def pad(a):
+      return np.concatenate([a, np.zeros((padded - n,) + a.shape[1:], a.dtype)])
+    inputs, targets, mask = pad(rows.inputs), pad(rows.targets), pad(rows.mask)
+    outs = [self._fn(params, *(self._global(a[i:i + per]) for a in (inputs, targets, mask)))
+            for i in range(0, padded, per)]  # All dispatched, then one fetch.
+    return np.concatenate([np.asarray(o, np.float64) for o in jax.device_get(outs)])[:n]
+
+
+def multiple_choice_scores(task: TaskFile, rows: Rows, lls: np.ndarray) -> tuple[dict[str, float], list[dict]]:
+  """({'acc', 'acc_norm'}, per question {'line', 'gold', 'log_likelihoods', 'pred', 'pred_norm'})."""
+  per_question, acc, acc_norm = [], [], []
+  for index, question in enumerate(task.questions):
+    ll = lls[rows.question == index]
+    pred, pred_norm = int(np.argmax(ll)), int(np.argmax(ll / np.asarray(question.choice_chars, np.float64)))
+    acc.append(pred == question.gold)
+    acc_norm.append(pred_norm == question.gold)
+    per_question.append({'line': question.line, 'gold': question.gold, 'log_likelihoods': [float(x) for x in ll],
+                         'pred': pred, 'pred_norm': pred_norm})
+  return {'acc': float(np.mean(acc)), 'acc_norm': float(np.mean(acc_norm))}, per_question
