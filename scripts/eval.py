@@ -1,0 +1,158 @@
+"""Score a run's checkpoint on task files, the way a run with eval.tasks scores itself (docs/evals.md).
+
+  python scripts/eval.py --workdir=DIR --tasks=a.jsonl,b.jsonl [--step=latest] [--params=raw|ema]
+      [--max_questions=0] [--rows_per_call=0] [--max_new_tokens=64] [--output=FILE]
+
+Multiple-choice files are scored by trainer/evals/ (per-choice log-likelihoods, acc, acc_norm) on a mesh of every
+local device (data-parallel, rows split like a training batch). Sample-based files (lines with "answer" and "stop")
+are generated greedily through scripts/sample.py's decoder (the KV cache for the launcher's Llama) until a stop
+string, the tokenizer's end token or --max_new_tokens, and scored by exact match of the stripped text. Prints one
+line per task and writes every question's result to --output (default WORKDIR/evals/eval_step_<N>.json).
+
+--workdir, --step and --params are sample.py's own flags (imported with its decoder), with the same meaning.
+"""
+
+import json
+import os
+import pathlib
+import sys
+import time
+import types
+
+from absl import app, flags, logging
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+# sample.py defaults JAX_PLATFORMS to cpu for its one-device decoding; scoring here uses the accelerators.
+_PLATFORMS = os.environ.get('JAX_PLATFORMS')
+from scripts import sample  # noqa: E402  (the decoder, and the --workdir/--step/--params flags)
+if _PLATFORMS is None:
+  os.environ.pop('JAX_PLATFORMS', None)
+
+_TASKS = flags.DEFINE_list('tasks', None, 'Task files (JSONL, docs/evals.md), comma-separated.')
+_MAX_QUESTIONS = flags.DEFINE_integer('max_questions', 0, 'Score only the first N questions of each file; 0 = all.')
+_ROWS_PER_CALL = flags.DEFINE_integer('rows_per_call', 0, "Rows (question x choice) per scoring call, split over "
+                                      "the devices; 0 = the run's train.batch_size / train.grad_accum_steps.")
+_MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 64, 'Sample-based tasks: most tokens generated per '
+                                       'question.')
+_OUTPUT = flags.DEFINE_string('output', None, 'JSON file of every result; default WORKDIR/evals/eval_step_<N>.json.')
+flags.mark_flags_as_required(['tasks'])
+
+
+def _job(config, rows_per_call: int):
+  """The run's Job on every local device, data-parallel, one microbatch of rows per call."""
+  import jax
+
+  from trainer import job as job_lib
+  for key in config.mesh:
+    config.mesh[key] = 1
+  config.mesh.data = -1
+  config.parallel.strategy = 'jit'
+  config.train.batch_size = rows_per_call or config.train.batch_size // config.train.grad_accum_steps
+  config.train.grad_accum_steps = 1
+  return job_lib.build_job(config, jax.local_devices())
+
+
+def _generate(question, next_logits, codec, max_new_tokens: int) -> str:
+  """Greedy continuation of the question's prompt, cut at the first stop string or end token."""
+  tokens = [*codec.prefix, *codec.encode(question.prompt)]
+  new = []
+  for _ in range(max_new_tokens):
+    token = sample.generate(next_logits, tokens + new, 1, temperature=0.0, seed=0)[0]
+    if token in codec.eos:
+      break
+    new.append(token)
+    text = codec.decode(new)
+    if any(stop in text for stop in question.stop):
+      break
+  text = codec.decode(new)
+  for stop in question.stop:
+    text = text.split(stop)[0]
+  return text
+
+
+def _score_generation(task, config, params, codec, max_new_tokens: int) -> dict:
+  import functools
+
+  import jax
+  from trainer import task as task_lib
+  decoder = sample.cached_decoder(config)
+  if decoder is None:  # The whole window per token, as sample.py runs brought models.
+    model_task = task_lib.build_task(config).for_eval()
+    bind = lambda p: functools.partial(  # noqa: E731
+        lambda p, t: model_task.outputs(p, {'inputs': t, 'targets': jax.numpy.roll(t, -1, axis=1)}), p)
+    next_logits = sample.WindowLogits(bind, params, config.data.seq_len)
+  else:
+    next_logits = sample.CachedLogits(decoder, params, config.data.seq_len)
+  per_question = []
+  for question in task.questions:
+    text = _generate(question, next_logits, codec, max_new_tokens)
+    per_question.append({'line': question.line, 'answer': question.answer, 'generated': text,
+                         'exact_match': text.strip() == question.answer.strip()})
+  return {'exact_match': sum(q['exact_match'] for q in per_question) / len(per_question),
+          'per_question': per_question}
+
+
+def evaluate(workdir: str, task_paths, step: str, which: str, max_questions: int, rows_per_call: int,
+             max_new_tokens: int, output: str | None) -> dict:
+  """Every task's scores for checkpoint `step` of `workdir`; writes them to `output` and returns them."""
+  import jax
+
+  from trainer import checkpoint, evals, storage
+  from trainer import state as state_lib
+  from trainer.errors import UserError
+  from trainer.evals import codec as codec_lib
+  from trainer.evals import tasks
+  if step != 'latest' and not step.isdigit():
+    raise UserError(f"--step={step}: give a checkpoint step or 'latest'.")
+  run_dir = storage.path(workdir)
+  config = sample.load_run_config(run_dir)
+  loaded = [tasks.load(p, max_questions) for p in task_paths]  # Every file checked before the restore.
+  codec = codec_lib.for_run(config)
+  job = _job(config, rows_per_call)
+  if not (run_dir / 'checkpoints').is_dir():
+    raise UserError(f'--workdir={workdir!r} holds no checkpoint (no checkpoints/ folder); train it with launch.py '
+                    f'until a checkpoint is saved.')
+  chosen = [t.path for t in loaded if t.kind == 'multiple_choice']
+  settings = types.SimpleNamespace(tasks=tuple(chosen), every_steps=0, max_questions=max_questions)
+  downstream = evals.build(settings, job, workdir=None)  # Rows encoded before the restore, too.
+  restored, state = checkpoint.restore_for_tool(job, str(run_dir), None if step == 'latest' else int(step))
+  params = state_lib.params_of(state, which)
+  results = {}
+  if downstream is not None:
+    _, details = downstream.score_params(params)
+    results.update(details)
+  for task in loaded:
+    if task.kind == 'generate':
+      start = time.perf_counter()
+      with jax.default_device(jax.local_devices()[0]):
+        results[task.name] = {**_score_generation(task, config, params, codec, max_new_tokens), 'path': task.path,
+                              'questions': len(task.questions)}
+      results[task.name]['seconds'] = time.perf_counter() - start
+  record = {'step': restored, 'params': which, 'tasks': results}
+  target = storage.path(output) if output else run_dir / 'evals' / f'eval_step_{restored}.json'
+  target.parent.mkdir(parents=True, exist_ok=True)
+  target.write_text(json.dumps(record, indent=1) + '\n')
+  record['output'] = str(target)
+  return record
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  from trainer.errors import UserError
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    record = evaluate(flags.FLAGS.workdir, _TASKS.value, flags.FLAGS.step, flags.FLAGS.params, _MAX_QUESTIONS.value,
+                      _ROWS_PER_CALL.value, _MAX_NEW_TOKENS.value, _OUTPUT.value)
+  except UserError as e:
+    print(f'eval.py: error: {" ".join(str(e).split())}', file=sys.stderr)
+    sys.exit(2)
+  for name, result in record['tasks'].items():
+    scores = ' '.join(f'{k} {result[k]:.4f}' for k in ('acc', 'acc_norm', 'exact_match') if k in result)
+    print(f'step {record["step"]} {name}: {scores} ({result["questions"]} questions, {result["seconds"]:.1f}s)')
+  print(f'Results: {record["output"]}')
+
+
+if __name__ == '__main__':
+  app.run(main)

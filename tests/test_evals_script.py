@@ -1,0 +1,72 @@
+"""scripts/eval.py: a checkpoint scored the way a run with eval.tasks scores itself; sample-based tasks decoded."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO, launcher_env
+from test_evals import _config, _trained_task_dir, _write
+
+
+def _script(name: str, *args: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, str(REPO / 'scripts' / name), *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=300, env=launcher_env())
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory):
+  """The animals task's run (tests/test_evals.py), 60 steps on 2 devices, scored and checkpointed at 30 and 60."""
+  from trainer import loop
+  root = tmp_path_factory.mktemp('evals_script')
+  task_path, text = _trained_task_dir(root)
+  config = _config(train__steps=60, train__learning_rate=1e-2, train__warmup_steps=5, data__text_dir=str(text),
+                   data__file_glob='*.py', data__eval_percent=25, ckpt__every_steps=30, log__every_steps=30)
+  config.eval.tasks = (task_path,)
+  loop.run(config, str(root / 'run'), devices=jax.devices()[:2])
+  generate = _write(root / 'sounds.jsonl', [{'template': '{context} says'},
+                                            {'context': 'cat', 'answer': 'meow', 'stop': ['.']},
+                                            {'context': 'owl', 'answer': 'hoot', 'stop': '.'},
+                                            {'context': 'dog', 'answer': 'moo', 'stop': ['.']}])
+  return root / 'run', task_path, generate
+
+
+def test_eval_script_scores_a_checkpoint_as_the_run_did(run, tmp_path):
+  workdir, task_path, generate = run
+  out = tmp_path / 'out.json'
+  result = _script('eval.py', f'--workdir={workdir}', f'--tasks={task_path},{generate}', '--step=60',
+                   f'--output={out}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'step 60 animals: acc ' in result.stdout and 'step 60 sounds: exact_match ' in result.stdout
+  record = json.loads(out.read_text())
+  in_run = json.loads((workdir / 'evals' / 'step_60.json').read_text())['params']['animals']
+  # 8 devices here, 2 in the run: the same log-likelihoods.
+  np.testing.assert_allclose([q['log_likelihoods'] for q in record['tasks']['animals']['per_question']],
+                             [q['log_likelihoods'] for q in in_run['per_question']], rtol=1e-5, atol=1e-5)
+  assert record['tasks']['animals']['acc'] == in_run['acc']
+  # Greedy text as sample.py writes it at temperature 0, cut at the stop string.
+  sounds = record['tasks']['sounds']['per_question']
+  matches = []
+  for question, prompt in zip(sounds, ['cat says', 'owl says', 'dog says']):
+    sampled = _script('sample.py', f'--workdir={workdir}', f'--prompt={prompt}', '--num_tokens=12',
+                      '--temperature=0', '--step=60')
+    assert sampled.returncode == 0, sampled.stderr[-2000:]
+    expected = sampled.stdout[len(prompt):].split('.')[0]
+    assert question['generated'] == expected
+    matches.append(expected.strip() == question['answer'])
+    assert question['exact_match'] == matches[-1]
+  assert record['tasks']['sounds']['exact_match'] == pytest.approx(np.mean(matches))
+  assert matches[0], sounds  # The trained text says 'cat says meow.'
+
+
+def test_eval_script_refuses_a_bad_task_line_in_one_line(run, tmp_path):
+  workdir, _, _ = run
+  bad = tmp_path / 'bad.jsonl'
+  bad.write_text('{"context": "cat", "choices": ["meow"], "gold": 0}\n')
+  result = _script('eval.py', f'--workdir={workdir}', f'--tasks={bad}')
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1] == (f'eval.py: error: eval task file {bad}, line 1: "choices" must '
+                                                    f'be a list of at least 2 non-empty strings.')
