@@ -101,6 +101,14 @@ def get_config() -> config_dict.ConfigDict:
   c.log.every_steps = 50  # Write metrics and a progress line every N steps (and at step 1).
   c.log.idle_expert_steps = 100  # MoE: warn when an expert receives no tokens this many steps in a row; 0 = off.
   c.log.progress_bar = 'auto'  # 'auto': a live bar when stderr is a terminal; 'on'; 'off' (log lines only).
+  # Trackers (issue 42; trainer/trackers/, docs/monitoring.md)
+  c.log.trackers = ()  # Also log to these, beside TensorBoard and metrics.jsonl: 'wandb', 'mlflow' (process 0; an unreachable one warns once and is dropped).
+  c.log.run_name = config_dict.placeholder(str)  # The run's name in the trackers; None = the workdir's folder name.
+  c.log.wandb_project = 'jax-launch'  # Weights & Biases project.
+  c.log.wandb_mode = 'online'  # 'online', or 'offline' (air-gapped: written under WORKDIR/wandb, uploaded later with `wandb sync`).
+  c.log.mlflow_tracking_uri = config_dict.placeholder(str)  # Any MLflow tracking URI or a local folder; None = $MLFLOW_TRACKING_URI, else WORKDIR/mlruns.
+  c.log.mlflow_experiment = 'jax-launch'  # MLflow experiment the run is logged under.
+  c.log.tracker_close_timeout_s = 60.0  # At the end, seconds the trackers get to send what is left before it is dropped.
 
   # Downstream evals (issue 42; trainer/evals/, docs/evals.md)
   c.eval = config_dict.ConfigDict()

@@ -18,6 +18,7 @@ from parallel import sharding
 from trainer import checkpoint, compilation_cache, data, flops, guardrails, objectives, preemption
 from trainer import goodput as goodput_lib
 from trainer import evals as evals_lib
+from trainer import trackers as trackers_lib
 from trainer import expert_load, optimizer, profiling, progress, storage
 from trainer import job as job_lib
 from trainer import state as state_lib
@@ -115,6 +116,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   train_iter, eval_set = data.DeviceFeed(inputs.train, job.batch_shardings, process_count), inputs.eval_batches
   logging.info('Data: %s', inputs.description)
   downstream = evals_lib.build(config.eval, job, workdir) if 'eval' in config else None  # Task files checked now.
+  trackers = trackers_lib.build(config.log, workdir, enabled=process_index == 0)  # log.trackers checked now.
   manifest = {**checkpoint.run_manifest(config, abstract, mesh), 'memory': memory_choice.record()}
   # Before compiling: a foreign or unreadable workdir should fail in seconds, not minutes. (Only damaged steps are
   # moved aside here, and kept; intact checkpoints are only read.)
@@ -155,7 +157,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
 
   attempt.note(process_index=process_index, resumed_step=latest or 0, steps_redone=tracker.lost_steps)
   writer = MetricsWriter(workdir, enabled=process_index == 0, total_steps=config.train.steps,
-                         progress_bar=config.log.progress_bar, goodput=tracker)
+                         progress_bar=config.log.progress_bar, goodput=tracker, trackers=trackers)
   if process_index == 0:
     (storage.path(workdir) / 'config.json').write_text(config.to_json_best_effort(indent=2))
     writer.write_config(config)

@@ -26,6 +26,7 @@ from tensorboardX import summary as tb_summary
 
 from trainer import goodput as goodput_lib
 from trainer import progress, storage
+from trainer import trackers as trackers_lib
 
 _GIB = 2**30
 # Events tensorboardX may hold for its writer thread in a bucket: ~20 scalars per logged step, many steps per upload.
@@ -71,8 +72,9 @@ class MetricsWriter:
   """One JSON object per logged step, the same scalars in TensorBoard, and a human progress line."""
 
   def __init__(self, workdir: str, enabled: bool, total_steps: int, progress_bar: str = 'off',
-               goodput: goodput_lib.Goodput | None = None):
+               goodput: goodput_lib.Goodput | None = None, trackers: 'trackers_lib.Trackers | None' = None):
     self._enabled = enabled
+    self._trackers = trackers  # log.trackers (trainer/trackers/): copies of every record, off the step's thread.
     self._total_steps = total_steps
     self.goodput = goodput
     self._bar = progress.ProgressBar(total_steps, progress_bar if enabled else 'off')
@@ -105,6 +107,8 @@ class MetricsWriter:
     record = {'step': step, **{k: float(v) for k, v in {**scalars, **extra, **self._memory()}.items()
                                if v is not None}}
     self._jsonl.write(json.dumps(record) + '\n')
+    if self._trackers is not None:
+      self._trackers.log(step, record)
     for key, value in record.items():
       if key != 'step':
         self._tb.add_scalar(_tag(key), value, step)
@@ -163,6 +167,8 @@ class MetricsWriter:
     if not self._enabled:
       return
     self.write_text('config', f'```\n{config}\n```')
+    if self._trackers is not None:
+      self._trackers.start(config.to_dict(), str(config))
     metrics = {'train/loss': 0.0, 'eval/loss': 0.0}  # Declared only: the plugin reads these runs' scalars.
     for event in tb_summary.hparams(flat_hparams(config.to_dict()), metrics):
       self._tb.file_writer.add_summary(event)
@@ -172,6 +178,8 @@ class MetricsWriter:
     self._bar.close()
     if self._enabled and self.goodput is not None and self.goodput.steps:
       self._write_goodput()
+    if self._trackers is not None:
+      self._trackers.close()
     if self._enabled:
       self._jsonl.close()
       self._tb.close()
@@ -184,6 +192,8 @@ class MetricsWriter:
     for key, value in summary.items():
       self._tb.add_scalar(f'goodput/{key}', value, self._last_step)
     self._tb.add_text('goodput', f'```\n{table}\n```', self._last_step)
+    if self._trackers is not None:
+      self._trackers.goodput(self._last_step, summary, table)
     log = storage.AppendLog(self._workdir / 'goodput.jsonl')
     log.write(json.dumps({'step': self._last_step, **summary}) + '\n')
     log.close()
