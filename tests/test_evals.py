@@ -50,9 +50,12 @@ def _reference(model, params, prompt: str, continuation: str, seq_len: int) -> f
   return float(sum(logp[t, tokens[t + 1]] for t in range(len(tokens) - 1 - n, len(tokens) - 1)))
 
 
-@pytest.mark.parametrize('devices, mesh', [(1, {}), (8, {'fsdp': 2})])
-def test_log_likelihoods_equal_logits_summed_by_hand(tmp_path, devices, mesh):
-  config = _config(**{f'mesh__{k}': v for k, v in mesh.items()})
+@pytest.mark.parametrize('devices, changes', [
+    (1, {}), (8, {'mesh__fsdp': 2}),
+    (4, {'mesh__context': 2, 'train__loss_chunks': 4}),  # Logits made a slice at a time, rows in the balanced order.
+])
+def test_log_likelihoods_equal_logits_summed_by_hand(tmp_path, devices, changes):
+  config = _config(**changes)
   config.eval.tasks = (_write(tmp_path / 'quiz.jsonl', QUESTIONS),)
   job = job_lib.build_job(config, jax.devices()[:devices])
   downstream = evals.build(config.eval, job, workdir=None)

@@ -91,7 +91,8 @@ def build(eval_config, job, workdir: str | None, task_paths=None, max_questions:
   train = job.config.train
   rows_per_call = train.batch_size // train.grad_accum_steps  # A microbatch: forward only, so it fits.
   row_sharding = job.batch_shardings['inputs']
-  scoring = scorer.Scorer(job.task.for_eval(), job.mesh, job.shardings.params, row_sharding, rows_per_call)
+  chunks = 1 if job.task.custom_loss else train.get('loss_chunks', 1)  # A custom loss runs no chunking (task.py).
+  scoring = scorer.Scorer(job.task.for_eval(), job.mesh, job.shardings.params, row_sharding, rows_per_call, chunks)
   logging.info('Downstream evals: %s (%d rows of %d tokens, %d a call)',
                ', '.join(f'{t.name} ({len(t.questions)} questions)' for t in task_files),
                sum(len(r.inputs) for r in rows), seq_len, rows_per_call)

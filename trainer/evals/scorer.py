@@ -8,7 +8,8 @@ model is causal, so padding after a token never reaches that token's logits. Row
 function compiles once per row count and parameter layout.
 
 The function is the task's own forward (`Task.outputs`: the compute dtype, the mesh context, the context split's
-row order), then log-softmax in float32 and a masked sum per row. It runs under jit with the training
+row order), then log-softmax in float32 and a masked sum per row; with train.loss_chunks > 1, the logits a slice of
+positions at a time, as the chunked loss makes them. It runs under jit with the training
 parameters' shardings whichever strategy trains (shard_map or pmap runs score through GSPMD).
 """
 
@@ -66,20 +67,45 @@ def build_rows(task: TaskFile, codec: Codec, seq_len: int) -> Rows:
   return Rows(np.stack(inputs), np.stack(targets), np.stack(masks), np.asarray(owner, np.int32))
 
 
-def _row_log_likelihoods(params, inputs_BL, targets_BL, mask_BL, *, task):
-  """(B,) float32: each row's sum of log p(target) over its masked positions."""
-  logits_BLV = task.outputs(params, {'inputs': inputs_BL, 'targets': targets_BL}).astype(jnp.float32)
-  logp_BL = jnp.take_along_axis(jax.nn.log_softmax(logits_BLV, axis=-1), targets_BL[..., None], axis=-1)[..., 0]
+def _masked_sums(logits_BLV, targets_BL, mask_BL):
+  logp_BL = jnp.take_along_axis(jax.nn.log_softmax(logits_BLV.astype(jnp.float32), axis=-1), targets_BL[..., None],
+                                axis=-1)[..., 0]
   return jnp.sum(logp_BL * mask_BL, axis=-1)
+
+
+def _row_log_likelihoods(params, inputs_BL, targets_BL, mask_BL, *, task, chunks: int = 1):
+  """(B,) float32: each row's sum of log p(target) over its masked positions.
+
+  With `chunks` > 1 (train.loss_chunks) the logits are made a slice of positions at a time from the model's hidden
+  states and head, as the chunked loss makes them, so a call never holds (B, L, V) whole. A row's sum does not
+  depend on the order of its positions, so the slices are taken in the order the model ran them (the context
+  split's balanced order, which the mask follows).
+  """
+  if chunks == 1:
+    return _masked_sums(task.outputs(params, {'inputs': inputs_BL, 'targets': targets_BL}), targets_BL, mask_BL)
+  batch = task.balanced({'inputs': inputs_BL, 'targets': targets_BL, 'mask': mask_BL})
+  args, kwargs = task.objective.model_inputs(batch)
+  with task.context():
+    x_BLD, head_DV = task.bind(params)(*args, hidden_and_head=True, **kwargs)
+  B, L = inputs_BL.shape
+
+  def split(a):  # (B, L, ...) -> (chunks, B, L / chunks, ...)
+    return jnp.moveaxis(a.reshape(B, chunks, L // chunks, *a.shape[2:]), 1, 0)
+
+  def slice_sums(slice_):
+    x_BlD, targets_Bl, mask_Bl = slice_
+    return _masked_sums(jnp.einsum('bld,dv->blv', x_BlD, head_DV), targets_Bl, mask_Bl)
+  return jnp.sum(jax.lax.map(slice_sums, (split(x_BLD), split(batch['targets']), split(batch['mask']))), axis=0)
 
 
 class Scorer:
   """Scores Rows with one jitted function on `mesh`, `rows_per_call` rows at a time, split over the batch axes."""
 
-  def __init__(self, task, mesh, params_shardings, row_sharding: NamedSharding, rows_per_call: int):
+  def __init__(self, task, mesh, params_shardings, row_sharding: NamedSharding, rows_per_call: int,
+               chunks: int = 1):
     self._rows_per_call = rows_per_call
     self._row_sharding = row_sharding
-    self._fn = jax.jit(functools.partial(_row_log_likelihoods, task=task),
+    self._fn = jax.jit(functools.partial(_row_log_likelihoods, task=task, chunks=chunks),
                        in_shardings=(params_shardings, row_sharding, row_sharding, row_sharding),
                        out_shardings=NamedSharding(mesh, PartitionSpec()))
 
