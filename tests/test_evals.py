@@ -147,3 +147,31 @@ def test_run_scores_at_configured_steps_and_a_trained_model_prefers_gold(tmp_pat
   for question in record['params']['animals']['per_question']:
     lls = question['log_likelihoods']
     assert lls[0] > max(lls[1:]), question
+
+
+def test_due_every_n_steps_and_the_last_or_at_checkpoint_saves():
+  every = evals.Downstream(every_steps=3, task_files=[], rows=[], scorer=None, workdir=None)
+  assert [s for s in range(1, 11) if every.due(s, total=10, saving=s % 5 == 0)] == [3, 6, 9, 10]
+  at_saves = evals.Downstream(every_steps=0, task_files=[], rows=[], scorer=None, workdir=None)
+  assert [s for s in range(1, 11) if at_saves.due(s, total=10, saving=s % 5 == 0)] == [5, 10]
+
+
+@pytest.mark.parametrize('case, message', [
+    ('synthetic', "this run's tokens came with no tokenizer (data.source='synthetic')"),
+    ('generate', 'is sample-based (answer/stop lines): those run in scripts/eval.py'),
+    ('same_name', 'two files share a name'),
+])
+def test_build_refuses_what_it_cannot_score_before_compile(tmp_path, case, message):
+  config = _config()
+  quiz = _write(tmp_path / 'quiz.jsonl', QUESTIONS)
+  config.eval.tasks = (quiz,)
+  if case == 'synthetic':
+    config.data.source = 'synthetic'
+  elif case == 'generate':
+    config.eval.tasks = (_write(tmp_path / 'gen.jsonl', [{'context': '2+2=', 'answer': '4'}]),)
+  else:
+    (tmp_path / 'other').mkdir()
+    config.eval.tasks = (quiz, _write(tmp_path / 'other' / 'quiz.jsonl', QUESTIONS))
+  job = job_lib.build_job(config, jax.devices()[:1])
+  with pytest.raises(UserError, match=re.escape(message)):
+    evals.build(config.eval, job, workdir=None)
