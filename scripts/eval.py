@@ -28,14 +28,18 @@ from scripts import sample  # noqa: E402  (the decoder, and the --workdir/--step
 if _PLATFORMS is None:
   os.environ.pop('JAX_PLATFORMS', None)
 
-_TASKS = flags.DEFINE_list('tasks', None, 'Task files (JSONL, docs/evals.md), comma-separated.')
+_TASKS = flags.DEFINE_list('tasks', [], 'Task files (JSONL, docs/evals.md), comma-separated.')
 _MAX_QUESTIONS = flags.DEFINE_integer('max_questions', 0, 'Score only the first N questions of each file; 0 = all.')
 _ROWS_PER_CALL = flags.DEFINE_integer('rows_per_call', 0, "Rows (question x choice) per scoring call, split over "
                                       "the devices; 0 = the run's train.batch_size / train.grad_accum_steps.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 64, 'Sample-based tasks: most tokens generated per '
                                        'question.')
 _OUTPUT = flags.DEFINE_string('output', None, 'JSON file of every result; default WORKDIR/evals/eval_step_<N>.json.')
-flags.mark_flags_as_required(['tasks'])
+_LM_EVAL_TASKS = flags.DEFINE_list('lm_eval_tasks', [], 'lm-eval-harness task names, run through '
+                                   'trainer/evals/lm_eval_adapter.py (needs `pip install lm-eval`).')
+_LM_EVAL_INCLUDE = flags.DEFINE_string('lm_eval_include', None, 'A folder of lm-eval task YAML files to register.')
+_LM_EVAL_LIMIT = flags.DEFINE_integer('lm_eval_limit', 0, 'lm-eval: score only the first N documents of each '
+                                      'task; 0 = all.')
 
 
 def _job(config, rows_per_call: int):
@@ -52,9 +56,9 @@ def _job(config, rows_per_call: int):
   return job_lib.build_job(config, jax.local_devices())
 
 
-def _generate(question, next_logits, codec, max_new_tokens: int) -> str:
-  """Greedy continuation of the question's prompt, cut at the first stop string or end token."""
-  tokens = [*codec.prefix, *codec.encode(question.prompt)]
+def _generate(prompt: str, stops, next_logits, codec, max_new_tokens: int) -> str:
+  """Greedy continuation of `prompt`, cut at the first stop string or end token."""
+  tokens = [*codec.prefix, *codec.encode(prompt)]
   new = []
   for _ in range(max_new_tokens):
     token = sample.generate(next_logits, tokens + new, 1, temperature=0.0, seed=0)[0]
@@ -62,38 +66,71 @@ def _generate(question, next_logits, codec, max_new_tokens: int) -> str:
       break
     new.append(token)
     text = codec.decode(new)
-    if any(stop in text for stop in question.stop):
+    if any(stop in text for stop in stops):
       break
   text = codec.decode(new)
-  for stop in question.stop:
+  for stop in stops:
     text = text.split(stop)[0]
   return text
 
 
-def _score_generation(task, config, params, codec, max_new_tokens: int) -> dict:
+def _next_logits(config, params):
+  """sample.py's logits source: the KV cache for the launcher's Llama, else the whole window per token."""
   import functools
 
   import jax
   from trainer import task as task_lib
   decoder = sample.cached_decoder(config)
-  if decoder is None:  # The whole window per token, as sample.py runs brought models.
+  if decoder is None:
     model_task = task_lib.build_task(config).for_eval()
     bind = lambda p: functools.partial(  # noqa: E731
         lambda p, t: model_task.outputs(p, {'inputs': t, 'targets': jax.numpy.roll(t, -1, axis=1)}), p)
-    next_logits = sample.WindowLogits(bind, params, config.data.seq_len)
-  else:
-    next_logits = sample.CachedLogits(decoder, params, config.data.seq_len)
+    return sample.WindowLogits(bind, params, config.data.seq_len)
+  return sample.CachedLogits(decoder, params, config.data.seq_len)
+
+
+def _score_generation(task, config, params, codec, max_new_tokens: int) -> dict:
+  next_logits = _next_logits(config, params)
   per_question = []
   for question in task.questions:
-    text = _generate(question, next_logits, codec, max_new_tokens)
+    text = _generate(question.prompt, question.stop, next_logits, codec, max_new_tokens)
     per_question.append({'line': question.line, 'answer': question.answer, 'generated': text,
                          'exact_match': text.strip() == question.answer.strip()})
   return {'exact_match': sum(q['exact_match'] for q in per_question) / len(per_question),
           'per_question': per_question}
 
 
+def _lm_eval(names, include, limit: int, job, params, codec, config) -> dict:
+  """lm-eval-harness's results for `names` through trainer/evals/lm_eval_adapter.py."""
+  import jax
+
+  from trainer import evals
+  from trainer.errors import UserError
+  try:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from trainer.evals import lm_eval_adapter
+  except ImportError as e:
+    raise UserError(f'--lm_eval_tasks needs lm-eval-harness ({e}); pip install lm-eval (an optional extra, in a '
+                    f'venv of its own if you like: docs/evals.md).') from None
+  next_logits = None
+
+  def generate(prompt, stops, max_tokens):
+    nonlocal next_logits
+    next_logits = next_logits or _next_logits(config, params)
+    with jax.default_device(jax.local_devices()[0]):
+      return _generate(prompt, stops, next_logits, codec, max_tokens)
+  model = lm_eval_adapter.LaunchLM(evals.make_scorer(job), params, codec, config.data.seq_len, generate)
+  results = lm_eval.simple_evaluate(model=model, tasks=list(names), task_manager=TaskManager(include_path=include),
+                                    limit=limit or None, log_samples=True)
+  return {'results': results['results'],
+          'samples': {name: [{'doc_id': s['doc_id'], 'resps': s['resps'], 'target': s['target']} for s in samples]
+                      for name, samples in results.get('samples', {}).items()}}
+
+
 def evaluate(workdir: str, task_paths, step: str, which: str, max_questions: int, rows_per_call: int,
-             max_new_tokens: int, output: str | None) -> dict:
+             max_new_tokens: int, output: str | None, lm_eval_tasks=(), lm_eval_include: str | None = None,
+             lm_eval_limit: int = 0) -> dict:
   """Every task's scores for checkpoint `step` of `workdir`; writes them to `output` and returns them."""
   import jax
 
@@ -106,6 +143,8 @@ def evaluate(workdir: str, task_paths, step: str, which: str, max_questions: int
     raise UserError(f"--step={step}: give a checkpoint step or 'latest'.")
   run_dir = storage.path(workdir)
   config = sample.load_run_config(run_dir)
+  if not task_paths and not lm_eval_tasks:
+    raise UserError('give --tasks (task files) or --lm_eval_tasks (lm-eval-harness task names).')
   loaded = [tasks.load(p, max_questions) for p in task_paths]  # Every file checked before the restore.
   codec = codec_lib.for_run(config)
   job = _job(config, rows_per_call)
@@ -129,6 +168,8 @@ def evaluate(workdir: str, task_paths, step: str, which: str, max_questions: int
                               'questions': len(task.questions)}
       results[task.name]['seconds'] = time.perf_counter() - start
   record = {'step': restored, 'params': which, 'tasks': results}
+  if lm_eval_tasks:
+    record['lm_eval'] = _lm_eval(lm_eval_tasks, lm_eval_include, lm_eval_limit, job, params, codec, config)
   target = storage.path(output) if output else run_dir / 'evals' / f'eval_step_{restored}.json'
   target.parent.mkdir(parents=True, exist_ok=True)
   target.write_text(json.dumps(record, indent=1) + '\n')
@@ -143,14 +184,18 @@ def main(argv):
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
   try:
-    record = evaluate(flags.FLAGS.workdir, _TASKS.value, flags.FLAGS.step, flags.FLAGS.params, _MAX_QUESTIONS.value,
-                      _ROWS_PER_CALL.value, _MAX_NEW_TOKENS.value, _OUTPUT.value)
+    record = evaluate(flags.FLAGS.workdir, _TASKS.value or [], flags.FLAGS.step, flags.FLAGS.params,
+                      _MAX_QUESTIONS.value, _ROWS_PER_CALL.value, _MAX_NEW_TOKENS.value, _OUTPUT.value,
+                      _LM_EVAL_TASKS.value, _LM_EVAL_INCLUDE.value, _LM_EVAL_LIMIT.value)
   except UserError as e:
     print(f'eval.py: error: {" ".join(str(e).split())}', file=sys.stderr)
     sys.exit(2)
   for name, result in record['tasks'].items():
     scores = ' '.join(f'{k} {result[k]:.4f}' for k in ('acc', 'acc_norm', 'exact_match') if k in result)
     print(f'step {record["step"]} {name}: {scores} ({result["questions"]} questions, {result["seconds"]:.1f}s)')
+  for name, metrics in record.get('lm_eval', {}).get('results', {}).items():
+    scores = ' '.join(f'{k} {v:.4f}' for k, v in metrics.items() if isinstance(v, float) and 'stderr' not in k)
+    print(f'step {record["step"]} lm-eval {name}: {scores}')
   print(f'Results: {record["output"]}')
 
 

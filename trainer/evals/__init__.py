@@ -88,12 +88,17 @@ def build(eval_config, job, workdir: str | None, task_paths=None, max_questions:
   codec = codec_lib.for_run(job.config)
   seq_len = job.config.data.seq_len
   rows = [scorer.build_rows(t, codec, seq_len) for t in task_files]
-  train = job.config.train
-  rows_per_call = train.batch_size // train.grad_accum_steps  # A microbatch: forward only, so it fits.
-  row_sharding = job.batch_shardings['inputs']
-  chunks = 1 if job.task.custom_loss else train.get('loss_chunks', 1)  # A custom loss runs no chunking (task.py).
-  scoring = scorer.Scorer(job.task.for_eval(), job.mesh, job.shardings.params, row_sharding, rows_per_call, chunks)
+  scoring = make_scorer(job)
   logging.info('Downstream evals: %s (%d rows of %d tokens, %d a call)',
                ', '.join(f'{t.name} ({len(t.questions)} questions)' for t in task_files),
-               sum(len(r.inputs) for r in rows), seq_len, rows_per_call)
+               sum(len(r.inputs) for r in rows), seq_len, scoring.rows_per_call)
   return Downstream(eval_config.every_steps, task_files, rows, scoring, workdir)
+
+
+def make_scorer(job) -> scorer.Scorer:
+  """The scoring function of `job`'s model on its mesh, a training microbatch of rows a call."""
+  train = job.config.train
+  rows_per_call = train.batch_size // train.grad_accum_steps  # A microbatch: forward only, so it fits.
+  chunks = 1 if job.task.custom_loss else train.get('loss_chunks', 1)  # A custom loss runs no chunking (task.py).
+  return scorer.Scorer(job.task.for_eval(), job.mesh, job.shardings.params, job.batch_shardings['inputs'],
+                       rows_per_call, chunks)

@@ -57,14 +57,19 @@ def build_rows(task: TaskFile, codec: Codec, seq_len: int) -> Rows:
       if not cont or len(cont) > seq_len:
         raise UserError(f'eval task file {task.path}, line {question.line}: the continuation {continuation!r} is '
                         f'{len(cont)} tokens; it must be 1 to data.seq_len={seq_len}.')
-      whole = (context + cont)[-(seq_len + 1):]
-      row_in, row_tgt, row_mask = (np.zeros(seq_len, np.int32), np.zeros(seq_len, np.int32),
-                                   np.zeros(seq_len, np.float32))
-      n = len(whole) - 1
-      row_in[:n], row_tgt[:n] = whole[:-1], whole[1:]
-      row_mask[n - len(cont):n] = 1.0
+      row_in, row_tgt, row_mask = row(context, cont, seq_len)
       inputs.append(row_in), targets.append(row_tgt), masks.append(row_mask), owner.append(index)
   return Rows(np.stack(inputs), np.stack(targets), np.stack(masks), np.asarray(owner, np.int32))
+
+
+def row(context: list[int], continuation: list[int], seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(inputs, targets, mask) of one (context, continuation) pair, cut from the left to seq_len + 1 tokens."""
+  whole = (context + continuation)[-(seq_len + 1):]
+  row_in, row_tgt, row_mask = np.zeros(seq_len, np.int32), np.zeros(seq_len, np.int32), np.zeros(seq_len, np.float32)
+  n = len(whole) - 1
+  row_in[:n], row_tgt[:n] = whole[:-1], whole[1:]
+  row_mask[n - min(len(continuation), seq_len):n] = 1.0
+  return row_in, row_tgt, row_mask
 
 
 def _masked_sums(logits_BLV, targets_BL, mask_BL):
@@ -103,7 +108,7 @@ class Scorer:
 
   def __init__(self, task, mesh, params_shardings, row_sharding: NamedSharding, rows_per_call: int,
                chunks: int = 1):
-    self._rows_per_call = rows_per_call
+    self.rows_per_call = rows_per_call
     self._row_sharding = row_sharding
     self._fn = jax.jit(functools.partial(_row_log_likelihoods, task=task, chunks=chunks),
                        in_shardings=(params_shardings, row_sharding, row_sharding, row_sharding),
@@ -115,7 +120,7 @@ class Scorer:
 
   def log_likelihoods(self, params, rows: Rows) -> np.ndarray:
     """(R,) float64 log-likelihood of each row's continuation."""
-    n, per = len(rows.inputs), self._rows_per_call
+    n, per = len(rows.inputs), self.rows_per_call
     padded = -(-n // per) * per
 
     def pad(a):
