@@ -142,6 +142,11 @@ def test_run_scores_at_configured_steps_and_a_trained_model_prefers_gold(tmp_pat
   assert sorted(p.name for p in (workdir / 'evals').iterdir()) == ['step_30.json', 'step_60.json']
   assert scored[60]['eval_animals_acc'] == 1.0  # Chance is 1/3.
   assert 'eval_ema_animals_acc' in scored[60]
+  from tensorboard.backend.event_processing import event_accumulator
+  events = event_accumulator.EventAccumulator(str(workdir / 'tensorboard'))
+  events.Reload()
+  assert {e.step: e.value for e in events.Scalars('eval/animals_acc_norm')} == pytest.approx(
+      {s: r['eval_animals_acc_norm'] for s, r in scored.items()})
   record = json.loads((workdir / 'evals' / 'step_60.json').read_text())
   assert record['params']['animals']['acc'] == scored[60]['eval_animals_acc']
   for question in record['params']['animals']['per_question']:
