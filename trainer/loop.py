@@ -277,7 +277,8 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
       if state.ema_params is not None:  # The same eval step, on the average.
         ema = state_lib.params_of(state, 'ema')
         evals[step]['eval_ema_loss'] = _evaluate(run.eval_step, ema, run.eval_set, run.objective)['eval_loss']
-    if run.downstream and run.downstream.due(step, total, saving=step % config.ckpt.every_steps == 0 or step == total):
+    # Not on the way out of a preemption: the grace period is for the save.
+    if run.downstream and not preempted and run.downstream.due(step, total, step % config.ckpt.every_steps == 0):
       run.hang.phase('eval')
       evals.setdefault(step, {}).update(run.downstream.score(step, state))
     run.writer.goodput.record_side(eval_s=time.perf_counter() - t_eval, checkpoint_s=t_eval - t_side)

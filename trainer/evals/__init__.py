@@ -30,9 +30,8 @@ class Downstream:
   workdir: str | None  # None: write no file (scripts/eval.py writes its own).
 
   def due(self, step: int, total: int, saving: bool) -> bool:
-    if self.every_steps:
-      return step % self.every_steps == 0 or step == total
-    return saving
+    """Every eval.every_steps steps and at the last; with 0, at every checkpoint save (`saving`) and the last."""
+    return step == total or (step % self.every_steps == 0 if self.every_steps else saving)
 
   def score_params(self, params, prefix: str = 'eval_') -> tuple[dict[str, float], dict]:
     """(metrics, details per task) of `params`."""
