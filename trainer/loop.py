@@ -249,6 +249,8 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
       t_dispatch = time.perf_counter()
       state, metrics = run.compiled_step(state, batch)
       dispatch_s = time.perf_counter() - t_dispatch  # Blocks while the devices are still busy with earlier steps.
+    if step == start_step + 1:  # No transfer during the step's first run (a CUDA graph capture): data/device_feed.py.
+      train_iter.release_after(metrics)
     if pending is not None:  # Fetch step-1's metrics while step runs: the one sync point per step.
       last_fetch, side_time = _finish(run, pending, window, last_fetch, side_time, evals, is_log_step, dispatch_s)
     pending = (step, metrics, data_wait)
@@ -268,10 +270,12 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     t_eval = time.perf_counter()
     if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
       run.hang.phase('eval')
+      train_iter.hold()  # Likewise while the eval step runs (its first run is a capture too).
       evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
       if state.ema_params is not None:  # The same eval step, on the average.
         ema = state_lib.params_of(state, 'ema')
         evals[step]['eval_ema_loss'] = _evaluate(run.eval_step, ema, run.eval_set, run.objective)['eval_loss']
+      train_iter.release()
     run.writer.goodput.record_side(eval_s=time.perf_counter() - t_eval, checkpoint_s=t_eval - t_side)
     side_time += time.perf_counter() - t_side
     if preempted:
