@@ -21,7 +21,7 @@ from trainer import expert_load, optimizer, profiling, progress, storage
 from trainer import job as job_lib
 from trainer import state as state_lib
 from trainer.hf import load as hf_load
-from trainer.memory import preflight, remat
+from trainer.memory import preflight, remat, runtime_oom
 from trainer.models import contract, moe
 from trainer.supervision import attempt, faults, hang, notices, stragglers
 from trainer.metrics import MetricsWriter
@@ -181,7 +181,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
         latest, state = guard.roll_back(rollback, ckpt, sharding.with_shardings(abstract, shardings), train_iter)
   except Exception as e:
     profiler.on_error(e)  # Out of memory: saves the device memory profile while the arrays are still alive.
-    raise
+    raise runtime_oom.explain(e, compiled_step, config, list(mesh.devices.flat)) or e  # OOM: one line, exit 2.
   finally:
     train_iter.close()
     profiler.close()
