@@ -67,3 +67,35 @@ def test_other_errors_are_left_alone():
   config = tiny.get_config()
   assert runtime_oom.explain(ValueError('a bug'), None, config, jax.devices()) is None
   assert runtime_oom.explain(UserError('RESOURCE_EXHAUSTED: disk full'), None, config, jax.devices()) is None
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize('stats,expected', [
+    # 71.26 GiB pool, 10.72 GiB of state live: 60 GiB free, but no block of the 34.48 GiB asked for.
+    ({'bytes_in_use': int(10.9 * GIB), 'bytes_limit': int(71.26 * GIB), 'largest_free_block_bytes': int(26 * GIB)},
+     'largest free block 26.00 GiB: the free memory was there but split into smaller blocks (fragmentation).'),
+    ({'bytes_in_use': int(40 * GIB), 'bytes_limit': int(71.26 * GIB), 'largest_free_block_bytes': int(31 * GIB)},
+     "more was live than the step's 10.72 GiB of inputs."),
+    ({'bytes_in_use': int(10.9 * GIB), 'bytes_limit': int(40 * GIB), 'largest_free_block_bytes': int(29 * GIB)},
+     'the step asked for more than was free.'),
+])
+def test_the_allocators_state_at_the_failure_names_the_cause(stats, expected):
+  line = runtime_oom.diagnosis(stats, int(34.48 * GIB), int(10.72 * GIB))
+  assert line.startswith(' At the failure the allocator had ') and line.endswith(expected)
+
+
+def test_no_allocator_figures_no_diagnosis():  # The CPU backend reports none.
+  assert runtime_oom.diagnosis(None, int(34.48 * GIB), int(10.72 * GIB)) == ''
+
+
+def test_after_step_one_a_split_pool_is_named_before_step_two_fails():
+  temp = int(34.48 * GIB)
+  split = {'bytes_in_use': int(10.9 * GIB), 'largest_free_block_bytes': int(26 * GIB)}
+  whole = {'bytes_in_use': int(10.9 * GIB), 'largest_free_block_bytes': int(60 * GIB)}
+  assert runtime_oom.allocator_line(temp, [whole, split]) == (
+      'After step 1: 10.90 GiB in use, largest free block 26.00 GiB; each step asks for its temporaries as one '
+      'block of 34.48 GiB. No free block is that large: the next step will run out of memory (fragmentation).')
+  assert 'No free block' not in runtime_oom.allocator_line(temp, [whole])
+  assert runtime_oom.allocator_line(temp, [None]) is None  # The CPU reports nothing.
