@@ -1,6 +1,7 @@
 """The experts' grouped matmul on NVIDIA GPUs, before and after, compiled for an H100 on this machine (no GPU needed).
 
   python scripts/bench_expert_kernel.py [--config=configs/moe_1b.py] [--batch_size=8] [--topology=h100:1]
+      [--override=SECTION.KEY=VALUE ...]
 
 Needs requirements-gpu-plan.txt (jax's CUDA plugin). For each kernel (jax.lax.ragged_dot, XLA's GPU lowering:
 'before'; the Pallas Triton grouped matmul, trainer/models/grouped_matmul.py: 'after') it compiles the real train
@@ -28,13 +29,22 @@ from trainer.models import moe  # noqa: E402
 from trainer import plan  # noqa: E402
 
 
-def _config(path: str, batch_size: int):
+def _config(path: str, batch_size: int, overrides: list[str]):
   spec = importlib.util.spec_from_file_location('bench_config', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   c = module.get_config()
   c.train.batch_size, c.train.remat_policy, c.data.source = batch_size, 'none', 'synthetic'
   c.train.compute_dtype = 'bfloat16'
+  for override in overrides:  # KEY=VALUE, an int, float or text.
+    key, value = override.split('=', 1)
+    section, name = key.split('.')
+    for kind in (int, float, str):
+      try:
+        c[section][name] = kind(value)
+        break
+      except (TypeError, ValueError):
+        continue
   return c
 
 
@@ -63,8 +73,9 @@ def main():
   parser.add_argument('--config', default='configs/moe_1b.py')
   parser.add_argument('--batch_size', type=int, default=8)
   parser.add_argument('--topology', default='h100:1')
+  parser.add_argument('--override', action='append', default=[], help='SECTION.KEY=VALUE, e.g. model.num_experts=4.')
   args = parser.parse_args()
-  config = _config(args.config, args.batch_size)
+  config = _config(args.config, args.batch_size, args.override)
   devices = plan.topology_devices(args.topology)
   print(f'{args.config} batch {args.batch_size}, compiled for {args.topology} ({devices[0].device_kind}), remat none')
   print('| kernel | temporaries per device | total per device | XLA matmul FLOPs / active | with kernels / active |')

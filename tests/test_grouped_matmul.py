@@ -72,3 +72,32 @@ def test_its_flops_are_the_active_experts_as_ragged_dots_are():
   ours = traced_flops.count(step(lambda x, w: grouped_matmul.ragged_dot(x, w, s, interpret=True, tile_rows=16)), x, w)
   upstream = traced_flops.count(step(lambda x, w: jax.lax.ragged_dot(x, w, s)), x, w)
   assert ours.flops == upstream.flops == 3 * 2 * A * D * F and not ours.opaque
+
+
+def test_each_platform_gets_its_kernel_and_the_log_names_it():
+  from trainer.models import moe
+  cfg = moe.MoeConfig(num_experts=8, experts_per_token=2, expert_mlp_dim=64)
+  assert moe.for_platform(cfg, 'gpu').kernel == 'triton'
+  assert moe.for_platform(cfg, 'tpu').kernel == moe.for_platform(cfg, 'cpu').kernel == 'ragged_dot'
+  assert 'dropless on Pallas Triton grouped matmul (trainer/models/grouped_matmul.py)' in moe.dispatch_note(
+      moe.for_platform(cfg, 'gpu'), 'gpu')
+  assert 'dropless on jax.lax.ragged_dot' in moe.dispatch_note(moe.for_platform(cfg, 'tpu'), 'tpu')
+
+
+@pytest.mark.skipif(not __import__('trainer.gpu_targets').gpu_targets.cuda_plugin_installed(),
+                    reason="needs jax's CUDA plugin: pip install -r requirements-gpu-plan.txt")
+def test_compiled_for_an_h100_the_kernel_runs_the_active_flops_and_the_guard_fires_on_ragged_dot():
+  import subprocess
+  import sys
+  from conftest import REPO
+  done = subprocess.run(
+      [sys.executable, str(REPO / 'scripts' / 'bench_expert_kernel.py'), '--config=configs/tiny.py',
+       '--override=model.num_experts=4', '--override=model.experts_per_token=2', '--override=model.expert_mlp_dim=64',
+       '--override=model.num_layers=1'], capture_output=True, text=True, timeout=900, cwd=REPO,
+      env={k: v for k, v in __import__('os').environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')})
+  assert done.returncode == 0, done.stderr[-3000:]
+  table = {line.split('|')[1].strip(): line.split('|') for line in done.stdout.splitlines()
+           if line.startswith('| ragged_dot') or line.startswith('| triton')}
+  ratio = lambda kernel, column: float(table[kernel][column].strip().rstrip('x'))
+  assert ratio('ragged_dot', 4) > 1.3 and ratio('triton', 4) < 1.3 and ratio('triton', 5) < 1.3
+  assert 'ragged_dot: The compiled step runs' in done.stdout and 'triton: guard silent' in done.stdout

@@ -24,9 +24,11 @@ Dispatch:
   measured on this CPU (scripts/bench_moe.py, BENCHMARKS.md "MoE dispatch"), forward
   and backward take 7.0x a loop of plain matmuls over each expert's tokens (the same
   active FLOPs), more than running every expert on every token (4.9x), while the
-  capacity mode below takes 1.14x at factor 1.0 and 1.26x at 1.25. So on CPU (and on
-  GPUs whose jaxlib pads it too) the capacity mode is the fast one; `dispatch_note`
-  says so in the log.
+  capacity mode below takes 1.14x at factor 1.0 and 1.26x at 1.25. So on CPU the capacity
+  mode is the fast one; `dispatch_note` says so in the log. XLA's GPU lowering pads
+  it too (compiled for an H100: 4.6x the active FLOPs as matmuls), so on NVIDIA GPUs
+  (`for_platform`) the layer runs trainer/models/grouped_matmul.py's Pallas Triton
+  kernel instead, whose FLOPs are the active experts'.
 - capacity (`capacity_factor` > 0): each expert takes at most C = ceil(factor * A / E)
   assignments, first choices of all tokens before any second choice (GShard's priority),
   in token order within a choice; the rest are dropped (the token keeps its residual
