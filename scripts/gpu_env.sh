@@ -7,11 +7,12 @@
 # that does not exist aborts XLA at start-up, and tests/test_launch_scripts.py starts
 # jax with these flags to catch a flag that a jaxlib upgrade removed.
 #
+# --xla_gpu_enable_command_buffer: XLA's defaults minus cuDNN (below), not off:
+# fusions and cuBLAS in CUDA graphs cut kernel-launch overhead, the bottleneck of
+# small models like configs/default.py. Turn them all off per run with
+# XLA_FLAGS=--xla_gpu_enable_command_buffer= (the user's flags win, see below).
+#
 # Left at XLA's defaults on purpose:
-# - --xla_gpu_enable_command_buffer: XLA's defaults minus cuDNN (below), not off:
-#   fusions and cuBLAS in CUDA graphs cut kernel-launch overhead, the bottleneck of
-#   small models like configs/default.py. Turn them all off per run with
-#   XLA_FLAGS=--xla_gpu_enable_command_buffer= (the user's flags win, see below).
 # - --xla_gpu_enable_triton_gemm=false: advice from when Triton matmuls were not
 #   autotuned against cuBLAS; today XLA's autotuner times both per matmul (with
 #   --xla_gpu_cublas_fallback=true), so forcing cuBLAS only removes candidates.

@@ -38,10 +38,10 @@ import jax
 from jax import extend
 
 RECOMPUTED = 'rematted_computation'  # jax's name-stack entry for the forward a checkpoint's transpose recomputes.
-# Primitives whose work runs in a kernel the jaxpr does not describe (prefixes of their names).
 # The launcher's own Pallas kernels that declare their useful FLOPs (pl.CostEstimate): the experts' grouped matmuls
 # (trainer/models/grouped_matmul.py) count the active experts' work, as ragged_dot_general does.
 DECLARED_KERNELS = ('grouped_matmul',)
+# Primitives whose work runs in a kernel the jaxpr does not describe (prefixes of their names).
 OPAQUE_PREFIXES = ('pallas_call', 'dot_product_attention', 'ffi_call', 'custom_call', 'cudnn', 'scaled_matmul')
 
 
