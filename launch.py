@@ -139,6 +139,8 @@ def main(argv):
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')  # hides them (set before jax loads; see trainer/plan.py).
   if _TOPOLOGY.value:  # jax's CUDA plugin, when installed, checks the local GPU driver as it loads and stays out on a
     os.environ.setdefault('JAX_SKIP_CUDA_CONSTRAINTS_CHECK', '1')  # host without one; a GPU --topology needs it.
+  from trainer import gpu_env
+  gpu_env.apply()  # NVIDIA GPUs: cuDNN kept out of CUDA graphs (why: trainer/gpu_env.py); before jax loads.
   from trainer.errors import UserError
   from trainer.safety import workdir as workdir_lib
   from trainer import storage

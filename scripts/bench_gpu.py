@@ -6,8 +6,9 @@
 Rows: gpt2_b32, gpt2_b64 (configs/gpt2_124m.py at batch 32 / 64 x 1024, synthetic tokens);
 gpt2_b32_text and gpt2_b32_packed (the same on the stdlib's text, windows vs documents packed with
 data.packing=True); llama_b16_<policy> (configs/llama_1b.py at batch 16 x 2048, synthetic, one row per
-train.remat_policy); vit_b256 (configs/vit_base.py at batch 256, synthetic images); gpt2_b64_chunked and
-llama_b16_full_chunked (the same with train.loss_chunks=8). References:
+train.remat_policy, llama_b16_auto included); vit_b256 (configs/vit_base.py at batch 256, synthetic images);
+gpt2_b64_chunked and llama_b16_full_chunked (the same with train.loss_chunks=8); moe_b4, moe_b8 and
+moe_b8_capacity (configs/moe_1b.py, synthetic, dropless or capacity 1.25; no reference). References:
 <row>_minimal for each synthetic-token row (gpt2_b64_minimal, llama_b16_full_minimal, ...): the same model,
 optimizer and shapes in a hand-written jit step on one resident batch (scripts/minimal_step.py), timed in the
 same run, so the launcher's cost over a minimal loop is a ratio of two rows measured side by side.
@@ -52,11 +53,17 @@ ROWS = {
     'gpt2_b64_chunked': ('gpt2_124m', {'train.batch_size': 64, 'data.source': 'synthetic', 'train.loss_chunks': 8}),
     'llama_b16_full_chunked': ('llama_1b', {'train.batch_size': 16, 'data.source': 'synthetic',
                                             'train.remat_policy': 'full', 'train.loss_chunks': 8}),
+    'llama_b16_auto': ('llama_1b', {'train.batch_size': 16, 'data.source': 'synthetic', 'train.remat_policy': 'auto'}),
+    # Mixture of experts (configs/moe_1b.py, remat 'auto'): dropless, and capacity mode at 1.25.
+    'moe_b4': ('moe_1b', {'train.batch_size': 4, 'data.source': 'synthetic'}),
+    'moe_b8': ('moe_1b', {'train.batch_size': 8, 'data.source': 'synthetic'}),
+    'moe_b8_capacity': ('moe_1b', {'train.batch_size': 8, 'data.source': 'synthetic',
+                                   'model.expert_capacity_factor': 1.25}),
 }
 # '<row>_minimal': the same model, optimizer and shapes in a hand-written step (measure_minimal), for the
 # synthetic-token rows, where one resident batch is what the launcher's row feeds too.
 REFERENCES = {f'{name}_minimal': name for name, (preset, overrides) in ROWS.items()
-              if preset != 'vit_base' and overrides['data.source'] == 'synthetic'
+              if preset not in ('vit_base', 'moe_1b') and overrides['data.source'] == 'synthetic'
               and 'train.loss_chunks' not in overrides}  # The hand-written step has no chunked loss.
 # --smoke: every row's structure (tying, kv-head ratio, patch size, remat, packing) at toy sizes.
 SMOKE = {'model.num_layers': 1, 'model.d_model': 64, 'model.mlp_dim': 128, 'train.batch_size': 8,
@@ -75,6 +82,8 @@ def row_config(name: str, attention: str | None, smoke: bool):
     overrides['model.num_heads'] = heads
     if m.num_kv_heads:  # Keep the preset's query heads per kv head.
       overrides['model.num_kv_heads'] = heads // (m.num_heads // m.num_kv_heads)
+    if m.get('num_experts', 0):
+      overrides['model.expert_mlp_dim'] = 128
     if m.task == 'lm':
       overrides['model.vocab_size'] = 512  # At least the 256 byte values of text rows.
     else:

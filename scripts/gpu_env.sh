@@ -7,13 +7,12 @@
 # that does not exist aborts XLA at start-up, and tests/test_launch_scripts.py starts
 # jax with these flags to catch a flag that a jaxlib upgrade removed.
 #
+# --xla_gpu_enable_command_buffer: XLA's defaults minus cuDNN (below), not off:
+# fusions and cuBLAS in CUDA graphs cut kernel-launch overhead, the bottleneck of
+# small models like configs/default.py. Turn them all off per run with
+# XLA_FLAGS=--xla_gpu_enable_command_buffer= (the user's flags win, see below).
+#
 # Left at XLA's defaults on purpose:
-# - --xla_gpu_enable_command_buffer: by default XLA already records fusions and
-#   cuBLAS, cuDNN and custom calls (not collectives) into CUDA graphs, which cuts
-#   kernel-launch overhead, the bottleneck of small models like configs/default.py.
-#   Disabling them (`=`, as many MaxText/NVIDIA recipes did) only helps when graphs
-#   cost too much memory or start-up time; do that per run with
-#   XLA_FLAGS=--xla_gpu_enable_command_buffer= (the user's flags win, see below).
 # - --xla_gpu_enable_triton_gemm=false: advice from when Triton matmuls were not
 #   autotuned against cuBLAS; today XLA's autotuner times both per matmul (with
 #   --xla_gpu_cublas_fallback=true), so forcing cuBLAS only removes candidates.
@@ -35,7 +34,12 @@ gpu_env_settings() {
   # instead of stalling the GPUs on each. Recommended by the JAX GPU performance
   # tips and set in NVIDIA's JAX containers. The user's XLA_FLAGS come after it,
   # and XLA takes the last value of a repeated flag, so theirs win.
-  GPU_ENV+=("XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true${XLA_FLAGS:+ $XLA_FLAGS}")
+  #
+  # cuDNN calls stay out of CUDA graphs (-CUDNN): recorded into one, cuDNN's graph
+  # failed to capture at the first step in 2 of 4 launches on an H100 (the
+  # measurement and the flag's choice: trainer/gpu_env.py, which launch.py applies
+  # to any GPU launch; set here too so --dry_run shows it).
+  GPU_ENV+=("XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_command_buffer=-CUDNN${XLA_FLAGS:+ $XLA_FLAGS}")
 
   # Memory: keep jax's preallocation (one pool up front, so no fragmentation and
   # no cudaMalloc inside the step) but take 90% of each GPU instead of 75%: the

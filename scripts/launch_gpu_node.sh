@@ -30,8 +30,8 @@ Runs `python launch.py` once, on all (or the chosen) GPUs of this machine.
   -h, --help         this text
 
 Environment set for the run (kept if you already exported them): JAX_PLATFORMS=cuda,
-XLA_FLAGS with --xla_gpu_enable_latency_hiding_scheduler=true (your XLA_FLAGS come
-after and win), XLA_CLIENT_MEM_FRACTION=0.90. Why each: scripts/gpu_env.sh.
+XLA_FLAGS with --xla_gpu_enable_latency_hiding_scheduler=true and
+--xla_gpu_enable_command_buffer=-CUDNN (your XLA_FLAGS come after and win), XLA_CLIENT_MEM_FRACTION=0.90. Why each: scripts/gpu_env.sh.
 
 Example:
   scripts/launch_gpu_node.sh --gpus=0,1,2,3 --config=configs/default.py \

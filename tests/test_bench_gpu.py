@@ -77,3 +77,36 @@ def test_attention_bench_checks_numerics_and_catches_a_kernel_that_leaks_across_
                                   '--dtype=bfloat16'])[1:2]
   assert bf16['packed'] and bf16['leak'] == 0 and 1e-4 < bf16['err_out'] < 2e-2 and bf16['err_dq'] < 2e-2
   assert '| llama | 1x64 32/8x64 | True | leaky |' in capsys.readouterr().out
+
+
+def _acceptance():
+  spec = importlib.util.spec_from_file_location('bench_gpu_acceptance', REPO / 'scripts' / 'bench_gpu_acceptance.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_acceptance_command_writes_one_json_and_one_log_on_cpu(tmp_path, capsys):
+  import json
+  result = _acceptance().main(['--out', str(tmp_path), '--smoke', '--launches=2', '--steps=2', '--warmup=1'])
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['acceptance.json', 'acceptance.log']
+  assert json.loads((tmp_path / 'acceptance.json').read_text()) == result
+  jobs = result['default_job']
+  assert jobs['crashes'] == 0 and [r['exit_code'] for r in jobs['launches']] == [0, 0]
+  assert all(r['tokens_per_s'] > 0 for r in jobs['launches'])
+  assert [r['row'] for r in result['rows']] == ['gpt2_b32', 'gpt2_b32_minimal', 'moe_b8']
+  assert all('error' not in r and r['table_line'].startswith(f"| {r['row']} | 1 x cpu |") for r in result['rows'])
+  assert result['versions']['jax'] and result['device'] == 'cpu'
+  log = (tmp_path / 'acceptance.log').read_text()
+  assert '===== launch 2/2: configs/tiny.py (exit 0)' in log and '===== row moe_b8 (exit 0)' in log
+  assert 'default job: 0 of 2 launches crashed; rows: 3 of 3 ran' in capsys.readouterr().out
+
+
+def test_a_crashing_launch_is_counted_with_its_last_line(tmp_path):
+  import time
+  acceptance = _acceptance()
+  log = acceptance.Log(tmp_path / 'acceptance.log')
+  jobs = acceptance.launches(1, 'configs/tiny.py', ['--config.train.steps=4'], log, time.monotonic() + 600,
+                             env={'LAUNCH_TEST_FAULT': 'crash@2'})  # An exception in step 2: exit 1.
+  assert jobs['crashes'] == 1 and jobs['launches'][0]['exit_code'] == 1 and jobs['launches'][0]['failure']
+  assert '(exit 1)' in log.path.read_text()

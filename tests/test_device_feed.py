@@ -49,6 +49,7 @@ def test_the_next_batches_are_on_the_devices_before_the_loop_asks(shardings):
   host = _CountingHost()
   feed = data.DeviceFeed(host, shardings, process_count=1, depth=2)
   first = next(feed)
+  feed.release()  # As the loop does once the first step has run.
   # Without another next(): batch 1 handed out, batches 2 and 3 already read and placed; no further ones.
   assert _wait_for(lambda: host.pulled == 3)
   time.sleep(0.2)
@@ -78,6 +79,7 @@ def _train_iterator():
 def test_the_position_counts_batches_handed_out_not_read_ahead_and_restoring_rewinds(shardings):
   host = _train_iterator()
   feed = data.DeviceFeed(host, shardings, process_count=1)
+  feed.release()
   for _ in range(3):
     next(feed)
   assert _wait_for(lambda: host.get_state()['examples_consumed'] == 5 * 8)  # Two batches read ahead...
@@ -92,3 +94,95 @@ def test_the_position_counts_batches_handed_out_not_read_ahead_and_restoring_rew
   expected = [next(uninterrupted)['inputs'] for _ in range(6)][3:]  # Batches 4..6 of a run that never read ahead.
   assert all(np.array_equal(a, b) for a, b in zip(later, expected))
   feed.close()
+
+
+class _Outputs:
+  """A step's outputs that take `seconds` to compute; records how many transfers had started by then."""
+
+  def __init__(self, seconds: float, transfers: list):
+    self.done, self.transfers, self.transfers_when_done = threading.Event(), transfers, None
+    threading.Timer(seconds, self._finish).start()
+
+  def _finish(self):
+    self.transfers_when_done = len(self.transfers)
+    self.done.set()
+
+  def block_until_ready(self):
+    self.done.wait()
+    return self
+
+
+@pytest.fixture
+def transfers(monkeypatch):
+  """Every transfer the feed starts, in order (trainer/data/device_feed.py's call of `to_global`)."""
+  from trainer.data import device_feed
+  started = []
+  real = device_feed.to_global
+
+  def recording(*args, **kwargs):
+    started.append(time.monotonic())
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(device_feed, 'to_global', recording)
+  return started
+
+
+def test_no_transfer_while_the_first_step_runs_then_the_feed_reads_ahead(shardings, transfers):
+  host = _CountingHost()
+  feed = data.DeviceFeed(host, shardings, process_count=1, depth=2)
+  first = next(feed)  # The first step's batch.
+  outputs = _Outputs(0.5, transfers)  # The first step, running for half a second.
+  feed.release_after(outputs)  # Returns once the step is done.
+  assert outputs.done.is_set() and outputs.transfers_when_done == 1
+  assert _wait_for(lambda: len(transfers) == 3)  # Released: two batches ahead, as before.
+  assert int(first['inputs'][0, 0]) == 1 and [int(next(feed)['inputs'][0, 0]) for _ in range(3)] == [2, 3, 4]
+  feed.close()
+
+
+def test_a_held_feed_transfers_only_what_the_loop_waits_for(shardings, transfers):
+  host = _CountingHost()
+  feed = data.DeviceFeed(host, shardings, process_count=1, depth=2)
+  feed.release()
+  next(feed)
+  assert _wait_for(lambda: len(transfers) == 3)
+  feed.hold()  # As before an eval: no transfer in flight once hold() returns, none started after.
+  held_at = len(transfers)
+  time.sleep(0.3)
+  assert len(transfers) == held_at
+  # Two batches were already on the devices: handed out without a transfer; the third is made on demand only.
+  assert [int(next(feed)['inputs'][0, 0]) for _ in range(3)] == [2, 3, 4]
+  assert len(transfers) == held_at + 1
+  time.sleep(0.3)
+  assert len(transfers) == held_at + 1
+  feed.release()
+  assert _wait_for(lambda: len(transfers) == held_at + 3)
+  feed.close()
+
+
+def test_a_run_transfers_nothing_while_its_first_step_or_an_eval_runs(tmp_path, monkeypatch, transfers):
+  """The loop (trainer/loop.py) releases the feed only with step 1's outputs computed, and holds it during evals."""
+  from trainer import loop
+  from trainer.data import device_feed
+  events = []
+  real_release_after, real_evaluate = device_feed.DeviceFeed.release_after, loop._evaluate
+
+  def release_after(feed, outputs):
+    real_release_after(feed, outputs)
+    events.append(('first step done', len(transfers),
+                   all(x.is_ready() for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array))))
+
+  def evaluate(*args):
+    before = len(transfers)
+    summary = real_evaluate(*args)
+    events.append(('eval', before, len(transfers)))
+    return summary
+
+  monkeypatch.setattr(device_feed.DeviceFeed, 'release_after', release_after)
+  monkeypatch.setattr(loop, '_evaluate', evaluate)
+  config = tiny.get_config()
+  config.train.steps, config.train.eval_every_steps = 6, 3
+  loop.run(config, str(tmp_path / 'run'))
+  assert events[0] == ('first step done', 1, True)  # Only step 1's own batch went over before it finished.
+  assert [e[0] for e in events[1:]] == ['eval', 'eval']
+  assert all(before == after for _, before, after in events[1:])
+  assert len(transfers) >= 6

@@ -212,7 +212,8 @@ def test_gpu_dry_run_sets_devices_and_xla_flags(tmp_path):
   assert result.returncode == 0, result.stderr
   assert _exports(result.stdout) == {
       'CUDA_VISIBLE_DEVICES': '0,1,2,3', 'JAX_PLATFORMS': 'cuda',
-      'XLA_FLAGS': '--xla_gpu_enable_latency_hiding_scheduler=true', 'XLA_CLIENT_MEM_FRACTION': '0.90'}
+      'XLA_FLAGS': '--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_command_buffer=-CUDNN',
+      'XLA_CLIENT_MEM_FRACTION': '0.90'}
   command = shlex.split(_commands(result.stdout)[-1])
   assert command == ['/venv/bin/python', str(REPO / 'launch.py'), *GPU_ARGS]
   assert not any('coordinator_address' in c or 'num_processes' in c for c in _commands(result.stdout))
@@ -225,7 +226,8 @@ def test_gpu_keeps_what_the_user_exported(tmp_path):
   assert result.returncode == 0, result.stderr
   exports = _exports(result.stdout)
   # The user's flags come last, and XLA takes the last value of a repeated flag.
-  assert exports['XLA_FLAGS'] == '--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_command_buffer='
+  assert exports['XLA_FLAGS'] == ('--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_command_buffer=-CUDNN '
+                                  '--xla_gpu_enable_command_buffer=')
   assert exports['JAX_PLATFORMS'] == 'cuda,cpu'
   assert 'XLA_CLIENT_MEM_FRACTION' not in exports and 'CUDA_VISIBLE_DEVICES' not in exports
 
@@ -250,7 +252,7 @@ def test_gpu_real_run_execs_launch_py_with_that_environment(tmp_path):
   result = _run('launch_gpu_node.sh', '--gpus=1,3', *GPU_ARGS, f'--python={python}', env=_env(tmp_path))
   assert result.returncode == 0, result.stderr
   assert out.read_text().splitlines() == [
-      str(REPO / 'launch.py'), *GPU_ARGS, '1,3|cuda|--xla_gpu_enable_latency_hiding_scheduler=true|0.90']
+      str(REPO / 'launch.py'), *GPU_ARGS, '1,3|cuda|--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_command_buffer=-CUDNN|0.90']
 
 
 @pytest.mark.parametrize('args,message', [
@@ -292,7 +294,9 @@ def test_slurm_dry_run_fills_in_the_job(tmp_path, mode, ntasks_per_node, gpus_pe
   train_args = next(line for line in script.splitlines() if line.startswith('TRAIN_ARGS=('))
   assert shlex.split(train_args.removeprefix('TRAIN_ARGS=(').removesuffix(')')) == [
       '--config=configs/tiny.py', '--workdir=/shared/runs/run1', *OVERRIDES]
-  assert '\nexport XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true\n' in script
+  exported = next(line for line in script.splitlines() if line.startswith('export XLA_FLAGS='))
+  assert shlex.split(exported) == [
+      'export', 'XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_command_buffer=-CUDNN']
   assert '\nsrun --kill-on-bad-exit=1 ' in script and '"$LAUNCH"' in script
   assert not re.search(r'--(coordinator_address|num_processes|process_id)', script)  # jax detects them.
   assert not re.search(r'@[A-Z_]+@', script)

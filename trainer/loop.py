@@ -23,7 +23,7 @@ from trainer import expert_load, optimizer, profiling, progress, storage
 from trainer import job as job_lib
 from trainer import state as state_lib
 from trainer.hf import load as hf_load
-from trainer.memory import preflight, remat
+from trainer.memory import preflight, remat, runtime_oom
 from trainer.models import contract, moe
 from trainer.supervision import attempt, faults, hang, notices, stragglers
 from trainer.metrics import MetricsWriter
@@ -186,7 +186,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
         latest, state = guard.roll_back(rollback, ckpt, sharding.with_shardings(abstract, shardings), train_iter)
   except Exception as e:
     profiler.on_error(e)  # Out of memory: saves the device memory profile while the arrays are still alive.
-    raise
+    raise runtime_oom.explain(e, compiled_step, config, list(mesh.devices.flat)) or e  # OOM: one line, exit 2.
   finally:
     train_iter.close()
     profiler.close()
@@ -254,6 +254,9 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
       t_dispatch = time.perf_counter()
       state, metrics = run.compiled_step(state, batch)
       dispatch_s = time.perf_counter() - t_dispatch  # Blocks while the devices are still busy with earlier steps.
+    if step == start_step + 1:  # No transfer during the step's first run (a CUDA graph capture): data/device_feed.py.
+      train_iter.release_after(metrics)
+      runtime_oom.after_first_step(run.compiled_step, metrics)  # GPUs: the allocator's state against step 2's needs.
     if pending is not None:  # Fetch step-1's metrics while step runs: the one sync point per step.
       last_fetch, side_time = _finish(run, pending, window, last_fetch, side_time, evals, is_log_step, dispatch_s)
     pending = (step, metrics, data_wait)
@@ -273,14 +276,18 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     t_eval = time.perf_counter()
     if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
       run.hang.phase('eval')
+      train_iter.hold()  # Likewise while the eval step runs (its first run is a capture too).
       evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
       if state.ema_params is not None:  # The same eval step, on the average.
         ema = state_lib.params_of(state, 'ema')
         evals[step]['eval_ema_loss'] = _evaluate(run.eval_step, ema, run.eval_set, run.objective)['eval_loss']
+      train_iter.release()
     # Not on the way out of a preemption: the grace period is for the save.
     if run.downstream and not preempted and run.downstream.due(step, total, step % config.ckpt.every_steps == 0):
       run.hang.phase('eval')
+      train_iter.hold()  # The scoring function's first run is a capture too (data/device_feed.py).
       evals.setdefault(step, {}).update(run.downstream.score(step, state))
+      train_iter.release()
     run.writer.goodput.record_side(eval_s=time.perf_counter() - t_eval, checkpoint_s=t_eval - t_side)
     side_time += time.perf_counter() - t_side
     if preempted:

@@ -22,7 +22,8 @@ useful work either: under `jax.grad`, jax traces the forward pass that a
 `checkpoint` recomputes for its transpose under the name 'rematted_computation'
 (tests/test_flops.py shows a rematted function counting as the plain one), and
 those equations are skipped. Custom kernels (Pallas, cuDNN fused attention, FFI
-calls) hide their FLOPs: they count 0 and are named in `Count.opaque`.
+calls) hide their FLOPs: they count 0 and are named in `Count.opaque`, except the launcher's own grouped matmuls
+(DECLARED_KERNELS), which declare the active experts' FLOPs.
 
 Unlike `compiled.cost_analysis()`, which counts a scanned loop's body once, this
 multiplies each scan body by its trip count, so scanned layers and gradient
@@ -37,6 +38,9 @@ import jax
 from jax import extend
 
 RECOMPUTED = 'rematted_computation'  # jax's name-stack entry for the forward a checkpoint's transpose recomputes.
+# The launcher's own Pallas kernels that declare their useful FLOPs (pl.CostEstimate): the experts' grouped matmuls
+# (trainer/models/grouped_matmul.py) count the active experts' work, as ragged_dot_general does.
+DECLARED_KERNELS = ('grouped_matmul',)
 # Primitives whose work runs in a kernel the jaxpr does not describe (prefixes of their names).
 OPAQUE_PREFIXES = ('pallas_call', 'dot_product_attention', 'ffi_call', 'custom_call', 'cudnn', 'scaled_matmul')
 
@@ -78,6 +82,8 @@ def _equation(eqn) -> Count:
     return Count(_ragged_dot_flops(eqn))
   if name == 'conv_general_dilated':
     return Count(_conv_flops(eqn))
+  if name == 'pallas_call' and str(params.get('name', '')).startswith(DECLARED_KERNELS) and params['cost_estimate']:
+    return Count(params['cost_estimate'].flops)
   if name.startswith(OPAQUE_PREFIXES):
     return Count(opaque=(name,))
   if name == 'scan':

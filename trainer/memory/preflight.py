@@ -9,7 +9,7 @@ the workdir is touched, so a refused launch leaves it as it was.
 
 from absl import logging
 
-from trainer import plan
+from trainer import compiled_flops, flops, plan
 from trainer.errors import UserError
 from trainer.memory import footprint
 
@@ -34,7 +34,24 @@ def compile_checked(job):
   else:
     logging.warning('Pre-flight: %s Trying changes that use less memory:', line)
     _refuse(job, footprint.gib(needed), limit, devices)
+  dense_experts(job, compiled)
   return compiled
+
+
+def dense_experts(job, compiled) -> str | None:
+  """The dense-experts guard (trainer/compiled_flops.py) for a dropless MoE step, logged as a warning; None when
+  the step is not one or runs near its active FLOPs."""
+  model = job.config.model
+  if not model.get('num_experts', 0) or model.get('expert_capacity_factor'):
+    return None
+  counted = flops.job_step_flops(job, log=False)
+  if counted is None:
+    return None
+  per_device = compiled_flops.dot_flops(compiled.as_text())
+  line = compiled_flops.dense_experts_line(per_device * job.mesh.devices.size, counted.flops, moe_dropless=True)
+  if line:
+    logging.warning('%s', line)
+  return line
 
 
 def _refuse(job, needed: str, limit: footprint.Limit, devices) -> None:

@@ -404,6 +404,7 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
   moe_fields = moe_lib.llama_fields(m, compute_dtype(config.train.compute_dtype), jnp.dtype(config.train.param_dtype))
   if moe_fields:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    moe_fields['moe'] = moe_lib.for_platform(moe_fields['moe'], platform)  # The experts' kernel of the devices.
     logging.info(moe_lib.dispatch_note(moe_fields['moe'], platform))
   return Llama(LlamaConfig(
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,

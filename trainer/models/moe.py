@@ -24,9 +24,11 @@ Dispatch:
   measured on this CPU (scripts/bench_moe.py, BENCHMARKS.md "MoE dispatch"), forward
   and backward take 7.0x a loop of plain matmuls over each expert's tokens (the same
   active FLOPs), more than running every expert on every token (4.9x), while the
-  capacity mode below takes 1.14x at factor 1.0 and 1.26x at 1.25. So on CPU (and on
-  GPUs whose jaxlib pads it too) the capacity mode is the fast one; `dispatch_note`
-  says so in the log.
+  capacity mode below takes 1.14x at factor 1.0 and 1.26x at 1.25. So on CPU the capacity
+  mode is the fast one; `dispatch_note` says so in the log. XLA's GPU lowering pads
+  it too (compiled for an H100: 4.6x the active FLOPs as matmuls), so on NVIDIA GPUs
+  (`for_platform`) the layer runs trainer/models/grouped_matmul.py's Pallas Triton
+  kernel instead, whose FLOPs are the active experts'.
 - capacity (`capacity_factor` > 0): each expert takes at most C = ceil(factor * A / E)
   assignments, first choices of all tokens before any second choice (GShard's priority),
   in token order within a choice; the rest are dropped (the token keeps its residual
@@ -46,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from trainer.errors import UserError
-from trainer.models import expert_parallel, sown
+from trainer.models import expert_parallel, grouped_matmul, sown
 
 EXPERT_AXES_IN = ('expert', 'embed', 'expert_mlp')  # Gate and up projections (E, D, F).
 EXPERT_AXES_OUT = ('expert', 'expert_mlp', 'embed')  # Down projection (E, F, D).
@@ -61,6 +63,7 @@ class MoeConfig:
   aux_loss_weight: float = 0.0  # Load-balancing loss weight.
   z_loss_weight: float = 0.0  # Router z-loss weight.
   num_moe_layers: int = 1  # The sown loss terms are divided by it: the loss gets their mean over layers.
+  kernel: str = 'ragged_dot'  # Dropless grouped matmuls: 'ragged_dot' (jax.lax) or 'triton' (grouped_matmul.py).
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
@@ -77,14 +80,21 @@ def capacity_of(factor: float, num_tokens: int, experts_per_token: int, num_expe
   return max(1, math.ceil(factor * num_tokens * experts_per_token / num_experts))
 
 
+def for_platform(cfg: MoeConfig, platform: str) -> MoeConfig:
+  """`cfg` with the grouped-matmul kernel of `platform`: on NVIDIA GPUs ('gpu') the Pallas Triton kernel, since
+  XLA's GPU lowering of ragged_dot runs every expert on every assignment (trainer/models/grouped_matmul.py); on TPU
+  and CPU jax.lax.ragged_dot."""
+  return dataclasses.replace(cfg, kernel='triton' if platform == 'gpu' else 'ragged_dot')
+
+
 def dispatch_note(cfg: MoeConfig, platform: str) -> str:
   """One log line: the dispatch mode and kernel the MoE layers run, and on CPU what dropless costs."""
   if not cfg.dropless:
     return (f'MoE: {cfg.num_experts} experts, top-{cfg.experts_per_token}, capacity mode (factor '
             f'{cfg.capacity_factor:g}: (experts, capacity, d_model) buffers on batched matmuls, overflow dropped and '
             f'logged as */dropped_fraction)')
-  note = (f'MoE: {cfg.num_experts} experts, top-{cfg.experts_per_token}, dropless on jax.lax.ragged_dot '
-          f'(grouped matmuls)')
+  kernel = grouped_matmul.NAME if cfg.kernel == 'triton' else 'jax.lax.ragged_dot'
+  note = f'MoE: {cfg.num_experts} experts, top-{cfg.experts_per_token}, dropless on {kernel} (grouped matmuls)'
   if platform == 'cpu':
     note += ('; on cpu XLA pads ragged_dot to every expert, about 7x the time of the active FLOPs (BENCHMARKS.md "MoE '
              'dispatch"): --config.model.expert_capacity_factor=1.25 runs near 1.3x')
@@ -99,19 +109,24 @@ def route(x_TD, router_DE, k: int):
   return logits_TE, weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True), experts_TK
 
 
-def swiglu_ragged(x_AD, gate_EDF, up_EDF, down_EFD, group_sizes_E):
-  h_AF = nn.silu(jax.lax.ragged_dot(x_AD, gate_EDF, group_sizes_E)) * jax.lax.ragged_dot(x_AD, up_EDF, group_sizes_E)
-  return jax.lax.ragged_dot(h_AF, down_EFD, group_sizes_E)
+def swiglu_ragged(x_AD, gate_EDF, up_EDF, down_EFD, group_sizes_E, kernel: str = 'ragged_dot'):
+  D, F = gate_EDF.shape[1:]
+  if kernel == 'triton' and grouped_matmul.supports(D, F):
+    matmul = grouped_matmul.ragged_dot
+  else:  # Widths the Triton kernel cannot tile stay on ragged_dot (the dense-experts guard then says so).
+    matmul = jax.lax.ragged_dot
+  h_AF = nn.silu(matmul(x_AD, gate_EDF, group_sizes_E)) * matmul(x_AD, up_EDF, group_sizes_E)
+  return matmul(h_AF, down_EFD, group_sizes_E)
 
 
-def dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD):
+def dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, kernel: str = 'ragged_dot'):
   """Every assignment through its expert: sorted by expert, grouped matmuls, unsorted, weighted sum over K."""
   T, K = experts_TK.shape
   E = gate_EDF.shape[0]
   experts_A = experts_TK.reshape(-1)
   order_A = jnp.argsort(experts_A, stable=True)
   group_sizes_E = jnp.bincount(experts_A, length=E).astype(jnp.int32)
-  out_AD = swiglu_ragged(x_TD[order_A // K], gate_EDF, up_EDF, down_EFD, group_sizes_E)
+  out_AD = swiglu_ragged(x_TD[order_A // K], gate_EDF, up_EDF, down_EFD, group_sizes_E, kernel)
   out_TKD = out_AD[jnp.argsort(order_A)].reshape(T, K, -1)  # Back to (token, choice) order by a gather.
   return jnp.einsum('tkd,tk->td', out_TKD, weights_TK.astype(out_TKD.dtype))
 
@@ -170,7 +185,7 @@ class MoeMlp(nn.Module):
           mesh=self.mesh, capacity_factor=cfg.capacity_factor)
       out_TD = out_BLD.reshape(B * L, D)
     elif cfg.dropless:
-      out_TD = dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD)
+      out_TD = dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, cfg.kernel)
     else:
       out_TD, dropped = with_capacity(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD,
                                       cfg.capacity(B * L))

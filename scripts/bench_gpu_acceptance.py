@@ -1,0 +1,153 @@
+"""One GPU acceptance command (issue 38): crashes over fresh launches of the default job, then the GPU rows.
+
+  python scripts/bench_gpu_acceptance.py --out=$OUT [--launches=5] [--budget_s=450]
+  python scripts/bench_gpu_acceptance.py --out=/tmp/acc --smoke      # CPU: configs/tiny.py, shrunk rows, seconds
+
+1. `launch.py --config=configs/default.py --max_restarts=0` `--launches` times, each a fresh process and workdir
+   (under the system's temporary folder, removed after): exit codes, the last stderr line of each failure, and
+   tokens/s from its metrics. A launch counts as a crash when it exits non-zero or by a signal (the measurement
+   of 2026-11-26 saw 2 capture failures and 1 segmentation fault in 4).
+2. scripts/bench_gpu.py's rows, each in its own process: gpt2_b64, llama_b16_auto and their hand-written minimal
+   loops (gpt2_b64_minimal, llama_b16_auto_minimal), gpt2_b32_packed, moe_b4, moe_b8, moe_b8_capacity. A row that
+   fails (out of memory) is recorded with its last line and the others go on; rows left when the time budget is
+   spent are recorded as not run.
+
+Writes OUT/acceptance.json (everything above, with the versions of python, jax, jaxlib and flax and the device)
+and OUT/acceptance.log (each child's whole output, in order). Runs on the device image's stack (jax 0.11.2 with
+the CUDA 13 plugin; shared/GPU.md) as on the pinned one: it only starts `sys.executable` on this repository.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ROWS = ('gpt2_b64', 'gpt2_b64_minimal', 'llama_b16_auto', 'llama_b16_auto_minimal', 'gpt2_b32_packed', 'moe_b4',
+        'moe_b8', 'moe_b8_capacity')
+SMOKE_ROWS = ('gpt2_b32', 'gpt2_b32_minimal', 'moe_b8')
+
+
+class Log:
+  """OUT/acceptance.log: every child's output under a header line naming the command."""
+
+  def __init__(self, path: pathlib.Path):
+    self.path = path
+    path.write_text('')
+
+  def add(self, title: str, text: str) -> None:
+    with self.path.open('a') as f:
+      f.write(f'===== {title}\n{text.rstrip()}\n')
+
+
+def _run(command: list[str], timeout_s: float, env: dict | None = None) -> subprocess.CompletedProcess:
+  try:
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=max(1.0, timeout_s),
+                          env={**os.environ, **(env or {})})
+  except subprocess.TimeoutExpired as e:
+    out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or '')
+    err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or '')
+    return subprocess.CompletedProcess(command, 124, out, err + f'\ntimed out after {timeout_s:.0f} s')
+
+
+def _last_line(text: str) -> str:
+  lines = [line for line in text.strip().splitlines() if line.strip()]
+  return lines[-1][:300] if lines else ''
+
+
+def launches(count: int, config: str, overrides: list[str], log: Log, deadline: float,
+             env: dict | None = None) -> dict:
+  """`count` fresh launches of `config`; their exit codes, crashes and tokens/s."""
+  runs = []
+  for i in range(count):
+    workdir = tempfile.mkdtemp(prefix='acceptance_launch_')
+    try:
+      started = time.perf_counter()
+      done = _run([sys.executable, str(REPO / 'launch.py'), f'--config={config}', f'--workdir={workdir}',
+                   '--max_restarts=0', *overrides], deadline - time.monotonic(), env)
+      metrics = pathlib.Path(workdir) / 'metrics.jsonl'
+      rates = [json.loads(line).get('tokens_per_s') for line in metrics.read_text().splitlines()] if (
+          metrics.exists()) else []
+      rates = [r for r in rates if r]
+    finally:
+      shutil.rmtree(workdir, ignore_errors=True)
+    log.add(f'launch {i + 1}/{count}: {config} (exit {done.returncode})', done.stdout + done.stderr)
+    runs.append({'exit_code': done.returncode, 'seconds': round(time.perf_counter() - started, 1),
+                 'tokens_per_s': rates[-1] if rates else None,
+                 'failure': _last_line(done.stderr) if done.returncode else None})
+  crashes = sum(1 for r in runs if r['exit_code'] != 0)
+  return {'config': config, 'launches': runs, 'crashes': crashes, 'passed': count - crashes}
+
+
+def rows(names: tuple[str, ...], log: Log, deadline: float, smoke: bool, steps: int, warmup: int) -> list[dict]:
+  """scripts/bench_gpu.py's rows, each in its own process (its peak memory its own; a failure ends only it)."""
+  results = []
+  for name in names:
+    left = deadline - time.monotonic()
+    if left < 20:
+      results.append({'row': name, 'error': 'not run: the time budget was spent'})
+      continue
+    command = [sys.executable, str(REPO / 'scripts' / 'bench_gpu.py'), f'--steps={steps}', f'--warmup={warmup}']
+    command += ['--smoke', f'--rows={name}'] if smoke else ['--one_row', name]
+    done = _run(command, left)
+    log.add(f'row {name} (exit {done.returncode})', done.stdout + done.stderr)
+    last = _last_line(done.stdout)
+    if done.returncode == 0 and not smoke and last.startswith('{'):
+      results.append(json.loads(last))
+    elif done.returncode == 0 and smoke:
+      results.append({'row': name, 'table_line': last})
+    else:
+      results.append({'row': name, 'error': _last_line(done.stderr) or f'exit {done.returncode}'})
+  return results
+
+
+def versions() -> dict:
+  found = {'python': platform.python_version()}
+  for module in ('jax', 'jaxlib', 'flax', 'optax', 'orbax.checkpoint'):
+    try:
+      found[module] = __import__(module, fromlist=['__version__']).__version__
+    except Exception:  # pylint: disable=broad-except  (a missing package is reported, not fatal)
+      found[module] = None
+  return found
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--out', default=os.environ.get('OUT'), help='Folder for acceptance.json and .log ($OUT).')
+  parser.add_argument('--launches', type=int, default=5)
+  parser.add_argument('--budget_s', type=float, default=450.0, help='Wall-clock budget for everything.')
+  parser.add_argument('--steps', type=int, default=10, help='Timed steps per row.')
+  parser.add_argument('--warmup', type=int, default=2)
+  parser.add_argument('--smoke', action='store_true', help='CPU: configs/tiny.py launches and shrunk rows.')
+  args = parser.parse_args(argv)
+  if not args.out:
+    raise SystemExit('bench_gpu_acceptance.py: give --out=DIR (or set $OUT) for acceptance.json and .log.')
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  start = time.monotonic()
+  deadline = start + args.budget_s
+  log = Log(out / 'acceptance.log')
+  config, overrides = (('configs/tiny.py', ['--config.train.steps=4']) if args.smoke
+                       else ('configs/default.py', ['--config.ckpt.every_steps=1000000']))
+  result = {'versions': versions(), 'smoke': args.smoke,
+            'default_job': launches(args.launches, config, overrides, log, deadline),
+            'rows': rows(SMOKE_ROWS if args.smoke else ROWS, log, deadline, args.smoke, args.steps, args.warmup)}
+  import jax  # After the children ran: this process holds no GPU memory while they measure.
+  result['device'] = jax.devices()[0].device_kind
+  result['seconds'] = round(time.monotonic() - start, 1)
+  (out / 'acceptance.json').write_text(json.dumps(result, indent=2))
+  jobs = result['default_job']
+  print(f"default job: {jobs['crashes']} of {len(jobs['launches'])} launches crashed; "
+        f"rows: {sum('error' not in r for r in result['rows'])} of {len(result['rows'])} ran; "
+        f"{result['seconds']:.0f} s; {out / 'acceptance.json'}")
+  return result
+
+
+if __name__ == '__main__':
+  main()
