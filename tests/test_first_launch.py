@@ -81,6 +81,22 @@ def test_a_finished_run_relaunched_says_so_before_compiling(step_bound, text_dir
   assert [json.loads(l)['cause'] for l in (workdir / 'attempts.jsonl').read_text().splitlines()] == ['finished']
 
 
+def test_the_tools_name_the_checkpoint_they_read(step_bound):
+  import subprocess
+  workdir, _ = step_bound
+  sample = subprocess.run([sys.executable, 'scripts/sample.py', f'--workdir={workdir}', '--prompt=a', '--num_tokens=2'],
+                          cwd=REPO, env=launcher_env(), capture_output=True, timeout=TIMEOUT_S)
+  assert sample.returncode == 0, sample.stderr[-3000:]
+  assert f'sample.py: raw parameters of checkpoint step 4 in {workdir}' in sample.stderr.decode()
+  export = subprocess.run([sys.executable, 'scripts/export_params.py', '--config=configs/tiny.py', f'--workdir={workdir}',
+                           f'--output={workdir}-params', '--config.train.steps=6'], cwd=REPO, env=launcher_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert export.returncode == 0, export.stderr[-3000:]
+  assert re.search(r'Reading step 4 with \d setting\(s\) changed since it was saved: .*config.train.steps: 4 -> 6',
+                   export.stderr) and 'Resuming' not in export.stderr  # An export trains nothing.
+  assert f'Read checkpoint step 4 from {workdir}/checkpoints' in export.stderr
+
+
 def test_an_input_bound_resume_warns_with_a_share_of_its_step(step_bound, text_dir, tmp_path):
   """Resumed to 8 steps with every batch from step 5 on taking 0.3 s to arrive; the restore is announced and timed."""
   import shutil
@@ -227,3 +243,16 @@ def test_every_readme_tool_is_installed_by_the_readme_install():
       group='console_scripts')}
   missing = {tool: scripts.get(tool) for tool in tools if scripts.get(tool) not in _pinned('requirements.txt')}
   assert not missing, f'README tools whose package requirements.txt does not pin (tool: package): {missing}'
+
+
+# ----------------------------------------------------------------------------- wording
+
+def test_a_folder_too_small_to_hold_files_out_says_what_it_holds_out(tmp_path):
+  from configs import tiny
+  from trainer import data
+  (tmp_path / 'only.py').write_bytes(b'x = 1\n' * 1000)  # 6000 bytes, one file: no file-level split.
+  config = tiny.get_config()
+  config.data.text_dir, config.data.eval_percent = str(tmp_path), 10
+  description = data.load_sources(config).description
+  assert description.startswith('1 train files (5400 bytes), the last 10% of their bytes held out (600 bytes) from ')
+  assert '0 held out' not in description
