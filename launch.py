@@ -156,7 +156,9 @@ def main(argv):
     sys.exit(supervisor.Supervisor([sys.executable, *sys.argv], _WORKDIR.value, _MAX_RESTARTS.value,
                                    _RESTART_BACKOFF_S.value, writes_record=_PROCESS_ID.value in (None, 0),
                                    preemption_signals=tuple(_CONFIG.value.train.preemption_signals)).run())
-  from parallel import distributed, watchdog  # After flag parsing, so --help does not wait for jax.
+  from parallel import distributed, platforms, watchdog  # After flag parsing, so --help does not wait for jax.
+  if not _TOPOLOGY.value:  # No TPU asked for: libtpu's start-up lines stay off a machine without one.
+    platforms.skip_absent_tpu()
   from trainer import console, loop, preemption
   from trainer.safety import disk, lock
   console.quiet_library_info()

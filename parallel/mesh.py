@@ -60,9 +60,12 @@ def resolve_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
           f'{"; ".join(_fitting_shapes(mesh_config, num_devices))}.')
     sizes = [num_devices // fixed if s == -1 else s for s in sizes]
   elif fixed != num_devices:
+    # A CPU run can have the devices it asks for: XLA fakes them (how docs/meshes.md runs a 2 x 2 x 2 mesh).
+    fake = (f' On CPU, prefix the command with XLA_FLAGS=--xla_force_host_platform_device_count={fixed} to run '
+            f'{fixed} devices.' if fixed > num_devices and jax.default_backend() == 'cpu' else '')
     raise UserError(
         f'mesh {dict(zip(AXES, sizes))} needs {fixed} devices but {num_devices} are available. '
-        f'Shapes that fit: {"; ".join(_fitting_shapes(mesh_config, num_devices))} (or set one axis to -1).')
+        f'Shapes that fit: {"; ".join(_fitting_shapes(mesh_config, num_devices))} (or set one axis to -1).{fake}')
   return tuple(sizes)
 
 

@@ -287,7 +287,8 @@ def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed:
     tokens = encode(prompt)
   else:
     tokens = encode_prompt(prompt, as_bytes, config.model.vocab_size)
-  _, bind, weights = restore_model(config, workdir, step, params)
+  restored, bind, weights = restore_model(config, workdir, step, params)
+  print(f'sample.py: {params} parameters of checkpoint step {restored} in {workdir}', file=sys.stderr)  # stdout: text.
   decoder = cached_decoder(config)
   with jax.default_device(jax.devices('cpu')[0]):
     next_logits = (WindowLogits(bind, weights, config.data.seq_len) if decoder is None else

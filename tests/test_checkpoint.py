@@ -130,7 +130,7 @@ if not reached.wait(100):
   sys.exit('the save never reached its commit')
 os.kill(os.getpid(), signal.SIGKILL)
 '''
-  result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120,
+  result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=600,
                           env={**os.environ, 'XLA_FLAGS': ''})
   assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
 
@@ -270,7 +270,7 @@ def test_a_two_process_save_restores_its_state_in_one_process(tmp_path, text_dir
   procs = [subprocess.Popen([sys.executable, '-c', script, str(i)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True) for i in (0, 1)]
   try:
-    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
   finally:
     for p in procs:
       if p.poll() is None:

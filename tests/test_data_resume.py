@@ -131,14 +131,14 @@ def test_data_wait_warning_names_the_knobs(caplog, monkeypatch):
   caplog.set_level(logging.WARNING)
   # absl logs it at most once per 300 s per call site: a run earlier in this test process may have used that up.
   monkeypatch.setattr(absl_logging, '_log_timer_per_token', {})
-  assert not data.warn_if_stalled(10, {'data_wait_s': 0.004, 'step_time_s': 0.1})
-  assert not data.warn_if_stalled(1, {'data_wait_s': 0.05, 'step_time_s': 0.1})  # Step 1 starts the workers.
-  # A toy's step: 5% of 10.1 ms, but half a millisecond no data.* knob wins back; 3 ms of 10 ms is a stall.
-  assert not data.warn_if_stalled(10, {'data_wait_s': 0.0005, 'step_time_s': 0.0101})
-  assert not data.warn_if_stalled(10, {'data_wait_s': 0.0015, 'step_time_s': 0.01})
-  assert data.warn_if_stalled(10, {'data_wait_s': 0.02, 'step_time_s': 0.1})
+  assert not data.warn_if_stalled(10, {'data_wait_s': 0.009, 'step_time_s': 0.1})  # 9%: under the share.
+  assert not data.warn_if_stalled(1, {'data_wait_s': 0.5, 'step_time_s': 1.0})  # Step 1 starts the workers.
+  # The tiny config's steps on a loaded machine: 26% of a 29 ms step, but 7.7 ms that no data.* knob wins back.
+  assert not data.warn_if_stalled(10, {'data_wait_s': 0.0077, 'step_time_s': 0.0289})
+  assert not data.warn_if_stalled(10, {'data_wait_s': 0.019, 'step_time_s': 0.03})
+  assert data.warn_if_stalled(10, {'data_wait_s': 0.05, 'step_time_s': 0.2})
   [message] = [r.getMessage() for r in caplog.records if 'waiting for input' in r.getMessage()]
-  assert 'took 20% of the step time' in message
+  assert 'took 25% of the step time (50.0 ms of 200.0 ms)' in message
   assert all(knob in message for knob in ('data.worker_count', 'data.prefetch', 'data.num_threads'))
 
 

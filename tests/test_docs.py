@@ -14,10 +14,14 @@ import pytest
 
 from conftest import CACHE_ENV, REPO
 
-BLOCK_TIMEOUT_S = 300
+# Hang guards, never a verdict on speed: a block gets this much per command it runs (a line calling the venv's python
+# or a tool). A flat 300 s a block failed the README's "Main tasks" block (five commands, at step 12 of 12)
+# on a 2-core machine at load 6-25; one tiny launch takes 40 s there when quiet.
+COMMAND_TIMEOUT_S = 600
 # A libtpu block compiles a real TPU step: configs/llama_1b_long.py's plan (32 chips, 131,072-token rows) took 221 s
 # alone on the 2-core machine and ran past 300 s beside a test suite.
-LIBTPU_BLOCK_TIMEOUT_S = 1800
+LIBTPU_COMMAND_TIMEOUT_S = 1800
+COMMAND = re.compile(r'(^|[;&|(]\s*|\s)(\S*\.venv/bin/|/tmp/\S+/bin/)\S+')
 PAGES = [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]
 FENCE = re.compile(r'^```bash\n(.*?)^```', re.S | re.M)
 NEEDS = re.compile(r'<!--\s*docs-test:\s*needs\s+(.+?)\s*-->\s*$')
@@ -73,6 +77,20 @@ def test_the_checks_catch_what_they_are_for():
   assert WORKDIR.findall('--workdir=/tmp/a-b_1 --output=/tmp/c') == ['/tmp/a-b_1', '/tmp/c']
 
 
+def block_timeout(code: str, needs: str | None) -> int:
+  """The block's hang guard: one command's guard for each command it runs."""
+  commands = sum(len(COMMAND.findall(line)) for line in _code_lines(code))
+  return max(commands, 1) * (LIBTPU_COMMAND_TIMEOUT_S if needs == 'libtpu' else COMMAND_TIMEOUT_S)
+
+
+def test_a_blocks_guard_scales_with_the_commands_it_runs():
+  readme_tasks = next(code for page, _, _, _, code in BLOCKS if page == 'README.md' and 'export_params' in code)
+  launches = [l for l in _code_lines(readme_tasks) if '.venv/bin/python' in l]
+  assert block_timeout(readme_tasks, None) == len(launches) * COMMAND_TIMEOUT_S >= 5 * COMMAND_TIMEOUT_S
+  assert block_timeout('.venv/bin/python a.py && .venv/bin/pip install x  # .venv/bin/python b.py', None) == 1200
+  assert block_timeout('ls /tmp', 'libtpu') == LIBTPU_COMMAND_TIMEOUT_S
+
+
 @pytest.mark.parametrize('page,index,line,needs,code', BLOCKS,
                          ids=[f'{page}-block{index}-line{line}' for page, index, line, _, _ in BLOCKS])
 def test_block_runs(page, index, line, needs, code, tmp_path):
@@ -83,7 +101,7 @@ def test_block_runs(page, index, line, needs, code, tmp_path):
     pytest.skip(f'needs {needs}')
   script = code.replace('/tmp/', f'{tmp_path}/')
   env = {**os.environ, **CACHE_ENV}
-  timeout = LIBTPU_BLOCK_TIMEOUT_S if needs == 'libtpu' else BLOCK_TIMEOUT_S
+  timeout = block_timeout(code, needs)
   try:
     result = subprocess.run(['bash', '-euo', 'pipefail', '-c', script], cwd=REPO, env=env, capture_output=True,
                             text=True, errors='replace', timeout=timeout)  # A tiny LM samples any bytes.

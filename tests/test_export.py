@@ -50,7 +50,7 @@ def test_export_writes_params_only_readable_by_plain_orbax(tmp_path):
   export = subprocess.run([sys.executable, str(REPO / 'scripts/export_params.py'), '--config=configs/tiny.py',
                            '--config.mesh.fsdp=4', f'--config.data.text_dir={text_dir}',
                            f'--workdir={tmp_path / "run"}', f'--output={out}'],
-                          cwd=REPO, capture_output=True, text=True, timeout=180, env=launcher_env())
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env=launcher_env())
   assert export.returncode == 0, export.stderr[-3000:]
   assert 'Exported the parameters of step 6' in export.stderr
   # Only this project's INFO lines (Orbax logs dozens per restore and save): each names a file of this repository.
@@ -61,7 +61,7 @@ def test_export_writes_params_only_readable_by_plain_orbax(tmp_path):
   # -I: no PYTHONPATH, no user site; cwd outside the repo: only the installed packages (orbax, jax, numpy).
   env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'XLA_FLAGS')}
   read = subprocess.run([sys.executable, '-I', '-c', READER, str(out), str(tmp_path / 'read.npz')],
-                        cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+                        cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
   assert read.returncode == 0, read.stderr[-3000:]
   got = dict(np.load(tmp_path / 'read.npz'))
   assert got.keys() == expected.keys()  # The parameter tree alone: no opt_state, step or rng.
@@ -70,5 +70,5 @@ def test_export_writes_params_only_readable_by_plain_orbax(tmp_path):
 
   again = subprocess.run([sys.executable, str(REPO / 'scripts/export_params.py'), '--config=configs/tiny.py',
                           f'--workdir={tmp_path / "run"}', f'--output={out}'],
-                         cwd=REPO, capture_output=True, text=True, timeout=180, env=launcher_env())
+                         cwd=REPO, capture_output=True, text=True, timeout=600, env=launcher_env())
   assert again.returncode == 2 and f'--output={out} exists' in again.stderr

@@ -36,7 +36,7 @@ def _error_line(result: subprocess.CompletedProcess) -> str:
 def test_a_url_workdir_is_refused_and_nothing_named_s3_is_created(tmp_path):
   result = subprocess.run([sys.executable, str(REPO / 'launch.py'), f'--config={REPO}/configs/tiny.py',
                            '--workdir=s3://bucket/run'],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
   assert result.returncode == 2
   assert _error_line(result) == ('launch.py: error: --workdir=s3://bucket/run: s3:// paths are not supported; use a '
                                  'local folder or a Cloud Storage URL (gs://bucket/run).')
@@ -45,7 +45,7 @@ def test_a_url_workdir_is_refused_and_nothing_named_s3_is_created(tmp_path):
 
 def test_a_workdir_that_is_a_file_is_refused(tmp_path):
   (tmp_path / 'notes.txt').write_text('x')
-  result = run_launcher(TINY, f'--workdir={tmp_path}/notes.txt/run', timeout=60)
+  result = run_launcher(TINY, f'--workdir={tmp_path}/notes.txt/run', timeout=600)
   assert result.returncode == 2
   assert f'--workdir={tmp_path}/notes.txt/run is inside {tmp_path}/notes.txt, which is a file' in _error_line(result)
 
@@ -65,7 +65,7 @@ def _read_only_dir(tmp_path: pathlib.Path):
 def test_a_read_only_workdir_is_refused(tmp_path):
   target, undo = _read_only_dir(tmp_path)
   try:
-    result = run_launcher(TINY, f'--workdir={target}/run', timeout=60)
+    result = run_launcher(TINY, f'--workdir={target}/run', timeout=600)
   finally:
     undo()
   assert result.returncode == 2
@@ -87,7 +87,7 @@ def test_a_read_only_workdir_is_refused(tmp_path):
 ])
 def test_a_broken_config_file_is_named_with_its_line(tmp_path, source, expected):
   (tmp_path / 'cfg.py').write_text(source)
-  result = run_launcher(f'--config={tmp_path}/cfg.py', f'--workdir={tmp_path}/run', timeout=60)
+  result = run_launcher(f'--config={tmp_path}/cfg.py', f'--workdir={tmp_path}/run', timeout=600)
   assert result.returncode == 2
   assert _error_line(result).startswith(f'launch.py: error: --config file {tmp_path}/{expected}'), result.stderr
 

@@ -63,7 +63,7 @@ def _run(workdir, text_dir, mode: str, *extra: str, bad_step: int = 6) -> subpro
   return subprocess.run([sys.executable, '-c', DRIVER, '--config=configs/tiny.py', f'--workdir={workdir}',
                          f'--config.data.text_dir={text_dir}', '--config.log.every_steps=1',
                          f'--config.train.on_nonfinite={mode}', *extra],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _saved(workdir) -> list[int]:

@@ -37,7 +37,7 @@ def _env(tmp_path: pathlib.Path, path_prefix: pathlib.Path | None = None, **extr
 
 def _run(script: str, *args: str, env: dict, cwd: pathlib.Path = REPO) -> subprocess.CompletedProcess:
   return subprocess.run(['bash', str(SCRIPTS / script), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                        timeout=120)
+                        timeout=600)
 
 
 def _commands(stdout: str) -> list[str]:
@@ -235,7 +235,7 @@ def test_gpu_keeps_what_the_user_exported(tmp_path):
 def _start_jax(xla_flags: str) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, '-c', 'import jax; jax.numpy.zeros(2).block_until_ready()'],
                         env={**os.environ, 'XLA_FLAGS': xla_flags, 'JAX_PLATFORMS': 'cpu'}, capture_output=True,
-                        text=True, timeout=120)
+                        text=True, timeout=600)
 
 
 def test_gpu_xla_flags_exist_in_the_pinned_xla(tmp_path):
@@ -308,7 +308,7 @@ def test_slurm_dry_run_fills_in_the_job(tmp_path, mode, ntasks_per_node, gpus_pe
   if shellcheck:
     job = tmp_path / 'job.sbatch'
     job.write_text(script)
-    check = subprocess.run([shellcheck, str(job)], capture_output=True, text=True, timeout=60)
+    check = subprocess.run([shellcheck, str(job)], capture_output=True, text=True, timeout=600)
     assert check.returncode == 0, check.stdout
   assert not pathlib.Path('/shared/runs/run1/logs').exists()
 
@@ -366,7 +366,7 @@ def test_slurm_job_gives_each_process_its_gpus(tmp_path, mode, bind, expected):
   ntasks = 2 if mode == 'per_node' else 8
   env = _env(tmp_path, tmp_path / 'bin', FAKE_NTASKS=str(ntasks), FAKE_PER_NODE=str(ntasks // 2), FAKE_BIND=bind,
              FAKE_GPUS='4', SLURM_JOB_ID='77')
-  run = subprocess.run(['bash', str(job)], env=env, capture_output=True, text=True, timeout=60)
+  run = subprocess.run(['bash', str(job)], env=env, capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stderr
   lines = [line for line in run.stdout.splitlines() if line.startswith('task ')]
   assert [line.split()[2] for line in lines] == expected
@@ -376,7 +376,7 @@ def test_slurm_job_gives_each_process_its_gpus(tmp_path, mode, bind, expected):
 
 def test_the_unfilled_template_refuses_to_run(tmp_path):
   result = subprocess.run(['bash', str(SCRIPTS / 'slurm_train.sbatch')], env=_env(tmp_path), capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=600)
   assert result.returncode == 2 and 'submit it with scripts/launch_slurm.sh' in result.stderr
 
 
@@ -421,7 +421,7 @@ def test_shellcheck_passes_on_every_script():
   files = sorted(str(p.relative_to(REPO)) for p in [*SCRIPTS.glob('*.sh'), *SCRIPTS.glob('*.sbatch')])
   assert 'scripts/slurm_train.sbatch' in files and 'scripts/launch_common.sh' in files
   result = subprocess.run([shellcheck, '--external-sources', *files], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr
 
 

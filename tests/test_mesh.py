@@ -37,8 +37,16 @@ def test_two_fills_is_an_error_naming_both():
 
 
 def test_wrong_product_suggests_shapes_that_fit():
-  with pytest.raises(UserError, match=r'needs 6 devices but 8 are available.*data=8,fsdp=1,tensor=1'):
+  with pytest.raises(UserError, match=r'needs 6 devices but 8 are available.*data=8,fsdp=1,tensor=1') as fewer:
     mesh_lib.resolve_shape(_mesh_config(3, 2), 8)
+  assert 'xla_force_host_platform_device_count' not in str(fewer.value)  # Too few asked for: faking cannot help.
+
+
+def test_too_many_devices_on_cpu_names_the_flag_that_fakes_them():
+  with pytest.raises(UserError) as more:
+    mesh_lib.resolve_shape(_mesh_config(2, 2), 1)
+  assert str(more.value).endswith('On CPU, prefix the command with '
+                                  'XLA_FLAGS=--xla_force_host_platform_device_count=4 to run 4 devices.')
 
 
 def test_fill_that_cannot_divide():

@@ -188,7 +188,8 @@ def test_goodput_summary_adds_up_to_the_total(tmp_path):
   assert table.startswith(f'Goodput {s["goodput"]:.1%}: productive step time over')
   assert "2.5s of an earlier attempt's steps redone" in table
   assert [line.split()[0] for line in table.splitlines()[1:]] == [
-      'productive', 'start-up', 'compile', 'data', 'checkpoint', 'eval', 'profiling', 'lost', 'restart', 'other']
+      'productive', 'start-up', 'compile', 'data', 'checkpoint', 'eval', 'profiling', 'lost', 'restart', 'earlier',
+      'other']
 
 
 def test_process_start_is_before_now_and_not_long_ago():

@@ -334,3 +334,20 @@ def test_plan_names_the_optimizer_and_counts_the_parameter_average():
   assert result.ema_bytes == result.params_bytes > 0
   assert 'parameter average' in text
   assert result.params_bytes + result.opt_state_bytes + result.ema_bytes <= result.alias_bytes
+
+
+def test_the_header_names_the_topologys_chips_where_the_device_kind_is_vaguer():
+  config = tiny.get_config()
+  header = lambda kind, topology: plan.report(dataclasses.replace(FAKE, device_kind=kind), config,
+                                              topology).splitlines()[0]
+  assert ' over 8 x v5p (TPU v5); ' in header('TPU v5', 'v5p:2x2x2')  # libtpu's device kind for a v5p chip.
+  assert ' over 8 x TPU v4; ' in header('TPU v4', 'v4:2x2x2')
+  assert ' over 8 x NVIDIA H100 80GB HBM3; ' in header('NVIDIA H100 80GB HBM3', 'h100:8')
+  assert ' over 8 x cpu; ' in header('cpu', None)
+
+
+def test_a_plan_says_its_attention_kernel_once(launcher):
+  result = launcher(TINY, '--plan')
+  assert result.returncode == 0, result.stderr[-3000:]
+  said = [l for l in (result.stdout + result.stderr).splitlines() if 'ttention kernel xla' in l]
+  assert said == ["Attention: attention kernel xla (model.attention='auto': no fused kernel on cpu)"], said

@@ -18,7 +18,7 @@ import pytest
 from conftest import REPO, launcher_env, make_text_dir
 
 STEPS = 20
-TIMEOUT_S = 240
+TIMEOUT_S = 600  # A hang guard only.
 
 
 
@@ -184,6 +184,6 @@ os.kill(os.getpid(), signal.SIGINT)
 time.sleep(5)
 print('not reached')
 '''
-  result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=60)
+  result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=600)
   assert result.returncode == 130 and 'not reached' not in result.stdout, result.stderr
   assert result.stderr.splitlines()[-1].startswith('launch.py: interrupted again (Ctrl-C): exiting now')

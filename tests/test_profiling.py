@@ -61,7 +61,7 @@ from trainer import profiling
 step = profiling.Profiler.step
 
 def held(self, n, state):
-  deadline = time.monotonic() + 240
+  deadline = time.monotonic() + 600
   while n == 1 and not self._requested.is_set() and time.monotonic() < deadline:
     time.sleep(0.01)
   return step(self, n, state)
@@ -81,7 +81,7 @@ def test_sigusr1_traces_the_next_steps_of_a_running_job(tmp_path):
   lines, seen = queue.Queue(), []
   threading.Thread(target=_read_lines, args=(job.stderr, lines), daemon=True).start()
   try:
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 600
     while not any('kill -USR1' in line for line in seen):  # The handler is installed before step 1.
       seen.append(lines.get(timeout=max(deadline - time.monotonic(), 0.1)))
     assert not _traces(tmp_path)
@@ -204,7 +204,7 @@ def test_bad_profile_settings_name_the_key(key, value, message):
 
 
 def test_bad_profile_setting_stops_the_launch_before_compiling(launcher, tmp_path):
-  result = launcher(TINY, f'--workdir={tmp_path}', '--config.profile.num_steps=0', timeout=120)
+  result = launcher(TINY, f'--workdir={tmp_path}', '--config.profile.num_steps=0', timeout=600)
   assert result.returncode == 2
   assert 'launch.py: error: profile.num_steps=0: a trace needs at least 1 step' in result.stderr
   assert 'Compiled the train step' not in result.stderr

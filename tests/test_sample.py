@@ -11,7 +11,7 @@ from conftest import REPO, launcher_env, make_text_dir, run_launcher
 
 def _sample(*args: str) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, str(REPO / 'scripts/sample.py'), *args], cwd=REPO, capture_output=True,
-                        timeout=180, env=launcher_env())
+                        timeout=600, env=launcher_env())
 
 
 @pytest.fixture(scope='module')
@@ -93,7 +93,7 @@ def test_a_run_tokenized_with_a_tiktoken_file_samples_text(tmp_path):
   (text / 'a.txt').write_text('def the_thing(): return the other thing\n' * 20)
   prepared = subprocess.run([sys.executable, str(REPO / 'scripts/prepare_data.py'), f'--input={text}',
                              f'--output={tmp_path / "data"}', f'--tokenizer={tmp_path / "tiny.tiktoken"}',
-                             '--glob=*.txt', '--eval_percent=0'], capture_output=True, text=True, timeout=120)
+                             '--glob=*.txt', '--eval_percent=0'], capture_output=True, text=True, timeout=600)
   assert prepared.returncode == 0, prepared.stderr
   assert (tmp_path / 'data' / 'tokenizer' / 'tiny.tiktoken').read_bytes() == (tmp_path / 'tiny.tiktoken').read_bytes()
   config = config_dict.ConfigDict({'data': {'source': 'array_record', 'path': str(tmp_path / 'data')},

@@ -1,6 +1,6 @@
 """A finished launch.py run, read back through a real TensorBoard server's HTTP API; its goodput, and a restart's.
 
-The TensorBoard here is the pinned `tensorboard` of requirements-test.txt, started
+The TensorBoard here is the pinned `tensorboard` of requirements.txt, started
 on 127.0.0.1 at a free port against the workdir, as a user would start it.
 """
 

@@ -252,8 +252,8 @@ class Checkpointer:
         _check_schedule(step, saved, manifest)
       changes = safe_differences(saved, manifest)
       if changes:
-        logging.info('Resuming step %d with %d setting(s) changed since it was saved: %s', step,
-                     len(changes), '; '.join(changes))
+        logging.info('%s step %d with %d setting(s) changed since it was saved: %s',
+                     'Resuming' if training else 'Reading', step, len(changes), '; '.join(changes))
       self._set_aside(damaged, 'manifest unreadable')
       return [s for s in steps if s <= step and s not in damaged]
     if not steps and self.incomplete_saves():
@@ -461,6 +461,8 @@ def restore_for_tool(job, workdir: str, step: int | None = None) -> tuple[int, A
     if not steps:
       raise UserError(f'{ckpt.directory} holds no checkpoint; train with launch.py until one is saved '
                       f'(ckpt.every_steps, or the last step).')
-    return steps[0], ckpt.restore_state(steps[0], sharding.with_shardings(job.abstract, job.shardings))
+    state = ckpt.restore_state(steps[0], sharding.with_shardings(job.abstract, job.shardings))
+    logging.info('Read checkpoint step %d from %s', steps[0], ckpt.directory)  # Which one a tool used, in its log.
+    return steps[0], state
   finally:
     ckpt.close()

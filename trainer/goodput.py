@@ -18,6 +18,11 @@ attempt spent on steps that this attempt has to redo. The rest is broken down:
   are not known, so this is a lower bound);
 - restart: the time between the previous attempt's end and this process's start
   (the supervisor's back-off; trainer/supervision/supervisor.py);
+- earlier attempts: on a restarted attempt, what the attempts before it spent
+  other than steps (their start-up, compile, checkpoints, evals, and their time
+  after the last step they logged); their kept steps count as productive and
+  their redone ones as lost to restarts, so the total is the whole run's wall
+  time from the first attempt's start (trainer/earlier_attempts.py);
 - other: whatever is left (logging, metric fetches).
 """
 
@@ -28,16 +33,17 @@ import time
 
 from absl import logging
 
-from trainer import storage
+from trainer import earlier_attempts, storage
 from trainer.supervision import attempt
 
 CATEGORIES = ('startup_s', 'compile_s', 'data_wait_s', 'checkpoint_s', 'eval_s', 'profiling_s', 'lost_to_restarts_s',
-              'restart_s', 'other_s')
-_BEFORE_WALL = ('lost_to_restarts_s', 'restart_s')  # Spent before this process started: added to its wall time.
+              'restart_s', 'earlier_attempts_s', 'other_s')
+# Spent before this process started: added to its wall time.
+_BEFORE_WALL = ('lost_to_restarts_s', 'restart_s', 'earlier_attempts_s')
 _LABELS = {'productive_s': 'productive steps', 'startup_s': 'start-up', 'compile_s': 'compile',
            'data_wait_s': 'data wait', 'checkpoint_s': 'checkpoint blocking', 'eval_s': 'eval',
            'profiling_s': 'profiling', 'lost_to_restarts_s': 'lost to restarts', 'restart_s': 'restart back-off',
-           'other_s': 'other'}
+           'earlier_attempts_s': 'earlier attempts', 'other_s': 'other'}
 
 
 def process_start_time() -> float:
@@ -99,6 +105,11 @@ class Goodput:
         logging.info('Resumed from step %d: the previous attempt had logged up to step %d; about %.1fs of its '
                      'steps are redone (counted as lost to restarts in the goodput).', resumed_step,
                      resumed_step + self.lost_steps, self._totals['lost_to_restarts_s'])
+    self._earlier = earlier_attempts.read(workdir, attempt.number(), resumed_step or 0, self._started)
+    if self._earlier is not None:  # The whole run's attempts replace the latest one's view of the one before it.
+      self.lost_steps = self._earlier.lost_steps
+      for key in _BEFORE_WALL:
+        self._totals[key] = getattr(self._earlier, key)
 
   def compiled(self, seconds: float) -> None:
     self._totals['compile_s'] += seconds
@@ -139,19 +150,32 @@ class Goodput:
     accounted = sum(v for k, v in totals.items() if k not in (*_BEFORE_WALL, 'other_s'))
     totals['other_s'] = max(wall - accounted, 0.0)
     total = wall + sum(totals[k] for k in _BEFORE_WALL)
+    attempts = 1
+    if self._earlier is not None:  # Their kept steps are productive; the total runs from attempt 1's start.
+      totals['productive_s'] += self._earlier.productive_s
+      totals['data_wait_s'] += self._earlier.data_wait_s
+      total += self._earlier.productive_s + self._earlier.data_wait_s
+      attempts += self._earlier.count
     return {'goodput': totals['productive_s'] / total if total > 0 else 0.0, 'wall_s': wall, 'total_s': total,
-            'steps': float(self.steps), 'lost_steps': float(self.lost_steps), **totals}
+            'steps': float(self.steps), 'lost_steps': float(self.lost_steps), 'attempts': float(attempts), **totals}
 
 
 def format_summary(summary: dict[str, float]) -> str:
   """The end-of-run table: each category's seconds and share of the total."""
   total = summary['total_s'] or 1.0
-  lines = [f'Goodput {summary["goodput"]:.1%}: productive step time over {summary["total_s"]:.1f}s '
-           f'({summary["wall_s"]:.1f}s wall since the process started'
-           + (f' + {summary["lost_to_restarts_s"]:.1f}s of an earlier attempt\'s steps redone' if
-              summary['lost_steps'] else '')
-           + (f' + {summary["restart_s"]:.1f}s between attempts' if summary.get('restart_s') else '')
-           + f'; {int(summary["steps"])} steps)']
+  if summary.get('attempts', 1) > 1:
+    earlier = int(summary['attempts']) - 1
+    lines = [f'Goodput {summary["goodput"]:.1%}: productive step time over {summary["total_s"]:.1f}s, the whole run '
+             f'since attempt 1 started ({summary["wall_s"]:.1f}s wall of this attempt + '
+             f'{summary["total_s"] - summary["wall_s"]:.1f}s of {earlier} earlier attempt{"s" if earlier > 1 else ""} '
+             f'and the restarts between attempts; {int(summary["steps"])} steps this attempt)']
+  else:
+    lines = [f'Goodput {summary["goodput"]:.1%}: productive step time over {summary["total_s"]:.1f}s '
+             f'({summary["wall_s"]:.1f}s wall since the process started'
+             + (f' + {summary["lost_to_restarts_s"]:.1f}s of an earlier attempt\'s steps redone' if
+                summary['lost_steps'] else '')
+             + (f' + {summary["restart_s"]:.1f}s between attempts' if summary.get('restart_s') else '')
+             + f'; {int(summary["steps"])} steps)']
   for key in ('productive_s', *CATEGORIES):
     lines.append(f'  {_LABELS[key]:<20} {summary[key]:9.1f}s {summary[key] / total:7.1%}')
   return '\n'.join(lines)

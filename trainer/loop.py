@@ -111,10 +111,12 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   objective = job.task.objective
   process_index, process_count = jax.process_index(), jax.process_count()
 
+  logging.info('Reading the data ...')  # Listing and packing a text folder takes seconds; say what is under way.
+  t_data = time.perf_counter()
   inputs = data.build(config, job.batch_shardings, process_index, process_count)
   # Global batches reach the devices while the step before them runs; checkpointed by what steps consumed.
   train_iter, eval_set = data.DeviceFeed(inputs.train, job.batch_shardings, process_count), inputs.eval_batches
-  logging.info('Data: %s', inputs.description)
+  logging.info('Data: %s (read in %.1fs)', inputs.description, time.perf_counter() - t_data)
   downstream = evals_lib.build(config.eval, job, workdir) if 'eval' in config else None  # Task files checked now.
   trackers = trackers_lib.build(config.log, workdir, enabled=process_index == 0)  # log.trackers checked now.
   manifest = {**checkpoint.run_manifest(config, abstract, mesh), 'memory': memory_choice.record()}
@@ -123,6 +125,12 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   ckpt = None if start_over else checkpoint.Checkpointer(workdir, config.ckpt)
   resumable = [] if start_over else storage.within_deadline("reading the checkpoints' manifests", workdir,
                                                              ckpt.resumable_steps, manifest)
+  if resumable and resumable[0] >= config.train.steps:  # Before the compile: a finished run has nothing to build.
+    logging.info('Checkpoint step %d in %s already reaches train.steps=%d: nothing to train (raise '
+                 '--config.train.steps to train further).', resumable[0], ckpt.directory, config.train.steps)
+    train_iter.close()
+    ckpt.close()
+    return
   if config.model.init_from and not resumable:
     hf_load.check_weights(config, job.abstract.params)  # Headers only: a wrong folder fails before the compile.
   if (not resumable and job.brought_model and objective.kind == 'lm' and not job.task.custom_loss
@@ -130,6 +138,8 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
     contract.check_alignment(job, config.train.seed)  # Seconds, and before the long compile.
   # Compiled and checked against device memory before anything else touches the workdir: a refused launch, with
   # --start_over too, changes nothing.
+  logging.info('Compiling the train step (tracing, compiling, then the pre-flight memory check; seconds to minutes, '
+               'printing nothing until done) ...')
   start = time.perf_counter()
   hang_watch.phase('compile')
   compiled_step = preflight.compile_checked(job)
@@ -145,15 +155,19 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
 
   latest = None
   hang_watch.phase('restore')
+  t_state = time.perf_counter()
   if resumable:
+    logging.info('Restoring checkpoint step %d from %s ...', resumable[0], ckpt.directory)
     latest, state = ckpt.restore_newest_intact(resumable, sharding.with_shardings(abstract, shardings), train_iter)
-    logging.info('Resuming from checkpoint at step %d in %s (data iterator position restored)',
-                 latest, ckpt.directory)
+    logging.info('Resuming from checkpoint at step %d in %s (data iterator position restored) after %.1fs',
+                 latest, ckpt.directory, time.perf_counter() - t_state)
     if config.model.init_from:
       logging.info('model.init_from=%r is not read: a resumed run continues from its checkpoint\'s weights.',
                    config.model.init_from)
   else:
+    logging.info('Initializing the parameters (compiling the init) ...')
     state = job.init_state(config.train.seed)
+    logging.info('Initialized the parameters in %.1fs', time.perf_counter() - t_state)
 
   attempt.note(process_index=process_index, resumed_step=latest or 0, steps_redone=tracker.lost_steps)
   writer = MetricsWriter(workdir, enabled=process_index == 0, total_steps=config.train.steps,
@@ -239,7 +253,9 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     return s == start_step + 1 or s % config.log.every_steps == 0 or s == total or s in evals
 
   window, evals, pending = Window(first=True), {}, None
-  last_fetch, side_time = time.perf_counter(), 0.0
+  # Waits measured since the last fetch: they lie inside the step time that fetch closes, so a window's wait is a
+  # part of its step time (pairing a step with its own batch's wait, taken a fetch earlier, gave shares over 100%).
+  last_fetch, side_time, waited = time.perf_counter(), 0.0, 0.0
   for step in range(start_step + 1, total + 1):
     side_time += profiler.step(step, state)  # Writing a trace out is not step time.
     t0 = time.perf_counter()
@@ -247,7 +263,7 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     faults.inject(run.fault, step, 'data')
     guard.skip_offending_batch(step, train_iter)
     batch = next(train_iter)
-    data_wait = time.perf_counter() - t0
+    waited += time.perf_counter() - t0
     run.hang.phase('step')
     faults.inject(run.fault, step, 'step')
     with jax.profiler.StepTraceAnnotation('train', step_num=step):  # Step markers for the profile's step view.
@@ -258,8 +274,10 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
       train_iter.release_after(metrics)
       runtime_oom.after_first_step(run.compiled_step, metrics)  # GPUs: the allocator's state against step 2's needs.
     if pending is not None:  # Fetch step-1's metrics while step runs: the one sync point per step.
-      last_fetch, side_time = _finish(run, pending, window, last_fetch, side_time, evals, is_log_step, dispatch_s)
-    pending = (step, metrics, data_wait)
+      last_fetch, side_time = _finish(run, pending, window, last_fetch, side_time, evals, is_log_step, waited,
+                                      dispatch_s)
+      waited = 0.0
+    pending = (step, metrics)
 
     t_side = time.perf_counter()
     noticed = run.notices.reached(step)
@@ -301,14 +319,18 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
         logging.warning('%s received: saved step %d to %s and stopped (the save took %.1fs). Relaunch the same '
                         'command to continue.', what, step, ckpt.directory, time.perf_counter() - t_side)
       break
-  _finish(run, pending, window, last_fetch, side_time, evals, is_log_step)
+  _finish(run, pending, window, last_fetch, side_time, evals, is_log_step, waited)
   profiler.close(state)  # A trace window reaching the last step ends here, once its steps finished.
 
 
 def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_time: float,
-            evals: dict[int, dict[str, float]], is_log_step, dispatch_s: float = 0.0) -> tuple[float, float]:
-  """Fetches one step's metrics (once, for the guardrails and the log), adds them to the window, logs if due."""
-  step, metrics, data_wait = pending
+            evals: dict[int, dict[str, float]], is_log_step, data_wait: float,
+            dispatch_s: float = 0.0) -> tuple[float, float]:
+  """Fetches one step's metrics (once, for the guardrails and the log), adds them to the window, logs if due.
+
+  `data_wait` is the input wait measured since the previous fetch, all of it inside this step's time.
+  """
+  step, metrics = pending
   t_fetch = time.perf_counter()
   metrics = jax.device_get(metrics)
   window.device_waits.append(dispatch_s + time.perf_counter() - t_fetch)

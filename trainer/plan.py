@@ -29,11 +29,14 @@ lives in libtpu, whose own logging this does not reach; its start-up complaints
 about the missing TPU metadata are answered instead (`_describe_host_to_libtpu`).
 """
 
+import contextlib
 import importlib.util
+import logging
 import math
 import os
 
 import jax
+from absl import logging as absl_logging
 
 from trainer import attention, flops, gpu_targets
 from trainer.errors import UserError
@@ -120,12 +123,16 @@ def _duration(seconds: float) -> str:
   return f'{seconds * 1e3:.3f} ms' if seconds >= 1e-3 else f'{seconds * 1e6:.1f} us'
 
 
-def report(plan: Plan, config) -> str:
-  """The human-readable plan."""
+def report(plan: Plan, config, topology: str | None = None) -> str:
+  """The human-readable plan; `topology` (--topology) names the chips where their device kind is vaguer."""
   devices = math.prod(plan.mesh_shape.values())
+  kind = plan.device_kind
+  generation = (topology or '').split(':')[0]
+  if generation and generation.lower() not in kind.lower().replace(' ', ''):  # libtpu calls a v5p chip 'TPU v5'.
+    kind = f'{generation} ({kind})'
   tokens = config.train.batch_size * config.data.seq_len
   lines = [
-      f'Plan: mesh {plan.mesh_shape} over {devices} x {plan.device_kind}; strategy {config.parallel.strategy}; '
+      f'Plan: mesh {plan.mesh_shape} over {devices} x {kind}; strategy {config.parallel.strategy}; '
       f'global batch {config.train.batch_size} x {config.data.seq_len} tokens'
       f'{f" in {config.train.grad_accum_steps} microbatches" if config.train.grad_accum_steps > 1 else ""}; '
       f'remat {config.train.remat_policy}; compute dtype {config.train.compute_dtype}',
@@ -227,6 +234,27 @@ def run(config, memory_gb: float | None = None, topology: str | None = None, pri
   Returns None when the compiler refused the step and no budget was given to judge it by (cannot happen
   with --topology, whose chips have a known HBM).
   """
+  with _console_without_attention_line():
+    return _run(config, memory_gb, topology, print_fn)
+
+
+class _AttentionInReport(logging.Filter):
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith('Attention kernel')
+
+
+@contextlib.contextmanager
+def _console_without_attention_line():
+  """The report's 'Attention:' line says the kernel choice; its log line on the console would say it twice."""
+  handler, dropped = absl_logging.get_absl_handler(), _AttentionInReport()
+  handler.addFilter(dropped)
+  try:
+    yield
+  finally:
+    handler.removeFilter(dropped)
+
+
+def _run(config, memory_gb, topology, print_fn) -> Plan | None:
   devices = None
   config = hf_load.configure(config)  # model.init_from: the imported model's shape, from config.json alone.
   if topology:
@@ -245,7 +273,7 @@ def run(config, memory_gb: float | None = None, topology: str | None = None, pri
     needed, mesh_shape, plan = e.needed_bytes, e.mesh_shape, None
     limit = footprint.Limit(min(limit.bytes or e.available_bytes, e.available_bytes), limit.source)
   else:
-    print_fn(report(plan, config))
+    print_fn(report(plan, config, topology))
     needed, mesh_shape = plan.total_bytes, plan.mesh_shape
   if limit.bytes is None:
     return plan

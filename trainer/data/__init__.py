@@ -111,8 +111,10 @@ def load_sources(config) -> Sources:
   if d.source == 'text':
     corpus = load_text_corpus(d)
     train_docs, eval_docs = corpus.documents('train'), corpus.documents('eval')
-    where = (f'{corpus.num_train_files} train files ({corpus.train_tokens.size} bytes), {corpus.num_eval_files} '
-             f'held out ({corpus.eval_tokens.size} bytes) from {corpus.root}')
+    held = (f'{corpus.num_eval_files} held out' if corpus.num_eval_files or not corpus.eval_tokens.size else
+            f'the last {d.eval_percent}% of their bytes held out')  # Too few files to hold any out (text.py).
+    where = (f'{corpus.num_train_files} train files ({corpus.train_tokens.size} bytes), {held} '
+             f'({corpus.eval_tokens.size} bytes) from {corpus.root}')
     if not d.eval_percent:
       eval_docs = None
   else:

@@ -7,7 +7,8 @@ LAUNCH_TEST_FAULT='KIND@STEP[,process=P][,attempt=A][,seconds=S]' acts at step S
 - crash: an exception in the step (a bug; exit 1 with its traceback);
 - stall: sleeps S seconds (default: for ever) inside the step (a wedged collective);
 - stall_data: the same while waiting for the batch (a stalled input pipeline);
-- slow: sleeps S seconds before every step from STEP on (a straggler).
+- slow: sleeps S seconds before every step from STEP on (a straggler);
+- slow_data: sleeps S seconds while waiting for every batch from STEP on (an input-bound run).
 """
 
 import dataclasses
@@ -53,7 +54,7 @@ def inject(fault: Fault | None, step: int, where: str) -> None:
   """Called by the loop with where='data' (before the batch) and where='step' (before the step)."""
   if fault is None or step < fault.step:
     return
-  if fault.kind == 'slow' and where == 'step':
+  if (fault.kind, where) in (('slow', 'step'), ('slow_data', 'data')):
     time.sleep(fault.seconds)
   if step != fault.step:
     return
