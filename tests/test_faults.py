@@ -129,6 +129,22 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_its_step_trained_again(t
   assert checkpoint.Checkpointer(str(workdir), tiny.get_config().ckpt).read_manifest(8)['config']['train']['steps'] == 8
 
 
+def test_a_finished_run_whose_final_state_is_damaged_trains_its_last_steps_again(trained, text_dir, tmp_path):
+  """The finished-run check happens before the compile; it must not call a run finished whose final state is gone."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(trained, workdir)
+  for leaf in (workdir / 'checkpoints' / '8' / 'state').rglob('*'):
+    if leaf.is_file() and leaf.stat().st_size > 1000:
+      leaf.write_bytes(leaf.read_bytes()[:100])
+  result = run_launcher(TINY, f'--workdir={workdir}', f'--config.data.text_dir={text_dir}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'nothing to train' not in result.stderr
+  assert 'Resuming from checkpoint at step 4' in result.stderr
+  [moved] = (workdir / 'damaged_checkpoints').iterdir()
+  assert moved.name.startswith('8-')
+  assert [r['step'] for r in read_metrics(workdir)][-3:] == [5, 6, 8]  # Steps 5..8 trained again.
+
+
 def _checkpointer(workdir, config):
   job = job_lib.build_job(config)
   return job, checkpoint.Checkpointer(str(workdir), config.ckpt)

@@ -359,6 +359,15 @@ class Checkpointer:
       damaged_lib.move_aside(self.directory, step, why)
     self._manager.reload()
 
+  def restores(self, step: int, abstract_state_with_shardings) -> bool:
+    """Whether `step`'s state and data position restore (read and dropped): damage shows only on a real read."""
+    try:
+      self._restore_state_and_data(step, abstract_state_with_shardings)
+    except Exception as e:  # pylint: disable=broad-except  (a truncated file surfaces as many error types)
+      logging.warning('Checkpoint %s is damaged (%s).', self.directory / str(step), _short(e))
+      return False
+    return True
+
   def restore_state(self, step: int, abstract_state_with_shardings):
     """Only the train state (e.g. for export, or onto another process count), into the given shardings."""
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state_with_shardings))

@@ -125,7 +125,10 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   ckpt = None if start_over else checkpoint.Checkpointer(workdir, config.ckpt)
   resumable = [] if start_over else storage.within_deadline("reading the checkpoints' manifests", workdir,
                                                              ckpt.resumable_steps, manifest)
-  if resumable and resumable[0] >= config.train.steps:  # Before the compile: a finished run has nothing to build.
+  # Before the compile: a finished run has nothing to build. Finished only if its final checkpoint restores (a
+  # restore costs far less than the compile); a damaged one falls through to the usual fallback and trains again.
+  if (resumable and resumable[0] >= config.train.steps
+      and ckpt.restores(resumable[0], sharding.with_shardings(abstract, shardings))):
     logging.info('Checkpoint step %d in %s already reaches train.steps=%d: nothing to train (raise '
                  '--config.train.steps to train further).', resumable[0], ckpt.directory, config.train.steps)
     train_iter.close()
