@@ -77,7 +77,7 @@ def _chunks(documents: Iterable[Document], chunk_docs: int) -> Iterator[tuple[in
 @dataclasses.dataclass
 class Progress:
   """The stderr progress line: documents and tokens tokenized now, and tokens/s."""
-  stream: object = sys.stderr
+  stream: object = None  # None: sys.stderr at the time of printing.
   documents: int = 0
   tokens: int = 0
   chunks: int = 0
@@ -99,7 +99,7 @@ class Progress:
       self._shown = now
       again = f', {self.resumed} chunk(s) kept from before' if self.resumed else ''
       print(f'\rtokenized {self.documents} documents, {self.tokens} tokens in {self.chunks} chunk(s){again}: '
-            f'{self.tokens_per_s:,.0f} tokens/s', end='\n' if final else '', file=self.stream, flush=True)
+            f'{self.tokens_per_s:,.0f} tokens/s', end='\n' if final else '', file=self.stream or sys.stderr, flush=True)
 
 
 def tokenize(documents: Iterable[Document], work: pathlib.Path, tokenizer_path: str | None, eval_percent: int,
