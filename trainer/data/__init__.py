@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import pathlib
 
+import grain
 import jax
 from absl import logging
 from jax.sharding import NamedSharding
@@ -57,7 +58,15 @@ def batch_keys(data_config) -> tuple[str, ...]:
   """The keys of every LM batch: inputs and targets, plus segment ids and positions when packing, plus the
   targets' loss mask with data.loss_mask."""
   masked = ('loss_mask',) if data_config.get('loss_mask', False) else ()  # A run from before the key: none.
-  return ('inputs', 'targets') + (PACKED_KEYS if data_config.packing else ()) + masked
+  tagged = ('source_ids',) if data_config.source == 'mixture' else ()  # Each row's source, for the loss per source.
+  return ('inputs', 'targets') + (PACKED_KEYS if data_config.packing else ()) + masked + tagged
+
+
+def mixture_names(data_config) -> tuple[str, ...]:
+  """The names of a mixture's sources (their folders' names); () for any other source."""
+  if data_config.source != 'mixture':
+    return ()
+  return tuple(pathlib.Path(folder).name for folder in mixture.parse(data_config)[0])
 
 
 def check_task(config) -> None:
@@ -228,6 +237,13 @@ def _train_iterator(config, sources: Sources, process_index: int, process_count:
                         {'source': d.source, 'packing': d.packing})
 
 
+def accounting(config, inputs: Inputs) -> 'mixture.Accounting | None':
+  """A mixture's per-source accounting for the loop (tokens seen, eval loss per source); None for one source."""
+  if config.data.source != 'mixture':
+    return None
+  return mixture.Accounting(list(mixture_names(config.data)), inputs.train, config.train.batch_size, config.data.seq_len, inputs.eval_by_source)
+
+
 def build(config, batch_shardings: dict[str, NamedSharding], process_index: int, process_count: int) -> Inputs:
   """Everything the loop reads: the resumable train iterator, the eval batches and a description."""
   d, batch_size = config.data, config.train.batch_size
@@ -239,10 +255,11 @@ def build(config, batch_shardings: dict[str, NamedSharding], process_index: int,
                           f'add data, or {shorter}.')
   train = _train_iterator(config, sources, process_index, process_count)
   evals, by_source = [], {}
-  for source in sources.mixed or ():
+  for i, source in enumerate(sources.mixed or ()):
     if source.eval is not None and config.train.eval_batches and len(source.eval) >= batch_size:
+      held_out = grain.MapDataset.source(source.eval).map(functools.partial(mixture.tag, source=i))
       by_source[source.name] = [to_global(b, batch_shardings, process_count) for b in eval_batches(
-          source.eval, batch_size, config.train.eval_batches, process_index, process_count)]
+          held_out, batch_size, config.train.eval_batches, process_index, process_count)]
       evals += by_source[source.name]
   if sources.eval is not None and config.train.eval_batches:
     pipeline.check_enough(sources.eval, batch_size, f'the held-out split ({sources.description})',

@@ -18,6 +18,7 @@ sequence does not depend on the process or device count.
 """
 
 import dataclasses
+import functools
 import pathlib
 from typing import Any
 
@@ -132,9 +133,15 @@ def plan(stage_list: list[tuple[int, tuple[float, ...]]], saved: list[Segment] |
   return segments
 
 
+def tag(row: dict[str, np.ndarray], source: int) -> dict[str, np.ndarray]:
+  """The row with `source_ids`: its source's index + 1 at every position (what the loss per source reads)."""
+  return {**row, 'source_ids': np.full(row['inputs'].shape, source + 1, np.int32)}
+
+
 def global_rows(sources: list, seed: int, segments: list[Segment]) -> grain.MapDataset:
   """Every global row of the run, in order: each segment a Grain mix of the sources from their offsets on."""
-  shuffled = [pipeline.global_examples(rows, seed + i) for i, rows in enumerate(sources)]
+  shuffled = [pipeline.global_examples(rows, seed + i).map(functools.partial(tag, source=i))
+              for i, rows in enumerate(sources)]
   parts = []
   for segment, following in zip(segments, segments[1:] + [None]):
     active = [i for i, w in enumerate(segment.weights) if w > 0]
@@ -200,6 +207,25 @@ def load(folders: list[str], vocab_size: int, eval_wanted: bool, cut) -> list[So
     sources.append(Source(root.name, folder, rows, held_rows if held_rows is not None and len(held_rows) else None,
                           train.num_tokens))
   return sources
+
+
+class Accounting:
+  """What the loop logs per source of a mixture: tokens seen so far, and the eval loss on each source's held-out
+  rows (the training loss per source comes from the step: trainer/objectives.py)."""
+
+  def __init__(self, names: list[str], iterator: MixtureIterator, batch_size: int, seq_len: int,
+               eval_by_source: dict[str, list]):
+    self._names, self._iterator, self._batch_size, self._seq_len = names, iterator, batch_size, seq_len
+    self._eval_by_source = eval_by_source
+
+  def tokens_seen(self, step: int) -> dict[str, float]:
+    """Tokens each source gave to steps 1..`step` (every row is seq_len tokens: no padding, in both cutters)."""
+    rows = position(self._iterator.segments, step * self._batch_size)
+    return {f'tokens_seen/{name}': float(n * self._seq_len) for name, n in zip(self._names, rows)}
+
+  def evaluate(self, evaluate) -> dict[str, float]:
+    """`evaluate(batches) -> {'eval_loss': ...}` on each source's held-out batches."""
+    return {f'eval_loss/{name}': evaluate(batches)['eval_loss'] for name, batches in self._eval_by_source.items()}
 
 
 def describe(sources: list[Source], stage_list, batch_size: int, steps: int, seq_len: int) -> str:
