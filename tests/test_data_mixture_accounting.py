@@ -105,3 +105,25 @@ def test_losses_and_tokens_per_source_match_a_hand_reference(folders, tmp_path):
     assert records[STEPS][f'eval_loss/{name}'] == pytest.approx(np.mean(means), rel=2e-5), name
   assert records[STEPS]['eval_loss'] == pytest.approx(np.mean([records[STEPS][f'eval_loss/{n}'] for n in NAMES]),
                                                       rel=1e-5)
+
+
+def test_a_relaunch_on_another_data_axis_continues_with_the_same_batches(folders, tmp_path):
+  """Steps 1-2 on data=8, then a relaunch to step 4 on data=2 x fsdp=4 (changed weights at step 3 as planned):
+  per step the same rows per source as an uninterrupted run, and the same losses to float rounding."""
+  whole = run_launcher(*_overrides(folders, tmp_path / 'whole'), timeout=600)
+  assert whole.returncode == 0, whole.stderr[-3000:]
+  first = run_launcher(*_overrides(folders, tmp_path / 'split'), '--config.train.steps=2', timeout=600)
+  assert first.returncode == 0, first.stderr[-3000:]
+  again = run_launcher(*_overrides(folders, tmp_path / 'split'), '--config.mesh.data=2', '--config.mesh.fsdp=4',
+                       timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  expected = {r['step']: r for r in read_metrics(tmp_path / 'whole') if 'step' in r}
+  got = {r['step']: r for r in read_metrics(tmp_path / 'split') if 'step' in r}
+  assert [r['step'] for r in read_metrics(tmp_path / 'split') if 'loss' in r] == [1, 2, 3, 4]  # Resumed at 3.
+  assert 'Restored' in again.stderr or 'resum' in again.stderr.lower()
+  for step in (3, 4):
+    for name in NAMES:
+      assert got[step][f'tokens/{name}'] == expected[step][f'tokens/{name}']
+      assert got[step][f'tokens_seen/{name}'] == expected[step][f'tokens_seen/{name}']
+      assert got[step][f'loss/{name}'] == pytest.approx(expected[step][f'loss/{name}'], rel=1e-4)
+    assert got[step]['loss'] == pytest.approx(expected[step]['loss'], rel=1e-4)
