@@ -55,7 +55,7 @@ def _tokenize_chunk(index: int, docs: list[Document], eval_percent: int, work: p
             for d in docs]
   lengths = np.array([len(p) for p in pieces], np.int64)
   held_out = np.array([zlib.crc32(d.key) % 100 < eval_percent for d in docs], bool)
-  tokens = np.concatenate(pieces) if pieces else np.zeros((0,), np.int64)
+  tokens = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros((0,), np.int32)  # Half of int64's disk.
   final = chunk_path(work, index)
   temporary = final.with_name(final.name + '.tmp.npz')
   np.savez(temporary, tokens=tokens, lengths=lengths, held_out=held_out)
@@ -94,12 +94,16 @@ class Progress:
     self.show()
 
   def show(self, final: bool = False) -> None:
+    """Every second: one line rewritten in place on a terminal, a new line (every 10 s) in a log file."""
+    stream = self.stream or sys.stderr
+    tty = getattr(stream, 'isatty', lambda: False)()
     now = time.perf_counter()
-    if final or now - self._shown >= 1.0:
+    if final or now - self._shown >= (1.0 if tty else 10.0):
       self._shown = now
       again = f', {self.resumed} chunk(s) kept from before' if self.resumed else ''
-      print(f'\rtokenized {self.documents} documents, {self.tokens} tokens in {self.chunks} chunk(s){again}: '
-            f'{self.tokens_per_s:,.0f} tokens/s', end='\n' if final else '', file=self.stream or sys.stderr, flush=True)
+      line = (f'tokenized {self.documents} documents, {self.tokens} tokens in {self.chunks} chunk(s){again}: '
+              f'{self.tokens_per_s:,.0f} tokens/s')
+      print(('\r' if tty else '') + line, end='\n' if final or not tty else '', file=stream, flush=True)
 
 
 def tokenize(documents: Iterable[Document], work: pathlib.Path, tokenizer_path: str | None, eval_percent: int,
