@@ -30,10 +30,10 @@ def folders(tmp_path_factory):
   return paths
 
 
-def _overrides(folders, workdir):
+def _overrides(folders, workdir, stages='((3, (0.2, 0.2, 0.6)),)'):
   mixture = tuple(zip(folders, (0.5, 0.3, 0.2)))
   return [f'--workdir={workdir}', '--config=configs/tiny.py', '--config.data.source=mixture',
-          f'--config.data.mixture={mixture!r}', '--config.data.mixture_stages=((3, (0.2, 0.2, 0.6)),)',
+          f'--config.data.mixture={mixture!r}', f'--config.data.mixture_stages={stages}',
           '--config.data.packing=True', f'--config.data.seq_len={SEQ}', f'--config.train.batch_size={BATCH}',
           f'--config.train.steps={STEPS}', '--config.log.every_steps=1', f'--config.train.eval_every_steps={STEPS}',
           '--config.train.eval_batches=2', '--config.ckpt.every_steps=1', f'--config.ckpt.max_to_keep={STEPS}',
@@ -127,3 +127,10 @@ def test_a_relaunch_on_another_data_axis_continues_with_the_same_batches(folders
       assert got[step][f'tokens_seen/{name}'] == expected[step][f'tokens_seen/{name}']
       assert got[step][f'loss/{name}'] == pytest.approx(expected[step][f'loss/{name}'], rel=1e-4)
     assert got[step]['loss'] == pytest.approx(expected[step]['loss'], rel=1e-4)
+
+
+def test_a_bad_mixture_stops_the_launch_in_one_line_before_compiling(folders, tmp_path):
+  result = run_launcher(*_overrides(folders, tmp_path / 'bad', stages='((3, (0, 0, 0)),)'), timeout=300)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert 'data.mixture_stages step 3: weights (0, 0, 0) sum to 0' in result.stderr.strip().splitlines()[-1]
+  assert 'FLOPs per step' not in result.stderr and 'compil' not in result.stderr.lower()

@@ -165,7 +165,7 @@ def _mixture_sources(config) -> Sources:
   folders, _ = mixture.parse(d)
   cut = _cutter(d, bool(d.get('loss_mask', False)))
   mixed = mixture.load(folders, config.model.vocab_size, bool(d.eval_percent),
-                       lambda documents: cut(documents, f'{documents.name}'))
+                       lambda documents: cut(documents, f'{documents.name}'), bool(d.get('loss_mask', False)))
   how = f'packed by document into rows of {d.seq_len}' if d.packing else f'windows of {d.seq_len} over the stream'
   stage_list = mixture.stages(d, config.train.batch_size, len(mixed))
   description = mixture.describe(mixed, stage_list, config.train.batch_size, config.train.steps, d.seq_len)

@@ -177,7 +177,7 @@ class MixtureIterator(pipeline.TrainIterator):
     self.segments = plan(self._stages, saved, self._consumed)
 
 
-def load(folders: list[str], vocab_size: int, eval_wanted: bool, cut) -> list[Source]:
+def load(folders: list[str], vocab_size: int, eval_wanted: bool, cut, loss_mask: bool = False) -> list[Source]:
   """Each folder's train (and held-out) rows; one UserError for a folder that is not prepared, or sources made
   with different tokenizers or vocabularies."""
   metas = []
@@ -198,6 +198,9 @@ def load(folders: list[str], vocab_size: int, eval_wanted: bool, cut) -> list[So
   for folder in folders:
     root = pathlib.Path(folder)
     train = token_shards.load_documents(root, 'train')
+    if loss_mask and not train.has_mask:
+      raise UserError(f'data.loss_mask=True needs every source of data.mixture to carry a loss mask (prompt/completion '
+                      f'JSONL through scripts/prepare_data.py); {folder!r} has none.')
     held = token_shards.load_documents(root, 'eval') if eval_wanted else None
     rows = cut(train)
     if not len(rows):
