@@ -37,6 +37,7 @@ counted. Then train with:
 """
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -253,6 +254,12 @@ def main(argv=None) -> None:
     elif tokenizer != 'bytes':
       (out / 'tokenizer').mkdir()
       shutil.copy2(args.tokenizer, out / 'tokenizer' / pathlib.Path(args.tokenizer).name)
+    if (out / 'tokenizer').is_dir():  # What data.mixture compares: the same files wherever they were read from.
+      digest = hashlib.sha256()
+      for file in sorted((out / 'tokenizer').iterdir()):
+        digest.update(file.name.encode() + b'\0' + file.read_bytes())
+      meta['tokenizer_sha256'] = digest.hexdigest()
+      token_shards.write_meta(out, meta)
   except UserError as e:
     print(f'prepare_data.py: error: {e}', file=sys.stderr)
     raise UserExit(f'prepare_data.py: error: {e}') from None

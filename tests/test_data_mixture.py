@@ -187,3 +187,29 @@ def test_bad_sources_are_one_line(folders, tmp_path):
     data.load_sources(_config([folders[0], folders[1], str(other)]))
   with pytest.raises(UserError, match=r"names folders \['web', 'web', 'math'\]"):
     data.check_config(_config([folders[0], folders[0], folders[2]]).data)
+
+
+def test_one_tokenizer_read_from_two_paths_mixes(tmp_path):
+  """Sources prepared with copies of the same tokenizer.json at different paths mix; another tokenizer does not."""
+  import shutil
+  import sys
+  from conftest import REPO
+  sys.path.insert(0, str(REPO / 'scripts'))
+  import prepare_data
+  fixture = REPO / 'tests/fixtures/hf/tokenizer'
+  copy = tmp_path / 'copy'
+  shutil.copytree(fixture, copy)
+  outs = []
+  for name, tokenizer in (('one', fixture), ('two', copy)):
+    (tmp_path / f'in_{name}').mkdir()
+    (tmp_path / f'in_{name}' / 'a.txt').write_text('the quick brown fox jumps over the lazy dog ' * 30)
+    prepare_data.main([f'--input={tmp_path / f"in_{name}"}', f'--output={tmp_path / name}', f'--tokenizer={tokenizer}',
+                       '--eval_percent=0'])
+    outs.append(str(tmp_path / name))
+  config = _config(outs, weights=(0.5, 0.5))
+  assert len(data.load_sources(config).mixed) == 2
+  meta = json.loads((tmp_path / 'two' / 'meta.json').read_text())
+  meta['tokenizer_sha256'] = '0' * 64  # Another tokenizer's files.
+  (tmp_path / 'two' / 'meta.json').write_text(json.dumps(meta))
+  with pytest.raises(UserError, match='prepared with different tokenizers or vocabularies'):
+    data.load_sources(config)

@@ -186,7 +186,8 @@ def load(folders: list[str], vocab_size: int, eval_wanted: bool, cut, loss_mask:
       metas.append(token_shards.read_meta(pathlib.Path(folder)))
     except UserError as e:
       raise UserError(f'data.mixture source {folder!r}: {e}') from None
-  made = {(m.get('tokenizer'), m['vocab_size']) for m in metas}
+  # The tokenizer's files' hash where prepare_data.py recorded it: one tokenizer read from two paths is the same.
+  made = {(m.get('tokenizer_sha256') or m.get('tokenizer'), m['vocab_size']) for m in metas}
   if len(made) > 1:
     listed = ', '.join(f'{f}: {m.get("tokenizer")} ({m["vocab_size"]} tokens)' for f, m in zip(folders, metas))
     raise UserError(f'the sources of data.mixture were prepared with different tokenizers or vocabularies ({listed});'
