@@ -241,7 +241,23 @@ def accounting(config, inputs: Inputs) -> 'mixture.Accounting | None':
   """A mixture's per-source accounting for the loop (tokens seen, eval loss per source); None for one source."""
   if config.data.source != 'mixture':
     return None
-  return mixture.Accounting(list(mixture_names(config.data)), inputs.train, config.train.batch_size, config.data.seq_len, inputs.eval_by_source)
+  return mixture.Accounting(list(mixture_names(config.data)), inputs.train, config.train.batch_size,
+                            config.data.seq_len, inputs.eval_by_source)
+
+
+def _mixture_evals(config, sources: Sources, batch_shardings, process_index: int, process_count: int):
+  """({source name: its held-out global batches}, the description) of a mixture; ({}, description) otherwise."""
+  by_source, batch_size = {}, config.train.batch_size
+  for i, source in enumerate(sources.mixed or ()):
+    if source.eval is not None and config.train.eval_batches and len(source.eval) >= batch_size:
+      held_out = grain.MapDataset.source(source.eval).map(functools.partial(mixture.tag, source=i))
+      by_source[source.name] = [to_global(b, batch_shardings, process_count) for b in eval_batches(
+          held_out, batch_size, config.train.eval_batches, process_index, process_count)]
+  unevaluated = [s.name for s in sources.mixed or () if s.name not in by_source]
+  if unevaluated and config.train.eval_batches:
+    return by_source, (f'{sources.description}; no eval for {unevaluated} (fewer held-out rows than '
+                       f'train.batch_size)')
+  return by_source, sources.description
 
 
 def build(config, batch_shardings: dict[str, NamedSharding], process_index: int, process_count: int) -> Inputs:
@@ -254,19 +270,15 @@ def build(config, batch_shardings: dict[str, NamedSharding], process_index: int,
     pipeline.check_enough(sources.train, batch_size, f'the train split ({sources.description})',
                           f'add data, or {shorter}.')
   train = _train_iterator(config, sources, process_index, process_count)
-  evals, by_source = [], {}
-  for i, source in enumerate(sources.mixed or ()):
-    if source.eval is not None and config.train.eval_batches and len(source.eval) >= batch_size:
-      held_out = grain.MapDataset.source(source.eval).map(functools.partial(mixture.tag, source=i))
-      by_source[source.name] = [to_global(b, batch_shardings, process_count) for b in eval_batches(
-          held_out, batch_size, config.train.eval_batches, process_index, process_count)]
-      evals += by_source[source.name]
+  by_source, description = _mixture_evals(config, sources, batch_shardings, process_index, process_count)
+  evals = [b for batches in by_source.values() for b in batches]
   if sources.eval is not None and config.train.eval_batches:
     pipeline.check_enough(sources.eval, batch_size, f'the held-out split ({sources.description})',
                           f'add data, {shorter}, or set data.eval_percent=0.')
     evals = [to_global(b, batch_shardings, process_count) for b in eval_batches(
         sources.eval, batch_size, config.train.eval_batches, process_index, process_count)]
-  description = (f'{sources.description}; {len(sources.train)} train examples, {len(evals)} eval batches; '
+  rows = sum(len(m.train) for m in sources.mixed) if sources.mixed else len(sources.train)
+  description = (f'{description}; {rows} train examples, {len(evals)} eval batches; '
                  f'{d.worker_count} worker process(es), {d.num_threads} read threads, prefetch {d.prefetch}')
   return Inputs(train, evals, description, by_source)
 
