@@ -5,6 +5,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -110,7 +111,6 @@ def test_rows_are_held_out_by_their_text_whatever_the_format(tmp_path):
     outs.append(_shards(tmp_path / name))
   assert outs[0] == outs[1] == outs[2]
   meta = json.loads((tmp_path / 'p' / 'meta.json').read_text())
-  import zlib
   held = [t for t in texts if len(t.encode()) >= 2 and zlib.crc32(t.encode()) % 100 < 30]
   assert meta['splits']['eval']['documents'] == len(held) > 0
   assert meta['splits']['eval']['tokens'] == sum(len(t.encode()) for t in held)

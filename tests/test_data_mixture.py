@@ -2,16 +2,22 @@
 another mesh), and the one-line refusals of bad mixtures."""
 
 import json
+import shutil
+import sys
 
 import numpy as np
 import pytest
 
 from configs import tiny
+from conftest import REPO
 from parallel import mesh as mesh_lib
 from parallel import sharding
 from trainer import data
 from trainer.data import mixture, pipeline, token_shards
 from trainer.errors import UserError
+
+sys.path.insert(0, str(REPO / 'scripts'))
+import prepare_data  # noqa: E402
 
 NAMES = ('web', 'code', 'math')
 BAND = 80  # Source k's tokens lie in [k*BAND, (k+1)*BAND): every row says which source it came from.
@@ -191,11 +197,6 @@ def test_bad_sources_are_one_line(folders, tmp_path):
 
 def test_one_tokenizer_read_from_two_paths_mixes(tmp_path):
   """Sources prepared with copies of the same tokenizer.json at different paths mix; another tokenizer does not."""
-  import shutil
-  import sys
-  from conftest import REPO
-  sys.path.insert(0, str(REPO / 'scripts'))
-  import prepare_data
   fixture = REPO / 'tests/fixtures/hf/tokenizer'
   copy = tmp_path / 'copy'
   shutil.copytree(fixture, copy)

@@ -2,12 +2,15 @@
 the eval loss on each source's held-out rows, each checked against a reference computed here by hand (numpy log
 softmax over the checkpointed parameters and the rows the data iterator gives)."""
 
+import pathlib
+
 import jax
 import numpy as np
 import pytest
 
 from configs import tiny
 from conftest import read_metrics, run_launcher
+from parallel import sharding
 from trainer import checkpoint, data
 from trainer import job as job_lib
 from trainer.data import PackedRows, token_shards
@@ -71,7 +74,6 @@ def test_losses_and_tokens_per_source_match_a_hand_reference(folders, tmp_path):
 
   def params_at(step):
     ckpt = checkpoint.Checkpointer(str(tmp_path / 'run'), config.ckpt, move_damaged=False)
-    from parallel import sharding
     state = ckpt.restore_state(step, sharding.with_shardings(job.abstract, job.shardings))
     ckpt.close()
     return state.params
@@ -94,7 +96,6 @@ def test_losses_and_tokens_per_source_match_a_hand_reference(folders, tmp_path):
   # batch as every eval is.
   final = params_at(STEPS)
   for k, (name, folder) in enumerate(zip(NAMES, folders)):
-    import pathlib
     rows = PackedRows(token_shards.load_documents(pathlib.Path(folder), 'eval'), SEQ)
     means = []
     for b in range(2):

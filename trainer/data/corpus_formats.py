@@ -22,7 +22,6 @@ import numpy as np
 
 from trainer.errors import UserError
 
-ROW_FORMATS = ('parquet', 'save_to_disk', 'jsonl')
 
 
 @dataclasses.dataclass(frozen=True)
