@@ -23,7 +23,6 @@ import numpy as np
 from trainer.errors import UserError
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Document:
   key: bytes  # Hashed to pick the split.
