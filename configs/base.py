@@ -124,9 +124,11 @@ def get_config() -> config_dict.ConfigDict:
   c.profile.memory_on_oom = True  # On an out-of-memory error save a device memory profile (pprof) into WORKDIR.
 
   c.data = config_dict.ConfigDict()
-  c.data.source = 'text'  # 'text' (bytes of text_dir's files), 'array_record' (prepare_data.py shards), 'arrays' (.npz), 'synthetic'.
+  c.data.source = 'text'  # 'text' (bytes of text_dir's files), 'array_record' (prepare_data.py shards), 'mixture' (several, by weight), 'arrays' (.npz), 'synthetic'.
   c.data.text_dir = config_dict.placeholder(str)  # Folder of text files; None = the running Python's stdlib.
   c.data.path = config_dict.placeholder(str)  # 'array_record': folder from scripts/prepare_data.py; 'arrays': .npz or folder of .npy.
+  c.data.mixture = ()  # data.source='mixture': ((prepared folder, weight), ...) drawn by weight (docs/data.md).
+  c.data.mixture_stages = ()  # Mixture: ((step, (weight, ...)), ...): new weights from that step on.
   c.data.packing = False  # Pack documents into rows with segment_ids/positions (no attention or loss across documents).
   # Packed positions for brought models (issue 24)
   c.data.packed_positions = 'document'  # Packing: 'document' (offset in the document) or 'row' (offset in its piece of the row, < seq_len: for learned position tables).

@@ -1,7 +1,18 @@
-"""Turns a folder of text files or .npy token arrays into ArrayRecord token shards for `data.source='array_record'`.
+"""Turns a corpus into ArrayRecord token shards for `data.source='array_record'` (or one source of `data.mixture`).
 
-  python scripts/prepare_data.py --input=DIR --output=OUT [--glob='**/*.txt'] [--tokenizer=FILE]
+  python scripts/prepare_data.py --input=DIR|FILE --output=OUT [--glob='**/*.txt'] [--tokenizer=FILE]
+      [--text_column=text] [--split=train] [--workers=4] [--vocab_size=N | --model=HF_FOLDER|configs/X.py]
       [--num_shards=8] [--eval_percent=5]
+
+--input is a folder of text files or .npy token arrays, a Parquet file or a
+folder of them, a Hugging Face `save_to_disk` folder, or a .jsonl file; rows of
+Parquet, arrow and JSONL are documents, their text in --text_column
+(trainer/data/corpus_formats.py). Tokenizing runs in --workers processes with a
+progress line and tokens/s; interrupted, the same command again resumes where it
+stopped (trainer/data/tokenize_job.py). meta.json records each split's document
+and token counts. --vocab_size or --model (a Hugging Face model folder, or a
+configs/*.py file) gives the model's vocabulary: a tokenizer larger than it is
+refused. User errors end in one line and exit status 2.
 
 --input=FILE.jsonl reads fine-tuning pairs instead: one {"prompt": ...,
 "completion": ...} object a line, or a chat {"messages": [...]} rendered with the
@@ -26,7 +37,9 @@ counted. Then train with:
 """
 
 import argparse
-import functools
+import hashlib
+import json
+import os
 import pathlib
 import shutil
 import sys
@@ -36,42 +49,23 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from trainer.data import finetune_jsonl, token_shards  # noqa: E402
+from trainer.data import corpus_formats, finetune_jsonl, token_shards, tokenize_job  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
-from trainer.data import file_tokenizers  # noqa: E402
 from trainer.hf import tokenizer as hf_tokenizer  # noqa: E402
 
-def load_tokenizer(path: str | None):
-  """(encode: str -> list[int], vocab_size, description) from a local file; bytes when `path` is None."""
-  if not path:
-    return (lambda text: np.frombuffer(text.encode(), np.uint8)), 256, 'bytes'
-  if hf_tokenizer.is_hf_tokenizer(path):
-    tok = hf_tokenizer.load(path)
-    return tok.encode, tok.vocab_size, f'hf:{pathlib.Path(path).resolve()}'
-  tok = file_tokenizers.load(path)
-  return tok.encode, tok.vocab_size, tok.name
+load_tokenizer = tokenize_job.load_tokenizer  # The name other scripts and tests use.
+WORK = '.partial'  # Chunks of an unfinished run inside --output; removed once the shards are written.
 
 
-def read_documents(root: pathlib.Path, glob: str, encode) -> list[tuple[str, np.ndarray]]:
-  if not root.is_dir():
-    raise UserError(f'--input={str(root)!r} is not a folder; give a folder of text files or .npy token arrays.')
-  paths = sorted(p for p in root.glob(glob) if p.is_file())
-  if not paths:
-    raise UserError(f'--input={str(root)!r} has no files matching --glob={glob!r}; change --glob (e.g. "**/*.npy").')
-  docs = []
-  for path in paths:
-    if path.suffix == '.npy':
-      try:
-        tokens = np.load(path, allow_pickle=False)
-      except (OSError, ValueError) as e:
-        raise UserError(f'{str(path)!r} is not a readable .npy file ({e}); remove it or fix --glob.') from e
-      if tokens.ndim != 1 or tokens.dtype.kind not in 'iu':
-        raise UserError(f'{str(path)!r} holds a {tokens.dtype} array of shape {tokens.shape}; each .npy must be '
-                        f'one document: a 1-D integer array of token ids.')
-    else:
-      tokens = np.asarray(encode(path.read_text(errors='replace')), np.int64)
-    docs.append((str(path.relative_to(root)), tokens))
-  return docs
+class UserExit(SystemExit):
+  """Exit status 2 (a retry cannot fix it), whose text is the one line printed, for callers that catch it."""
+
+  def __init__(self, message: str):
+    super().__init__(2)
+    self.message = message
+
+  def __str__(self) -> str:
+    return self.message
 
 
 def read_finetune_jsonl(path: pathlib.Path, tokenizer_path: str | None, encode, tokenizer: str):
@@ -82,10 +76,142 @@ def read_finetune_jsonl(path: pathlib.Path, tokenizer_path: str | None, encode, 
   prefix, end, render = (), (), None
   if tokenizer.startswith('hf:'):
     tok = hf_tokenizer.load(tokenizer_path)
-    encode = functools.partial(tok.encode, document=False)
+    encode = lambda text: tok.encode(text, document=False)
     prefix, end = tok.prefix, ((tok.eos_id,) if tok.eos_id is not None else tok.suffix)
     render = tok.render_chat if tok.chat_template else None
   return finetune_jsonl.read(path, lambda text: np.asarray(encode(text)).tolist(), prefix, end, render)
+
+
+def model_vocab_size(model: str) -> int:
+  """The vocabulary of --model: a Hugging Face model folder (config.json) or a configs/*.py file."""
+  path = pathlib.Path(model)
+  if path.is_dir() and (path / 'config.json').is_file():
+    vocab = json.loads((path / 'config.json').read_text()).get('vocab_size')
+  elif path.suffix == '.py' and path.is_file():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('model_config', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    vocab = module.get_config().model.vocab_size
+  else:
+    raise UserError(f'--model={model!r} is neither a Hugging Face model folder (with config.json) nor a configs/*.py '
+                    f'file; give one, or give --vocab_size.')
+  if not isinstance(vocab, int) or vocab <= 0:
+    raise UserError(f'--model={model!r} names no vocab_size; give --vocab_size instead.')
+  return vocab
+
+
+def check_vocabulary(args, tokenizer_vocab: int, tokenizer: str) -> int | None:
+  """The model's vocabulary from --vocab_size / --model (None without either); refuses a larger tokenizer."""
+  limits = [(v, f) for v, f in ((args.vocab_size, '--vocab_size'), (args.model and model_vocab_size(args.model),
+                                                                     f'--model={args.model}')) if v]
+  if not limits:
+    return None
+  vocab, flag = min(limits)
+  if tokenizer != 'bytes' and tokenizer_vocab > vocab:
+    raise UserError(f'the tokenizer ({tokenizer}) has {tokenizer_vocab} tokens but {flag} gives a vocabulary of '
+                    f'{vocab}: its ids would index past the embedding table. Use the model\'s own tokenizer, or a '
+                    f'model with model.vocab_size >= {tokenizer_vocab}.')
+  return vocab
+
+
+def _open_output(out: pathlib.Path, job: dict) -> pathlib.Path:
+  """The work folder inside --output: new, or an interrupted run of the same job to resume."""
+  work = out / WORK
+  if out.exists() and any(out.iterdir()):
+    saved = json.loads((work / 'job.json').read_text()) if (work / 'job.json').is_file() else None
+    if saved is None or set(p.name for p in out.iterdir()) != {WORK}:
+      raise UserError(f'--output={str(out)!r} is not empty; choose a new folder (nothing was overwritten).')
+    if saved != job:
+      changed = ', '.join(f'{k}: {saved.get(k)!r} then, {v!r} now' for k, v in job.items() if saved.get(k) != v)
+      raise UserError(f'--output={str(out)!r} holds an interrupted run with other settings ({changed}); rerun it '
+                      f'with those to resume, or choose a new folder.')
+    return work
+  work.mkdir(parents=True)
+  (work / 'job.json').write_text(json.dumps(job, indent=1) + '\n')
+  return work
+
+
+def _tokenized_corpus(args, source: pathlib.Path, out: pathlib.Path, tokenizer: str):
+  """Reads and tokenizes the corpus into chunks (resumable); returns (work folder, chunk count, format)."""
+  kind = corpus_formats.detect(source, args.glob)
+  job = {'input': str(source.resolve()), 'format': kind, 'glob': args.glob, 'tokenizer': tokenizer,
+         'text_column': args.text_column, 'split': args.split, 'eval_percent': args.eval_percent,
+         'chunk_docs': args.chunk_docs}
+  work = _open_output(out, job)
+  documents = corpus_formats.read(source, kind, args.glob, args.text_column, args.split)
+  progress = tokenize_job.Progress()
+  count = tokenize_job.tokenize(documents, work, args.tokenizer, args.eval_percent, args.chunk_docs, args.workers,
+                                progress)
+  return work, count, kind
+
+
+def _write_chunks(out: pathlib.Path, work: pathlib.Path, count: int, vocab_size: int | None, tokenizer: str,
+                  num_shards: int) -> tuple[dict, int]:
+  """The shards of every chunk's documents of 2 tokens or more; returns (meta, documents skipped)."""
+  lengths, skipped, largest, smallest = {'train': [], 'eval': []}, 0, -1, 0
+  for tokens, lens, held_out in tokenize_job.read_chunks(work, count):
+    kept = lens >= 2
+    skipped += int((~kept).sum())
+    for split, where in (('train', kept & ~held_out), ('eval', kept & held_out)):
+      lengths[split].append(lens[where])
+    if tokens.size:
+      largest, smallest = max(largest, int(tokens.max())), min(smallest, int(tokens.min()))
+  lengths = {split: np.concatenate(parts) if parts else np.zeros(0, np.int64) for split, parts in lengths.items()}
+  total = sum(len(v) for v in lengths.values())
+  if not total:
+    raise UserError(f'every document of the corpus has fewer than 2 tokens ({skipped} read); nothing to train on.')
+  if not len(lengths['train']):
+    raise UserError(f'all {total} documents fell in the eval split; lower --eval_percent or add documents.')
+  vocab_size = vocab_size or (largest + 1 if tokenizer == 'bytes' and largest >= 256 else
+                              (256 if tokenizer == 'bytes' else None))
+  if largest >= vocab_size or smallest < 0:
+    raise UserError(f'token ids must lie in [0, {vocab_size}) but reach {largest}; set --vocab_size.')
+  dtype = token_shards.token_dtype(vocab_size)
+  meta = token_shards.new_meta(vocab_size, tokenizer, dtype)
+  for split in ('train', 'eval'):
+    if len(lengths[split]):
+      records = _records(work, count, split == 'eval')
+      meta['splits'][split] = token_shards.write_split(out, split, lengths[split], records, num_shards, dtype)
+  meta['skipped_documents'] = skipped
+  return meta, skipped
+
+
+def _records(work: pathlib.Path, count: int, eval_split: bool):
+  for tokens, lens, held_out in tokenize_job.read_chunks(work, count):
+    ends = np.cumsum(lens)
+    for end, n, out in zip(ends, lens, held_out):
+      if n >= 2 and out == eval_split:
+        yield tokens[end - n:end]
+
+
+def _finetune(args, source: pathlib.Path, out: pathlib.Path, encode, tokenizer_vocab: int, tokenizer: str,
+              vocab_size: int | None) -> tuple[dict, int]:
+  if out.exists() and any(out.iterdir()):
+    raise UserError(f'--output={args.output!r} is not empty; choose a new folder (nothing was overwritten).')
+  docs = read_finetune_jsonl(source, args.tokenizer, encode, tokenizer)
+  kept = [(name, tokens, mask) for name, tokens, mask in docs if len(tokens) >= 2]
+  if not kept:
+    raise UserError(f'every line of --input={args.input!r} has fewer than 2 tokens; nothing to train on.')
+  largest = max(int(tokens.max()) for _, tokens, _ in kept)
+  vocab_size = vocab_size or (tokenizer_vocab if tokenizer != 'bytes' or largest < 256 else largest + 1)
+  if largest >= vocab_size or min(int(tokens.min()) for _, tokens, _ in kept) < 0:
+    raise UserError(f'token ids must lie in [0, {vocab_size}) but reach {largest}; set --vocab_size.')
+  splits, masks = {'train': [], 'eval': []}, {'train': [], 'eval': []}
+  for name, tokens, mask in kept:
+    split = 'eval' if zlib.crc32(name.encode()) % 100 < args.eval_percent else 'train'
+    splits[split].append(tokens)
+    masks[split].append(mask)
+  if not splits['eval']:
+    del splits['eval']
+  if not splits.get('train'):
+    raise UserError(f'all {len(kept)} documents fell in the eval split; lower --eval_percent or add lines.')
+  out.mkdir(parents=True, exist_ok=True)
+  meta = token_shards.write_shards(out, splits, vocab_size, tokenizer, args.num_shards, masks)
+  meta['trained_tokens'] = sum(int(m.sum()) for split in splits for m in masks[split])
+  meta['skipped_documents'] = len(docs) - len(kept)
+  token_shards.write_meta(out, meta)
+  return meta, len(docs) - len(kept)
 
 
 def main(argv=None) -> None:
@@ -94,39 +220,32 @@ def main(argv=None) -> None:
   parser.add_argument('--output', required=True)
   parser.add_argument('--glob', default='**/*')
   parser.add_argument('--tokenizer', default=None)
-  parser.add_argument('--vocab_size', type=int, default=None, help='for .npy input: the vocabulary (default: max+1)')
+  parser.add_argument('--text_column', default='text', help='Parquet/arrow column or JSONL field holding the text')
+  parser.add_argument('--split', default='train', help='the split of a save_to_disk DatasetDict')
+  parser.add_argument('--vocab_size', type=int, default=None,
+                      help="the model's vocabulary: a larger tokenizer is refused (.npy input: default max+1)")
+  parser.add_argument('--model', default=None, help='a Hugging Face model folder or configs/*.py: its vocabulary')
+  parser.add_argument('--workers', type=int, default=min(4, os.cpu_count() or 1), help='tokenizer processes')
+  parser.add_argument('--chunk_docs', type=int, default=1000, help='documents per unit of work (and of resume)')
   parser.add_argument('--num_shards', type=int, default=8)
   parser.add_argument('--eval_percent', type=int, default=5)
   args = parser.parse_args(argv)
   try:
-    out = pathlib.Path(args.output)
-    if out.exists() and any(out.iterdir()):
-      raise UserError(f'--output={args.output!r} is not empty; choose a new folder (nothing was overwritten).')
-    encode, vocab_size, tokenizer = load_tokenizer(args.tokenizer)
-    source = pathlib.Path(args.input)
-    if source.suffix == '.jsonl':  # Fine-tuning pairs: tokens with a loss mask (completions only).
-      docs = read_finetune_jsonl(source, args.tokenizer, encode, tokenizer)
+    out, source = pathlib.Path(args.output), pathlib.Path(args.input)
+    if args.chunk_docs < 1:
+      raise UserError(f'--chunk_docs={args.chunk_docs} must be at least 1.')
+    encode, tokenizer_vocab, tokenizer = load_tokenizer(args.tokenizer)
+    vocab_size = check_vocabulary(args, tokenizer_vocab, tokenizer)
+    if tokenizer != 'bytes':
+      vocab_size = max(vocab_size or 0, tokenizer_vocab)
+    if source.suffix == '.jsonl' and source.is_file() and corpus_formats.is_finetune_jsonl(source):
+      meta, skipped = _finetune(args, source, out, encode, tokenizer_vocab, tokenizer, vocab_size)
     else:
-      docs = [(name, tokens, None) for name, tokens in read_documents(source, args.glob, encode)]
-    kept = [(name, tokens, mask) for name, tokens, mask in docs if len(tokens) >= 2]
-    if not kept:
-      raise UserError(f'every file under --input={args.input!r} has fewer than 2 tokens; nothing to train on.')
-    largest = max(int(tokens.max()) for _, tokens, _ in kept)
-    vocab_size = args.vocab_size or (vocab_size if tokenizer != 'bytes' or largest < 256 else largest + 1)
-    if largest >= vocab_size or min(int(tokens.min()) for _, tokens, _ in kept) < 0:
-      raise UserError(f'token ids must lie in [0, {vocab_size}) but reach {largest}; set --vocab_size.')
-    splits, masks = {'train': [], 'eval': []}, {'train': [], 'eval': []}
-    for name, tokens, mask in kept:
-      split = 'eval' if zlib.crc32(name.encode()) % 100 < args.eval_percent else 'train'
-      splits[split].append(tokens)
-      masks[split].append(mask)
-    if not splits['eval']:
-      del splits['eval']
-    if not splits.get('train'):
-      raise UserError(f'all {len(kept)} documents fell in the eval split; lower --eval_percent or add files.')
-    out.mkdir(parents=True, exist_ok=True)
-    token_shards.write_shards(out, splits, vocab_size, tokenizer, args.num_shards,
-                              masks if source.suffix == '.jsonl' else None)
+      work, count, kind = _tokenized_corpus(args, source, out, tokenizer)
+      meta, skipped = _write_chunks(out, work, count, vocab_size, tokenizer, args.num_shards)
+      meta['source'] = {'input': str(source.resolve()), 'format': kind}
+      token_shards.write_meta(out, meta)
+      shutil.rmtree(work)  # Our own scratch chunks, now in the shards.
     # Kept with the data: export_hf.py ships them, sample.py encodes and decodes with them.
     if tokenizer.startswith('hf:'):
       (out / 'tokenizer').mkdir()
@@ -135,14 +254,23 @@ def main(argv=None) -> None:
     elif tokenizer != 'bytes':
       (out / 'tokenizer').mkdir()
       shutil.copy2(args.tokenizer, out / 'tokenizer' / pathlib.Path(args.tokenizer).name)
+    if (out / 'tokenizer').is_dir():  # What data.mixture compares: the same files wherever they were read from.
+      digest = hashlib.sha256()
+      for file in sorted((out / 'tokenizer').iterdir()):
+        digest.update(file.name.encode() + b'\0' + file.read_bytes())
+      meta['tokenizer_sha256'] = digest.hexdigest()
+      token_shards.write_meta(out, meta)
   except UserError as e:
-    sys.exit(f'prepare_data.py: error: {e}')
-  counts = {split: f'{len(d)} documents, {sum(map(len, d))} tokens' for split, d in splits.items()}
-  if source.suffix == '.jsonl':
-    counts['trained'] = f'{sum(int(m.sum()) for split in splits for m in masks[split])} completion tokens'
-
-  print(f'wrote {out}: {counts}; skipped {len(docs) - len(kept)} document(s) of fewer than 2 tokens; '
-        f'vocab {vocab_size} ({tokenizer})')
+    print(f'prepare_data.py: error: {e}', file=sys.stderr)
+    raise UserExit(f'prepare_data.py: error: {e}') from None
+  except KeyboardInterrupt:
+    print(f'prepare_data.py: interrupted; run the same command again to resume into {args.output}.', file=sys.stderr)
+    sys.exit(130)
+  counts = {split: f"{s['documents']} documents, {s['tokens']} tokens" for split, s in meta['splits'].items()}
+  if 'trained_tokens' in meta:
+    counts['trained'] = f"{meta['trained_tokens']} completion tokens"
+  print(f"wrote {out}: {counts}; skipped {skipped} document(s) of fewer than 2 tokens; "
+        f"vocab {meta['vocab_size']} ({tokenizer})")
 
 
 if __name__ == '__main__':

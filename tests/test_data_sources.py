@@ -223,5 +223,5 @@ def test_prepare_data_errors_name_the_flag(tmp_path, args, expected):
     args.append(f'--output={tmp_path}/out')
   result = subprocess.run([sys.executable, str(REPO / 'scripts/prepare_data.py'), *args], capture_output=True,
                           text=True, timeout=600)
-  assert result.returncode == 1 and result.stderr.startswith('prepare_data.py: error: '), result.stderr
+  assert result.returncode == 2 and result.stderr.startswith('prepare_data.py: error: '), result.stderr
   assert expected.format(tmp=tmp_path) in result.stderr

@@ -84,6 +84,7 @@ class RunContext:
   examples_per_epoch: int | None = None  # Global training examples in one pass; None where the source has no end.
   idle_experts: expert_load.IdleExperts = dataclasses.field(default_factory=lambda: expert_load.IdleExperts(0))
   downstream: 'evals_lib.Downstream | None' = None  # eval.tasks, scored on the training mesh (trainer/evals/).
+  sources: 'data.mixture.Accounting | None' = None  # data.source='mixture': tokens seen and eval loss per source.
 
 
 def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False) -> None:
@@ -193,7 +194,8 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
       fault=faults.for_process(process_index),
       examples_per_epoch=getattr(inputs.train, 'examples_per_epoch', None),
       notices=notice, stragglers=stragglers.StragglerWatch(process_index, process_count, config.train.straggler_warn_fraction),
-      idle_experts=expert_load.IdleExperts(config.log.get('idle_expert_steps', 0)), downstream=downstream)
+      idle_experts=expert_load.IdleExperts(config.log.get('idle_expert_steps', 0)), downstream=downstream,
+      sources=data.accounting(config, inputs))
   try:
     while True:
       try:
@@ -299,6 +301,8 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
       run.hang.phase('eval')
       train_iter.hold()  # Likewise while the eval step runs (its first run is a capture too).
       evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
+      if run.sources:  # A mixture: each source's held-out rows on their own too.
+        evals[step].update(run.sources.evaluate(lambda b: _evaluate(run.eval_step, state.params, b, run.objective)))
       if state.ema_params is not None:  # The same eval step, on the average.
         ema = state_lib.params_of(state, 'ema')
         evals[step]['eval_ema_loss'] = _evaluate(run.eval_step, ema, run.eval_set, run.objective)['eval_loss']
@@ -354,6 +358,8 @@ def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_
       data.warn_if_stalled(step, summary)
     if run.examples_per_epoch:  # Passes over the training data so far: every step takes one global batch.
       summary['epochs'] = step * run.config.train.batch_size / run.examples_per_epoch
+    if run.sources:  # A mixture: tokens each source has given so far.
+      summary.update(run.sources.tokens_seen(step))
     busy = float(np.mean(np.subtract(window.step_times, window.device_waits)))
     summary.update(run.stragglers.at_log(step, busy, summary['data_wait_s'], summary['step_time_s']))
     writer.write(step, {**summary, **evals.pop(step, {})})

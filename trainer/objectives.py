@@ -73,6 +73,19 @@ def chunked_cross_entropy(x_BLD, head_DV, targets_BL, weights_BL, chunks: int,
   return jnp.sum(ce_C), jnp.sum(z_C)
 
 
+def _per_source(logits_BLV, batch: Batch, weights_BL, names: tuple[str, ...], batch_size: int) -> Metrics:
+  """`loss/NAME`: the mean cross entropy of this batch's tokens from each source of a mixture (0 when it gave none),
+  and `tokens/NAME`: how many it gave, scaled to the global batch like trained_tokens."""
+  ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch['targets'])
+  metrics = {}
+  for k, name in enumerate(names):
+    mine_BL = weights_BL * (batch['source_ids'] == k + 1).astype(jnp.float32)
+    count = jnp.sum(mine_BL)
+    metrics[f'loss/{name}'] = jnp.sum(ce_BL * mine_BL) / jnp.maximum(count, 1.0)
+    metrics[f'tokens/{name}'] = count * (batch_size / weights_BL.shape[0])
+  return metrics
+
+
 @dataclasses.dataclass(frozen=True)
 class LanguageModeling:
   batch_size: int = 1  # Global batch, in rows.
@@ -81,6 +94,7 @@ class LanguageModeling:
   z_loss_weight: float = 0.0  # Weight of mean(logsumexp(logits)^2) added to the loss; 0 = off.
   loss_chunks: int = 1  # > 1: the head and loss run on this many slices of positions (chunked_cross_entropy).
   feed: str = 'inputs'  # The row the model is called on; 'targets' for a model that shifts right itself.
+  sources: tuple[str, ...] = ()  # data.source='mixture': the sources' names; batches carry `source_ids` (1, 2, ...).
   kind: ClassVar[str] = 'lm'
   unit: ClassVar[str] = 'tokens'  # Throughput is reported as tokens_per_s.
 
@@ -90,7 +104,8 @@ class LanguageModeling:
                float(config.train.z_loss_weight), config.train.get('loss_chunks', 1),  # A run from before the key: 1.
                # Fed the targets, a model that shifts them right itself sees [pad, targets[0..L-2]] = inputs but for
                # the first token, so its logits[t] still score targets[t].
-               'targets' if config.model.get('unshifted_inputs', False) else 'inputs')
+               'targets' if config.model.get('unshifted_inputs', False) else 'inputs',
+               data.mixture_names(config.data))
 
   @property
   def units_per_step(self) -> int:
@@ -121,6 +136,8 @@ class LanguageModeling:
       loss, z_loss = _cross_entropy_sums(logits_BLV, batch['targets'], weights_BL, with_z=bool(self.z_loss_weight))
     loss = loss / num_tokens
     metrics = {'loss': loss}
+    if self.sources and self.loss_chunks == 1:
+      metrics.update(_per_source(logits_BLV, batch, weights_BL, self.sources, self.batch_size))
     if 'loss_mask' in batch:  # Scaled from these rows to the global batch: the count itself under jit, and after
       # the per-device strategies' mean over devices (with train.grad_accum_steps > 1, a weighted mean of the
       # microbatches' counts).

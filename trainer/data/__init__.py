@@ -3,6 +3,7 @@
 Sources (`data.source`):
   'text'          byte-level text files (trainer/data/text.py), the default job;
   'array_record'  token shards written by scripts/prepare_data.py (trainer/data/token_shards.py);
+  'mixture'       several such folders drawn by weight, with staged weights (trainer/data/mixture.py);
   'arrays'        images and labels from .npz / .npy, for classification (trainer/data/arrays.py);
   'synthetic'     for an LM random tokens of the configured shape (benchmarks); for a classifier learnable
                   images of data.image_shape (class templates plus noise; runs and tests without a dataset);
@@ -18,11 +19,12 @@ import dataclasses
 import functools
 import pathlib
 
+import grain
 import jax
 from absl import logging
 from jax.sharding import NamedSharding
 
-from trainer.data import arrays, pipeline, synthetic_pool, token_shards
+from trainer.data import arrays, mixture, pipeline, synthetic_pool, token_shards
 from trainer.data.device_feed import DeviceFeed  # noqa: F401
 from trainer.data.documents import PackedRows, StreamWindows
 # The names the loop, job and tools use: `from trainer import data; data.build(...)`.
@@ -30,7 +32,7 @@ from trainer.data.pipeline import TrainIterator, eval_batches, to_global, train_
 from trainer.data.text import TextCorpus, TextWindows, default_text_dir, load_text_corpus  # noqa: F401
 from trainer.errors import UserError
 
-SOURCES = ('text', 'array_record', 'arrays', 'synthetic')
+SOURCES = ('text', 'array_record', 'mixture', 'arrays', 'synthetic')
 CLASSIFIER_SOURCES = ('arrays', 'synthetic')
 PACKED_KEYS = ('segment_ids', 'positions')
 PACKED_POSITIONS = ('document', 'row')  # data.packed_positions: offsets within the document, or within the row.
@@ -44,16 +46,27 @@ def check_config(data_config) -> None:
     value = data_config[key]
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
       raise UserError(f'data.{key}={value!r} must be an integer >= 0 (0 = off).')
-  if data_config.packing and data_config.source not in ('text', 'array_record'):
+  if data_config.source == 'mixture':
+    folders, _ = mixture.parse(data_config)
+    mixture.stages(data_config, 1, len(folders))
+  if data_config.packing and data_config.source not in ('text', 'array_record', 'mixture'):
     raise UserError(f'data.packing=True packs documents of tokens; data.source={data_config.source!r} has none. '
-                    f"Set data.packing=False, or use data.source='text' or 'array_record'.")
+                    f"Set data.packing=False, or use data.source='text', 'array_record' or 'mixture'.")
 
 
 def batch_keys(data_config) -> tuple[str, ...]:
   """The keys of every LM batch: inputs and targets, plus segment ids and positions when packing, plus the
   targets' loss mask with data.loss_mask."""
   masked = ('loss_mask',) if data_config.get('loss_mask', False) else ()  # A run from before the key: none.
-  return ('inputs', 'targets') + (PACKED_KEYS if data_config.packing else ()) + masked
+  tagged = ('source_ids',) if data_config.source == 'mixture' else ()  # Each row's source, for the loss per source.
+  return ('inputs', 'targets') + (PACKED_KEYS if data_config.packing else ()) + masked + tagged
+
+
+def mixture_names(data_config) -> tuple[str, ...]:
+  """The names of a mixture's sources (their folders' names); () for any other source."""
+  if data_config.source != 'mixture':
+    return ()
+  return tuple(pathlib.Path(folder).name for folder in mixture.parse(data_config)[0])
 
 
 def check_task(config) -> None:
@@ -76,6 +89,8 @@ class Inputs:
   train: TrainIterator  # This process's rows of each global batch, numpy; checkpointed with the state.
   eval_batches: list[dict[str, jax.Array]]  # Fixed held-out global batches, already on the batch sharding.
   description: str  # One line for the log: what is read from where, and how much.
+  # A mixture: each source's own held-out batches, by source name (their union is `eval_batches`).
+  eval_by_source: dict[str, list[dict[str, jax.Array]]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +98,7 @@ class Sources:
   train: object  # Random-access Grain sources (len, getitem).
   eval: object | None
   description: str
+  mixed: list | None = None  # data.source='mixture': its mixture.Source list (`train` is then the first's rows).
 
 
 def load_sources(config) -> Sources:
@@ -108,6 +124,8 @@ def load_sources(config) -> Sources:
     return Sources(arrays.SyntheticTokens(d.seq_len, vocab, config.train.seed),
                    arrays.SyntheticTokens(d.seq_len, vocab, config.train.seed + 1, num_examples=1 << 16),
                    f'synthetic random tokens (vocab {vocab}, seq_len {d.seq_len})')
+  if d.source == 'mixture':
+    return _mixture_sources(config)
   if d.source == 'text':
     corpus = load_text_corpus(d)
     train_docs, eval_docs = corpus.documents('train'), corpus.documents('eval')
@@ -119,22 +137,41 @@ def load_sources(config) -> Sources:
       eval_docs = None
   else:
     train_docs, eval_docs, where = _token_shards(config)
-  masked = _check_loss_mask(d, train_docs)
+  cut = _cutter(d, _check_loss_mask(d, train_docs))
+  train = cut(train_docs, 'train')
+  eval_ = cut(eval_docs, 'eval') if eval_docs is not None and eval_docs.num_tokens else None
+  how = f'packed by document into rows of {d.seq_len}' if d.packing else f'windows of {d.seq_len} over the stream'
+  return Sources(train, eval_, f'{where}; {how}')
+
+
+def _cutter(d, masked: bool):
+  """documents, split -> rows of data.seq_len, packed or windows, with the packed rows' document bound checked."""
   if d.packing:
     positions = d.get('packed_positions', 'document')  # A run's config.json from before the key has none.
     if positions not in PACKED_POSITIONS:
       raise UserError(f'data.packed_positions={positions!r}: choose one of {PACKED_POSITIONS}.')
-    cut = functools.partial(PackedRows, positions=positions, loss_mask=masked)
+    make = functools.partial(PackedRows, positions=positions, loss_mask=masked)
   else:
-    cut = functools.partial(StreamWindows, loss_mask=masked)
-  train = cut(train_docs, d.seq_len)
-  eval_ = cut(eval_docs, d.seq_len) if eval_docs is not None and eval_docs.num_tokens else None
-  if d.packing:
-    for split, rows in (('train', train), ('eval', eval_)):
-      if rows is not None:
-        _check_documents_per_row(rows, d, split)
+    make = functools.partial(StreamWindows, loss_mask=masked)
+
+  def cut(documents, split):
+    rows = make(documents, d.seq_len)
+    if d.packing:
+      _check_documents_per_row(rows, d, split)
+    return rows
+  return cut
+
+
+def _mixture_sources(config) -> Sources:
+  d = config.data
+  folders, _ = mixture.parse(d)
+  cut = _cutter(d, bool(d.get('loss_mask', False)))
+  mixed = mixture.load(folders, config.model.vocab_size, bool(d.eval_percent),
+                       lambda documents: cut(documents, f'{documents.name}'), bool(d.get('loss_mask', False)))
   how = f'packed by document into rows of {d.seq_len}' if d.packing else f'windows of {d.seq_len} over the stream'
-  return Sources(train, eval_, f'{where}; {how}')
+  stage_list = mixture.stages(d, config.train.batch_size, len(mixed))
+  description = mixture.describe(mixed, stage_list, config.train.batch_size, config.train.steps, d.seq_len)
+  return Sources(mixed[0].train, None, f'{description}; {how}', mixed=mixed)
 
 
 def _check_loss_mask(d, documents) -> bool:
@@ -192,8 +229,37 @@ def _train_iterator(config, sources: Sources, process_index: int, process_count:
     return synthetic_pool.pooled_train_iterator(sources.train, config.train.batch_size, config.train.seed,
                                                 process_index, process_count,
                                                 {'source': d.source, 'packing': d.packing, 'seq_len': d.seq_len})
+  if sources.mixed is not None:
+    return mixture.MixtureIterator([s.train for s in sources.mixed], d, config.train.batch_size, config.train.seed,
+                                   process_index, process_count,
+                                   mixture.stages(d, config.train.batch_size, len(sources.mixed)),
+                                   {'source': d.source, 'packing': d.packing,
+                                    'sources': [[s.path, len(s.train)] for s in sources.mixed]})
   return train_iterator(sources.train, d, config.train.batch_size, config.train.seed, process_index, process_count,
                         {'source': d.source, 'packing': d.packing})
+
+
+def accounting(config, inputs: Inputs) -> 'mixture.Accounting | None':
+  """A mixture's per-source accounting for the loop (tokens seen, eval loss per source); None for one source."""
+  if config.data.source != 'mixture':
+    return None
+  return mixture.Accounting(list(mixture_names(config.data)), inputs.train, config.train.batch_size,
+                            config.data.seq_len, inputs.eval_by_source)
+
+
+def _mixture_evals(config, sources: Sources, batch_shardings, process_index: int, process_count: int):
+  """({source name: its held-out global batches}, the description) of a mixture; ({}, description) otherwise."""
+  by_source, batch_size = {}, config.train.batch_size
+  for i, source in enumerate(sources.mixed or ()):
+    if source.eval is not None and config.train.eval_batches and len(source.eval) >= batch_size:
+      held_out = grain.MapDataset.source(source.eval).map(functools.partial(mixture.tag, source=i))
+      by_source[source.name] = [to_global(b, batch_shardings, process_count) for b in eval_batches(
+          held_out, batch_size, config.train.eval_batches, process_index, process_count)]
+  unevaluated = [s.name for s in sources.mixed or () if s.name not in by_source]
+  if unevaluated and config.train.eval_batches:
+    return by_source, (f'{sources.description}; no eval for {unevaluated} (fewer held-out rows than '
+                       f'train.batch_size)')
+  return by_source, sources.description
 
 
 def build(config, batch_shardings: dict[str, NamedSharding], process_index: int, process_count: int) -> Inputs:
@@ -202,16 +268,19 @@ def build(config, batch_shardings: dict[str, NamedSharding], process_index: int,
   check_task(config)
   sources = load_sources(config)
   shorter = 'lower train.batch_size' if config.model.task == 'classifier' else 'lower data.seq_len or train.batch_size'
-  pipeline.check_enough(sources.train, batch_size, f'the train split ({sources.description})',
-                        f'add data, or {shorter}.')
+  if sources.mixed is None:  # A mixture's sources repeat endlessly: one row each is enough (mixture.load).
+    pipeline.check_enough(sources.train, batch_size, f'the train split ({sources.description})',
+                          f'add data, or {shorter}.')
   train = _train_iterator(config, sources, process_index, process_count)
-  evals = []
+  by_source, description = _mixture_evals(config, sources, batch_shardings, process_index, process_count)
+  evals = [b for batches in by_source.values() for b in batches]
   if sources.eval is not None and config.train.eval_batches:
     pipeline.check_enough(sources.eval, batch_size, f'the held-out split ({sources.description})',
                           f'add data, {shorter}, or set data.eval_percent=0.')
     evals = [to_global(b, batch_shardings, process_count) for b in eval_batches(
         sources.eval, batch_size, config.train.eval_batches, process_index, process_count)]
-  description = (f'{sources.description}; {len(sources.train)} train examples, {len(evals)} eval batches; '
+  rows = sum(len(m.train) for m in sources.mixed) if sources.mixed else len(sources.train)
+  description = (f'{description}; {rows} train examples, {len(evals)} eval batches; '
                  f'{d.worker_count} worker process(es), {d.num_threads} read threads, prefetch {d.prefetch}')
-  return Inputs(train, evals, description)
+  return Inputs(train, evals, description, by_source)
 

@@ -128,24 +128,45 @@ def write_shards(root: pathlib.Path, splits: dict[str, list[np.ndarray]], vocab_
 
   `masks` (per split, one array per document, as long as it): each record then holds the tokens and their mask.
   """
-  from array_record.python.array_record_module import ArrayRecordWriter  # Only the writer needs it directly.
-  dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
-  meta = {'format': FORMAT, 'dtype': dtype.name, 'vocab_size': vocab_size, 'tokenizer': tokenizer, 'splits': {}}
-  if masks is not None:
-    meta['loss_mask'] = True
+  dtype = token_dtype(vocab_size)
+  meta = new_meta(vocab_size, tokenizer, dtype, masks is not None)
   for split, docs in splits.items():
-    count = max(1, min(num_shards, len(docs)))
-    # Contiguous runs of documents per shard, so document order = shard order = the lengths index.
-    bounds = np.linspace(0, len(docs), count + 1).astype(int)
-    names = [shard_name(split, i, count) for i in range(count)]
-    for name, lo, hi in zip(names, bounds[:-1], bounds[1:]):
-      writer = ArrayRecordWriter(str(root / name), 'group_size:1')
-      for i in range(lo, hi):
-        record = docs[i] if masks is None else np.concatenate([docs[i], masks[split][i]])
-        writer.write(np.asarray(record, dtype).tobytes())
-      writer.close()
-    np.save(root / f'{split}.lengths.npy', np.array([len(d) for d in docs], np.int64))
-    meta['splits'][split] = {'shards': names, 'records_per_shard': np.diff(bounds).tolist(),
-                             'lengths': f'{split}.lengths.npy'}
-  (root / 'meta.json').write_text(json.dumps(meta, indent=1) + '\n')
+    records = (docs[i] if masks is None else np.concatenate([docs[i], masks[split][i]]) for i in range(len(docs)))
+    meta['splits'][split] = write_split(root, split, np.array([len(d) for d in docs], np.int64), records,
+                                        num_shards, dtype)
+  write_meta(root, meta)
   return meta
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
+
+
+def new_meta(vocab_size: int, tokenizer: str, dtype: np.dtype, loss_mask: bool = False) -> dict:
+  meta = {'format': FORMAT, 'dtype': dtype.name, 'vocab_size': vocab_size, 'tokenizer': tokenizer, 'splits': {}}
+  if loss_mask:
+    meta['loss_mask'] = True
+  return meta
+
+
+def write_meta(root: pathlib.Path, meta: dict) -> None:
+  (root / 'meta.json').write_text(json.dumps(meta, indent=1) + '\n')
+
+
+def write_split(root: pathlib.Path, split: str, lengths: np.ndarray, records, num_shards: int,
+                dtype: np.dtype) -> dict:
+  """Streams one split's records (in order; `lengths` tokens each) into contiguous shards; returns its meta entry."""
+  from array_record.python.array_record_module import ArrayRecordWriter  # Only the writer needs it directly.
+  count = max(1, min(num_shards, len(lengths)))
+  # Contiguous runs of documents per shard, so document order = shard order = the lengths index.
+  bounds = np.linspace(0, len(lengths), count + 1).astype(int)
+  names = [shard_name(split, i, count) for i in range(count)]
+  records = iter(records)
+  for name, lo, hi in zip(names, bounds[:-1], bounds[1:]):
+    writer = ArrayRecordWriter(str(root / name), 'group_size:1')
+    for _ in range(lo, hi):
+      writer.write(np.asarray(next(records), dtype).tobytes())
+    writer.close()
+  np.save(root / f'{split}.lengths.npy', np.asarray(lengths, np.int64))
+  return {'shards': names, 'records_per_shard': np.diff(bounds).tolist(), 'lengths': f'{split}.lengths.npy',
+          'documents': int(len(lengths)), 'tokens': int(np.sum(lengths))}
