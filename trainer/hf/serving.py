@@ -107,3 +107,24 @@ def of_run(config) -> Serving:
   if data is not None:
     return _from_tokenizer(config, data)
   return Serving({'max_position_embeddings': config.data.seq_len}, None, 'float32', ())
+
+
+def _ids(value) -> tuple[int, ...]:
+  return tuple(value) if isinstance(value, list) else () if value is None else (int(value),)
+
+
+def end_token_ids(config) -> tuple[int, ...]:
+  """The ids a generation stops at, as transformers' generate() has them: the imported folder's
+  generation_config.json `eos_token_id` (one id or a list: Llama 3's chat models end turns with <|eot_id|> and
+  documents with <|end_of_text|>), else its config.json's; and the run's tokenizer's `eos_token`."""
+  ids = []
+  folder = source_folder(config)
+  if folder is not None:
+    generation = folder / GENERATION_CONFIG
+    found = json.loads(generation.read_text()).get('eos_token_id') if generation.is_file() else None
+    ids += _ids(found if found is not None else json.loads((folder / 'config.json').read_text()).get('eos_token_id'))
+  tokenizer = hf_tokenizer.run_folder(config)
+  if tokenizer is not None:
+    eos = hf_tokenizer.load(str(tokenizer), flag='the run\'s tokenizer').eos_id
+    ids += _ids(eos)
+  return tuple(dict.fromkeys(ids))
