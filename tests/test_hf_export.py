@@ -181,3 +181,23 @@ def test_the_export_is_written_in_the_imported_checkpoints_dtype(bf16_source, tm
   assert sorted(p.name for p in out.iterdir()) == ['config.json', 'generation_config.json', 'model.safetensors',
                                                    'tokenizer.json', 'tokenizer_config.json']
   assert (out / 'tokenizer.json').read_bytes() == (bf16_source / 'tokenizer.json').read_bytes()
+
+
+@pytest.mark.parametrize('script, args, message', [
+    ('export_hf.py', ['--workdir=/nonexistent-40', '--output=/tmp/never-40'], "--workdir='/nonexistent-40' does not "),
+    ('export_hf.py', [], 'the following arguments are required: --workdir, --output'),
+    ('sample.py', [], 'flag --workdir=None: Flag --workdir must have a value other than None.'),
+    ('sample.py', ['--workdir=/nonexistent-40', 'stray'], 'unexpected arguments: stray'),
+    ('export_params.py', ['--config=configs/tiny.py', '--config.nope=1', '--workdir=/w', '--output=/o'],
+     "a --config override names a key the config lacks"),
+    ('export_params.py', ['--config=configs/missing-40.py', '--workdir=/w', '--output=/o'],
+     "No such file or directory: 'configs/missing-40.py'"),
+])
+def test_every_scripts_user_error_is_one_line_and_exit_2(script, args, message):
+  import subprocess
+  import sys
+  result = subprocess.run([sys.executable, str(REPO / 'scripts' / script), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+  last = result.stderr.strip().splitlines()[-1]
+  assert result.returncode == 2 and last.startswith(f'{script}: error: ') and message in last, result.stderr[-2000:]
+  assert 'Traceback' not in result.stderr
