@@ -298,3 +298,82 @@ def test_a_model_written_for_explicit_mesh_axes_is_told_what_to_remove(strategy,
           in message), message
   assert 'fix the model' not in message and '\n' not in message
   assert '(raised at ' in message and 'nnx_lm.py:' in message  # Where: the model's own line.
+
+
+# Parameters named in the vocabularies of public Flax code (tests/third_party/vocab_models.py) need no
+# extra_axis_rules: each is split as docs/brought_models.md's table says (parallel/vocabularies.py).
+_QKV = {'q': ('fsdp', 'tensor', None), 'k': ('fsdp', 'tensor', None), 'v': ('fsdp', 'tensor', None)}
+VOCABULARY_SPLITS = {
+    'flax_examples': {'embedding': ('tensor', 'fsdp'), **_QKV, 'o': ('tensor', None, 'fsdp'),
+                      'wi': ('fsdp', 'tensor'), 'wo': ('tensor', 'fsdp'), 'scale': ('fsdp',)},
+    't5x': {'embedding': ('tensor', 'fsdp'), 'q': ('fsdp', 'tensor'), 'k': ('fsdp', 'tensor'), 'v': ('fsdp', 'tensor'),
+            'o': ('tensor', 'fsdp'), 'wi': ('fsdp', None, 'tensor'), 'wo': ('tensor', 'fsdp'), 'scale': ('fsdp',)},
+    'maxtext': {'embedding': ('tensor', 'fsdp'), 'q_a': ('fsdp', None), 'kv_a': ('fsdp', None), **_QKV,
+                'o': ('tensor', None, 'fsdp'), 'wi': ('fsdp', None, 'tensor'), 'wo': ('tensor', 'fsdp'),
+                'wi_exp': ('expert', 'fsdp', 'tensor'), 'wo_exp': ('expert', 'tensor', 'fsdp'), 'scale': (None,)},
+    'tunix': {'embedding': ('tensor', 'fsdp'), 'q': ('tensor', 'fsdp', None), 'k': ('tensor', 'fsdp', None),
+              'v': ('tensor', 'fsdp', None), 'o': ('tensor', None, 'fsdp'), 'wi': ('fsdp', 'tensor'),
+              'wo': ('tensor', 'fsdp'), 'scale': ('tensor',)},
+    'nanodo': {'embedding': (None, 'data'), 'q': ('data', None, None), 'k': ('data', None, None),
+               'v': ('data', None, None), 'o': (None, None, 'data'), 'wi': ('data', None), 'wo': (None, 'data'),
+               'scale': (None,)},
+    'big_vision': {'embedding': (None, None), 'q': (None, None, None), 'k': (None, None, None),
+                   'v': (None, None, None), 'o': (None, None, None), 'wi': (None, None), 'wo': (None, None),
+                   'scale': (None,)},  # Unnamed and small: parallel.unnamed_params='auto' replicates them.
+}
+
+
+def _vocabulary_config(builder: str, steps=2):
+  c = _config('do', steps=steps)
+  c.model.name = f'tests.third_party.vocab_models:{builder}'
+  c.parallel.extra_axis_rules = ()
+  return c
+
+
+def _splits(config) -> dict[str, tuple]:
+  """{parameter: its PartitionSpec, one entry per dimension} of the Job `config` builds."""
+  built = job.build_job(config)
+  return {sharding.path_name(path).split('/')[-1]: tuple(s.spec) + (None,) * (len(leaf.shape) - len(s.spec))
+          for (path, s), leaf in zip(jax.tree_util.tree_flatten_with_path(built.shardings.params)[0],
+                                     jax.tree.leaves(built.abstract.params))}
+
+
+@pytest.mark.parametrize('framework', ['linen', 'nnx'])
+@pytest.mark.parametrize('vocabulary', list(VOCABULARY_SPLITS))
+def test_public_vocabularies_need_no_rule_and_split_as_the_table_promises(vocabulary, framework):
+  assert _splits(_vocabulary_config(f'{framework}_{vocabulary}')) == VOCABULARY_SPLITS[vocabulary]
+
+
+@pytest.mark.parametrize('builder', ['linen_flax_examples', 'linen_t5x', 'linen_maxtext', 'nnx_maxtext', 'nnx_tunix',
+                                     'linen_nanodo', 'linen_big_vision'])
+def test_public_vocabularies_train_on_a_2x2x2_mesh_with_no_extra_rules(builder, tmp_path):
+  loop.run(_vocabulary_config(builder), str(tmp_path))
+  losses = [r['loss'] for r in read_metrics(tmp_path) if 'loss' in r]
+  assert len(losses) == 2 and all(np.isfinite(losses)) and abs(losses[0] - np.log(256)) < 1.0, losses
+
+
+def test_a_user_rule_still_wins_and_an_unknown_name_is_still_refused():
+  config = _vocabulary_config('linen_t5x')
+  config.parallel.extra_axis_rules = (('joined_kv', None),)
+  assert _splits(config)['q'] == ('fsdp', None)
+  config.model.name = 'tests.test_brought_models:linen_unknown_name'
+  with pytest.raises(UserError, match=r"names axis 'qkv_joint', which is neither a mesh axis .*extra_axis_rules"):
+    job.build_job(config)
+
+
+def linen_unknown_name(config):
+  """t5x's model with its query kernel named ('embed', 'qkv_joint'): a name in no vocabulary."""
+  from tests.third_party import vocab_models
+  m = config.model
+  vocab_models.VOCABULARIES.setdefault('unknown', {**vocab_models.VOCABULARIES['t5x'],
+                                                   'q': ('DJ', ('embed', 'qkv_joint'))})
+  return vocab_models.LinenLM('unknown', m.vocab_size, m.d_model, m.num_heads, m.mlp_dim)
+
+
+def test_docs_table_lists_every_public_name_with_its_axis():
+  from conftest import REPO
+  from parallel import vocabularies
+  text = (REPO / 'docs' / 'brought_models.md').read_text()
+  for name, axis, _, _ in vocabularies.PUBLIC_NAMES:
+    shown = 'None' if axis is None else repr(axis).replace("'", '')
+    assert f'| `{name}` | `{shown}` |' in text, name
