@@ -124,7 +124,11 @@ def restore_model(config, workdir, step: str, which: str = 'raw'):
   # `targets` as training has them (the window shifted left one): what a model.unshifted_inputs model is fed.
   def outputs(params, tokens_BL):
     return task.outputs(params, {'inputs': tokens_BL, 'targets': jax.numpy.roll(tokens_BL, -1, axis=1)})
-  return restored, lambda params: functools.partial(outputs, params), state_lib.params_of(state, which)
+
+  def bind(params):
+    return functools.partial(outputs, params)
+  bind.task = task  # For a brought model's own cache (DecodingCallLogits).
+  return restored, bind, state_lib.params_of(state, which)
 
 
 def byte_level(config) -> bool:
@@ -242,6 +246,55 @@ class CachedLogits:
     return logits_V
 
 
+class DecodingCallLogits:
+  """tokens -> the next token's logits (V,) float32, from a brought model of the decoding call convention
+  (`model(tokens, positions, cache, attention_mask) -> (logits, cache)`: flax's Gemma example, tunix) and the cache
+  its `init_cache(cache_size, batch_size, dtype)` makes, of data.seq_len entries.
+
+  As CachedLogits: a text grown by one token runs that token alone at its position against the cache; any other
+  runs the text (its last `seq_len` tokens) from position 0 into a fresh cache, compiled once per length.
+  """
+
+  @staticmethod
+  def fits(task) -> bool:
+    return task.convention.decoding and callable(getattr(task.model.module_class, 'init_cache', None))
+
+  def __init__(self, task, params, seq_len: int, dtype: str):
+    import jax
+    import jax.numpy as jnp
+    slots = jnp.arange(seq_len)
+
+    def prefill(params, tokens_1L):
+      length = tokens_1L.shape[1]
+      with task.context():
+        model = task.bind(params)
+        mask_1LS = slots[None, None, :] <= jnp.arange(length)[None, :, None]
+        logits, cache = model.with_cache(tokens_1L, jnp.arange(length)[None], model.init_cache(seq_len, 1, dtype),
+                                         mask_1LS)
+      return logits[0, -1].astype(jnp.float32), cache
+
+    def step(params, cache, token_11, position_11):
+      with task.context():
+        logits, cache = task.bind(params).with_cache(token_11, position_11, cache,
+                                                     slots[None, None, :] <= position_11[:, :, None])
+      return logits[0, 0].astype(jnp.float32), cache
+
+    self._prefill, self._step = jax.jit(prefill), jax.jit(step, donate_argnums=1)
+    self._params, self._seq_len = params, seq_len
+    self._cache, self._text = None, []
+
+  def __call__(self, tokens: list[int]):
+    import numpy as np
+    grown = self._cache is not None and len(tokens) == len(self._text) + 1 and tokens[:-1] == self._text
+    if grown and len(tokens) <= self._seq_len:
+      logits_V, self._cache = self._step(self._params, self._cache, np.array([[tokens[-1]]], np.int32),
+                                         np.array([[len(tokens) - 1]], np.int32))
+    else:
+      logits_V, self._cache = self._prefill(self._params, np.array([tokens[-self._seq_len:]], np.int32))
+    self._text = list(tokens)
+    return logits_V
+
+
 def cached_decoder(config):
   """The run's Llama for decoding with a KV cache (llama.for_decoding); None where sample.py runs the whole window
   per token: brought models (the launcher does not know their internals) and MoE in capacity mode, where a token
@@ -327,6 +380,8 @@ def sample_ids(workdir: str, prompt: str, num_tokens: int, temperature: float, s
   with jax.default_device(jax.devices('cpu')[0]):
     next_logits = (WindowLogits(bind, weights, config.data.seq_len) if decoder is None else
                    CachedLogits(decoder, weights, config.data.seq_len))
+    if decoder is None and DecodingCallLogits.fits(bind.task):
+      next_logits = DecodingCallLogits(bind.task, weights, config.data.seq_len, config.train.compute_dtype)
     new = generate(next_logits, tokens, num_tokens, temperature, seed, top_k, top_p, end_ids)
   return tokens, new, as_bytes, decode
 

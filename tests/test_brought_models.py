@@ -377,3 +377,71 @@ def test_docs_table_lists_every_public_name_with_its_axis():
   for name, axis, _, _ in vocabularies.PUBLIC_NAMES:
     shown = 'None' if axis is None else repr(axis).replace("'", '')
     assert f'| `{name}` | `{shown}` |' in text, name
+
+
+# The decoding call convention, model(tokens, positions, cache, attention_mask) -> (logits, cache), of flax's Gemma
+# example and tunix's Llama 3 (copies in their style: tests/third_party/gemma_nnx.py, tunix_llama3.py).
+DECODING = ('gemma', 'tunix_llama')
+
+
+@pytest.fixture(scope='module')
+def decoding_runs(tmp_path_factory):
+  """Each decoding-convention model trained 10 steps on text on a (2, 2, 2) mesh, 4 heads sharing 2 kv heads."""
+  root = tmp_path_factory.mktemp('decoding')
+  (root / 'text').mkdir()
+  make_text_dir(root / 'text', num_files=4)
+  runs = {}
+  for builder in DECODING:
+    c = _config(builder, steps=10)
+    c.data.source, c.data.text_dir = 'text', str(root / 'text')
+    c.model.num_heads, c.model.num_kv_heads, c.train.learning_rate, c.ckpt.every_steps = 4, 2, 1e-2, 10
+    loop.run(c, str(root / builder))
+    runs[builder] = root / builder
+  return runs
+
+
+@pytest.mark.parametrize('builder', DECODING)
+def test_decoding_convention_models_train_by_import_path_losses_falling(builder, decoding_runs):
+  losses = [r['loss'] for r in read_metrics(decoding_runs[builder]) if 'loss' in r]
+  assert len(losses) == 10 and np.mean(losses[-3:]) < losses[0] - 0.3, losses
+
+
+def test_the_launcher_gives_a_decoding_model_positions_and_the_causal_segment_mask():
+  from trainer.models import call_convention
+  seen = {}
+
+  class Model:
+    def __call__(self, input_tokens, positions, cache, attention_mask):
+      seen.update(positions=positions, cache=cache, mask=attention_mask)
+      return input_tokens.astype(jnp.float32)[..., None], cache
+
+  assert call_convention.takes_decoding_call(Model)
+  wrapped = call_convention.CallConvention(decoding=True).wrap(Model())
+  logits = wrapped(jnp.array([[5, 6, 7, 8]]), segment_ids=jnp.array([[1, 1, 2, 2]]), positions=jnp.array([[0, 1, 0, 1]]))
+  assert logits.shape == (1, 4, 1) and seen['cache'] is None
+  np.testing.assert_array_equal(seen['positions'], [[0, 1, 0, 1]])
+  np.testing.assert_array_equal(seen['mask'][0], [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]])
+  wrapped(jnp.array([[5, 6, 7]]))  # Unpacked: positions 0..L-1 and the plain causal mask.
+  np.testing.assert_array_equal(seen['positions'], [[0, 1, 2]])
+  np.testing.assert_array_equal(seen['mask'][0], np.tril(np.ones((3, 3))))
+
+
+@pytest.mark.parametrize('builder', DECODING)
+def test_sample_decodes_a_decoding_model_with_its_own_cache(builder, decoding_runs):
+  from trainer import storage
+  run = storage.path(str(decoding_runs[builder]))
+  config = sample.load_run_config(run)
+  _, bind, params = sample.restore_model(config, run, 'latest')
+  assert sample.DecodingCallLogits.fits(bind.task)
+  seq_len = config.data.seq_len
+  window = sample.WindowLogits(bind, params, seq_len)
+  cached = sample.DecodingCallLogits(bind.task, params, seq_len, config.train.compute_dtype)
+  text = np.random.default_rng(1).integers(0, 256, 12).tolist()
+  for n in range(3, len(text) + 1):  # Prefill at 3 tokens, then one token at a time against the cache.
+    np.testing.assert_allclose(np.asarray(cached(text[:n])), np.asarray(window(text[:n])), rtol=0, atol=1e-4)
+  # Greedy past the window: the cached path starts a new text, steps, then prefills the last seq_len tokens.
+  prompt = text[:5]
+  reference = sample.generate(window, prompt, seq_len + 4, temperature=0.0, seed=0)
+  assert sample.generate(cached, prompt, seq_len + 4, temperature=0.0, seed=0) == reference
+  out = sample.sample(str(run), 'def ', 6, 0.0, 0, 'latest')  # The whole script, on its cached path.
+  assert out.startswith(b'def ') and len(out) == 10
