@@ -44,7 +44,12 @@ def source_folder(config) -> pathlib.Path | None:
   if not init_from or not init_from.startswith('hf:'):
     return None
   folder = pathlib.Path(init_from[len('hf:'):]).expanduser()
-  return folder if (folder / 'config.json').is_file() else None
+  if not (folder / 'config.json').is_file():
+    logging.warning('model.init_from: %s has no config.json now, so its token ids, end tokens and context length '
+                    'are not read (the data\'s tokenizer and data.seq_len stand in); copy the folder back to keep them.',
+                    folder)
+    return None
+  return folder
 
 
 def _tokenizer_files(folder: pathlib.Path | None) -> tuple[pathlib.Path, ...]:
