@@ -166,13 +166,15 @@ def main(argv):
     console.divert_library_errors(_WORKDIR.value)
   held = None
   try:
+    from trainer.hf import load as hf_load  # model.init_from: config.json replaces the file's model keys, not the flags'.
+    config = hf_load.configure(_CONFIG.value, config_flags.get_override_values(flags.FLAGS['config']))
     if _PLAN.value:
       from trainer import plan
-      plan.run(_CONFIG.value, _PLAN_MEMORY_GB.value, _TOPOLOGY.value)
+      plan.run(config, _PLAN_MEMORY_GB.value, _TOPOLOGY.value)
       return
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _TIMEOUT.value)
     held = lock.acquire_for_run(_WORKDIR.value)  # Before --start_over moves anything, and before compiling.
-    loop.run(_CONFIG.value, _WORKDIR.value, start_over=_START_OVER.value)
+    loop.run(config, _WORKDIR.value, start_over=_START_OVER.value)
   except UserError as e:
     _fail(str(e), getattr(e, 'exit_code', 2))  # 3: stopped on a non-finite loss (trainer/guardrails.py).
   except Exception as e:  # pylint: disable=broad-except

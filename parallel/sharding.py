@@ -12,6 +12,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallel import mesh as mesh_lib
+from parallel import vocabularies
 
 from trainer.errors import UserError
 
@@ -23,9 +24,10 @@ def rules_from_config(parallel_config) -> tuple[tuple[str, object], ...]:
 
   `parallel.extra_axis_rules` first (Flax takes the first rule naming an axis,
   so they override without retyping the defaults), then
-  `parallel.logical_axis_rules`, then one identity rule per mesh axis no rule
-  names: a parameter or activation named after a mesh axis ('data', 'fsdp',
-  'tensor', as models written for their own mesh name them) is split over it.
+  `parallel.logical_axis_rules`, then those of the names public Flax code uses
+  that neither names (parallel/vocabularies.py), then one identity rule per mesh
+  axis no rule names: a parameter or activation named after a mesh axis ('data',
+  'fsdp', 'tensor', as models written for their own mesh name them) is split over it.
   """
   rules = []
   for key in ('extra_axis_rules', 'logical_axis_rules'):
@@ -38,6 +40,7 @@ def rules_from_config(parallel_config) -> tuple[tuple[str, object], ...]:
                         f"{mesh_lib.AXES}, a tuple of them, or None, e.g. ('model', 'tensor').")
       rules.append((rule[0], tuple(rule[1]) if isinstance(rule[1], list) else rule[1]))
   rules = tuple(rules)
+  rules += vocabularies.rules({name for name, _ in rules})
   named = {name for name, _ in rules}
   return rules + tuple((axis, axis) for axis in mesh_lib.AXES if axis not in named)
 

@@ -1,16 +1,20 @@
 """Write a run's newest checkpoint as a Hugging Face model folder that transformers and vLLM load.
 
-  python scripts/export_hf.py --workdir=DIR --output=OUT [--step=latest] [--dtype=float32] [--max_shard_gb=5]
+  python scripts/export_hf.py --workdir=DIR --output=OUT [--step=latest] [--dtype=bfloat16] [--max_shard_gb=5]
       [--params=raw|ema]
 
 Reads the run's config from WORKDIR/config.json, restores the parameters of the
 newest intact checkpoint (or --step) onto one CPU device (or, with --params=ema,
 their moving average: train.ema_decay), and writes OUT/config.json
-(LlamaForCausalLM, or Qwen2ForCausalLM for a model with q/k/v biases) and the
-weights as safetensors, split into files of at most --max_shard_gb with
-model.safetensors.index.json when larger. The tokenizer files travel along: those
-scripts/prepare_data.py kept with the run's data (DATA/tokenizer/), else those of the
-model.init_from folder the run started from. Then:
+(LlamaForCausalLM, Qwen2ForCausalLM for a model with q/k/v biases, Qwen3ForCausalLM
+with query/key norms, MistralForCausalLM when imported as one) and the weights as
+safetensors (in the imported checkpoint's dtype unless --dtype says; float32 for a
+model trained from scratch), split into files of at most --max_shard_gb with
+model.safetensors.index.json when larger. A run imported from a Hugging Face folder
+keeps its special token ids, context length and RoPE scaling, and its
+generation_config.json and tokenizer files travel along (the tokenizer's: else those
+scripts/prepare_data.py kept with the data); a run trained from scratch takes its
+token ids from the data's tokenizer (trainer/hf/serving.py). Then:
 
   transformers.AutoModelForCausalLM.from_pretrained(OUT)
 
@@ -28,26 +32,15 @@ from absl import logging
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # Restored onto one CPU device; don't claim an accelerator.
 
-# Copied beside the weights when the run's tokenizer folder has them (generation_config.json: the imported model's).
-TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'tokenizer.model',
-                   'generation_config.json', 'chat_template.jinja')
 
-
-def tokenizer_files(config) -> tuple[pathlib.Path, ...]:
-  """The tokenizer files to copy: the prepared data's, else the imported model folder's."""
-  from trainer.hf import tokenizer as hf_tokenizer
-  folder = hf_tokenizer.run_folder(config)
-  return () if folder is None else tuple(folder / n for n in TOKENIZER_FILES if (folder / n).is_file())
-
-
-def export(workdir: str, output: str, step: str = 'latest', dtype: str = 'float32', max_shard_gb: float = 5.0,
+def export(workdir: str, output: str, step: str = 'latest', dtype: str | None = None, max_shard_gb: float = 5.0,
            params: str = 'raw'):
   """Writes `output`; returns (the checkpoint step exported, the file names written)."""
   from scripts import sample
 
   from trainer import storage
   from trainer.errors import UserError
-  from trainer.hf import save
+  from trainer.hf import save, serving
   run = storage.path(workdir)
   config = sample.load_run_config(run)
   if config.model.name != 'llama':
@@ -57,7 +50,7 @@ def export(workdir: str, output: str, step: str = 'latest', dtype: str = 'float3
   if out.exists():
     raise UserError(f'--output={output!r} exists; choose a new folder (nothing is overwritten).')
   restored, _, weights = sample.restore_model(config, run, step, params)
-  names = save.export(config.model, weights, out, dtype, int(max_shard_gb * (1 << 30)), tokenizer_files(config))
+  names = save.export(config.model, weights, out, dtype, int(max_shard_gb * (1 << 30)), serving.of_run(config))
   logging.info('Exported step %d of %s to %s (%s)', restored, workdir, out, ', '.join(names))
   return restored, names
 
@@ -68,7 +61,8 @@ def main(argv=None):
   parser.add_argument('--workdir', required=True, help='the run folder (or gs:// URL): config.json and checkpoints/')
   parser.add_argument('--output', required=True, help='local folder to create for the model (must not exist)')
   parser.add_argument('--step', default='latest', help="checkpoint step to export, or 'latest' (newest intact)")
-  parser.add_argument('--dtype', default='float32', help="written weights: 'float32', 'bfloat16' or 'float16'")
+  parser.add_argument('--dtype', default=None, help="written weights: 'float32', 'bfloat16' or 'float16'; default: "
+                      "the imported checkpoint's (float32 for a model trained from scratch)")
   parser.add_argument('--max_shard_gb', type=float, default=5.0, help='largest safetensors file, in GiB')
   parser.add_argument('--params', default='raw', choices=('raw', 'ema'),
                       help="'raw': the parameters as trained; 'ema': their moving average (train.ema_decay > 0)")
@@ -79,7 +73,8 @@ def main(argv=None):
   try:
     step, names = export(args.workdir, args.output, args.step, args.dtype, args.max_shard_gb, args.params)
   except UserError as e:
-    sys.exit(f'export_hf.py: error: {e}')
+    print(f'export_hf.py: error: {" ".join(str(e).split())}', file=sys.stderr)
+    sys.exit(2)
   print(f'wrote {args.output}: config.json, {", ".join(names)} (step {step})')
 
 

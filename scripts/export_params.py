@@ -73,4 +73,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  from trainer import console
+  app.run(main, flags_parser=console.one_line_flag_errors('export_params.py'))  # Flag errors: one line, exit 2.

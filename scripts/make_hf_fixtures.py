@@ -19,6 +19,13 @@ Llama 3.2's), rewritten after saving and checked by loading it back; the others 
 library on sentences of a few dozen words, with its tokenizer_config.json (BOS `<s>` and EOS `</s>` per document,
 and a chat template).
 
+`chat.json` records what transformers does with a chat: `prompt_ids`, the `apply_chat_template` ids of its
+`messages` (assistant's turn opened) with the tokenizer, and `greedy_ids`, what `generate()` writes greedily after
+them with the `llama` model in a folder that also holds the tokenizer and a generation_config.json whose
+`eos_token_id` is `eos_token_id` (the tokenizer's </s> and an end-of-turn id, as Llama 3 chat models list two):
+the end-of-turn id is the first token of the unstopped greedy text, from its fourth on, not written before it,
+so the recorded generation stops there. `--chat_only` writes chat.json alone from the committed fixtures.
+
 --compare loads a folder (an export of an imported fixture) with transformers and prints the largest absolute
 difference of its logits from the golden ones.
 """
@@ -26,8 +33,9 @@ difference of its logits from the golden ones.
 import argparse
 import json
 import pathlib
-
 import random
+import shutil
+import tempfile
 
 import numpy as np
 import tokenizers
@@ -120,6 +128,7 @@ def build(output: pathlib.Path) -> None:
     np.save(output / f'{name}.logits.npy', golden.astype(np.float32))
     print(f'{name}: {sorted(p.name for p in folder.iterdir())}, logits std {golden.std():.2f}')
   build_tokenizer(output / 'tokenizer')
+  build_chat(output)
 
 
 WORDS = ('the quick brown fox jumps over lazy dog . what is two plus three ? it four five six seven . name a colour : '
@@ -151,6 +160,34 @@ def build_tokenizer(folder: pathlib.Path) -> None:
   print(f'tokenizer: {tok.get_vocab_size()} tokens')
 
 
+CHAT = [{'role': 'user', 'content': 'what is two plus three ?'}, {'role': 'assistant', 'content': 'five'},
+        {'role': 'user', 'content': 'name a colour'}]
+
+
+def build_chat(output: pathlib.Path, name: str = 'llama') -> None:
+  """chat.json: apply_chat_template's ids of CHAT, and generate()'s greedy ids after them, stopping at an end id."""
+  tokenizer = transformers.AutoTokenizer.from_pretrained(output / 'tokenizer')
+  prompt_ids = list(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False))
+  with tempfile.TemporaryDirectory() as tmp:
+    folder = pathlib.Path(tmp) / name
+    shutil.copytree(output / name, folder)
+    for f in (output / 'tokenizer').iterdir():
+      shutil.copy(f, folder)
+    inputs = torch.tensor([prompt_ids])
+    free = load(folder).generate(inputs, max_new_tokens=16, do_sample=False, eos_token_id=None)[0, len(prompt_ids):]
+    free = free.tolist()
+    end = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i] and t != tokenizer.eos_token_id)
+    eos = [tokenizer.eos_token_id, end]
+    generation = json.loads((folder / 'generation_config.json').read_text())
+    (folder / 'generation_config.json').write_text(json.dumps({**generation, 'eos_token_id': eos}))
+    stopped = load(folder).generate(inputs, max_new_tokens=16, do_sample=False)[0, len(prompt_ids):].tolist()
+  assert stopped == free[:free.index(end) + 1], (stopped, free)  # It stopped at the end id, and only there.
+  record = {'model': name, 'messages': CHAT, 'prompt_ids': prompt_ids, 'eos_token_id': eos, 'greedy_ids': stopped,
+            'transformers': transformers.__version__}
+  (output / 'chat.json').write_text(json.dumps(record, indent=1) + '\n')
+  print(f'chat: {len(prompt_ids)} prompt ids, {len(stopped)} greedy ids ending at {end}')
+
+
 def compare(folder: str, name: str, fixtures: pathlib.Path) -> None:
   input_ids = np.load(fixtures / 'input_ids.npy')
   golden = np.load(fixtures / f'{name}.logits.npy')
@@ -163,8 +200,11 @@ def main() -> None:
   parser.add_argument('--output', default=str(pathlib.Path(__file__).resolve().parent.parent / 'tests/fixtures/hf'))
   parser.add_argument('--compare', default=None, help='a model folder to load and compare with the golden logits')
   parser.add_argument('--name', default='llama', help='with --compare: whose golden logits')
+  parser.add_argument('--chat_only', action='store_true', help='write chat.json alone, from the committed fixtures')
   args = parser.parse_args()
-  if args.compare:
+  if args.chat_only:
+    build_chat(pathlib.Path(args.output))
+  elif args.compare:
     compare(args.compare, args.name, pathlib.Path(args.output))
   else:
     build(pathlib.Path(args.output))

@@ -1,7 +1,7 @@
 """Print a prompt and the continuation a trained LM writes for it.
 
   python scripts/sample.py --workdir=DIR [--prompt='def '] [--num_tokens=200] [--temperature=0.8] [--seed=0]
-      [--top_k=0] [--top_p=1.0] [--step=latest] [--params=raw|ema]
+      [--top_k=0] [--top_p=1.0] [--step=latest] [--params=raw|ema] [--chat] [--ignore_eos]
 
 Reads the run's config from WORKDIR/config.json (written by launch.py),
 restores the parameters of the newest intact checkpoint (or --step) onto one
@@ -18,6 +18,14 @@ Both give the same tokens. --temperature=0 is greedy; --top_k keeps the k
 likeliest tokens, --top_p the smallest set whose probabilities reach p (nucleus
 sampling), both before the temperature's softmax draw.
 
+Generation stops at the model's end tokens (trainer/hf/serving.py `end_token_ids`: the
+imported folder's generation_config.json or config.json, and the run's tokenizer's
+eos_token), as transformers' generate() does, unless --ignore_eos. --chat takes
+--prompt as the user's message (or a JSON list of {"role", "content"} messages),
+renders it with the tokenizer's chat template and the assistant's turn opened, as
+transformers' apply_chat_template(add_generation_prompt=True) does, and prints the
+assistant's answer alone.
+
 Runs on byte-level text (data.source='text', or prepare_data.py shards
 tokenized as bytes) take the prompt as text and print text; so do runs whose
 shards prepare_data.py made with a Hugging Face tokenizer (kept in DATA/tokenizer/)
@@ -26,7 +34,7 @@ or that started from a Hugging Face folder holding tokenizer.json
 (BOS), the output decoded; and runs whose shards it made with a SentencePiece
 model or a tiktoken file (kept there too; the package must be installed). Runs
 whose tokens came with no tokenizer (arrays, synthetic): the prompt is token ids
-('15 27 3') and the output is ids.
+('15 27 3') and the output is ids; so are runs on .npy tokens whose ids pass 255.
 """
 
 import functools
@@ -52,6 +60,9 @@ _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Sample among the smallest set of like
 _STEP = flags.DEFINE_string('step', 'latest', "Checkpoint step to load, or 'latest' (the newest intact one).")
 _PARAMS = flags.DEFINE_enum('params', 'raw', ['raw', 'ema'], "'raw': the parameters as trained; 'ema': their "
                             'average (runs trained with train.ema_decay > 0).')
+_CHAT = flags.DEFINE_bool('chat', False, "--prompt is the user's message (or a JSON list of messages): apply the "
+                          "tokenizer's chat template and print the assistant's answer.")
+_IGNORE_EOS = flags.DEFINE_bool('ignore_eos', False, "Write --num_tokens tokens, past the model's end tokens.")
 flags.mark_flags_as_required(['workdir'])
 
 
@@ -113,7 +124,11 @@ def restore_model(config, workdir, step: str, which: str = 'raw'):
   # `targets` as training has them (the window shifted left one): what a model.unshifted_inputs model is fed.
   def outputs(params, tokens_BL):
     return task.outputs(params, {'inputs': tokens_BL, 'targets': jax.numpy.roll(tokens_BL, -1, axis=1)})
-  return restored, lambda params: functools.partial(outputs, params), state_lib.params_of(state, which)
+
+  def bind(params):
+    return functools.partial(outputs, params)
+  bind.task = task  # For a brought model's own cache (DecodingCallLogits).
+  return restored, bind, state_lib.params_of(state, which)
 
 
 def byte_level(config) -> bool:
@@ -122,7 +137,10 @@ def byte_level(config) -> bool:
     return True
   if config.data.source == 'array_record' and config.data.path:
     meta = pathlib.Path(config.data.path) / 'meta.json'
-    return meta.is_file() and json.loads(meta.read_text()).get('tokenizer') == 'bytes'
+    if not meta.is_file():
+      return False
+    meta = json.loads(meta.read_text())  # .npy tokens are marked 'bytes' too: bytes only while every id is one.
+    return meta.get('tokenizer') == 'bytes' and meta.get('vocab_size', 256) <= 256
   return False
 
 
@@ -228,6 +246,55 @@ class CachedLogits:
     return logits_V
 
 
+class DecodingCallLogits:
+  """tokens -> the next token's logits (V,) float32, from a brought model of the decoding call convention
+  (`model(tokens, positions, cache, attention_mask) -> (logits, cache)`: flax's Gemma example, tunix) and the cache
+  its `init_cache(cache_size, batch_size, dtype)` makes, of data.seq_len entries.
+
+  As CachedLogits: a text grown by one token runs that token alone at its position against the cache; any other
+  runs the text (its last `seq_len` tokens) from position 0 into a fresh cache, compiled once per length.
+  """
+
+  @staticmethod
+  def fits(task) -> bool:
+    return task.convention.decoding and callable(getattr(task.model.module_class, 'init_cache', None))
+
+  def __init__(self, task, params, seq_len: int, dtype: str):
+    import jax
+    import jax.numpy as jnp
+    slots = jnp.arange(seq_len)
+
+    def prefill(params, tokens_1L):
+      length = tokens_1L.shape[1]
+      with task.context():
+        model = task.bind(params)
+        mask_1LS = slots[None, None, :] <= jnp.arange(length)[None, :, None]
+        logits, cache = model.with_cache(tokens_1L, jnp.arange(length)[None], model.init_cache(seq_len, 1, dtype),
+                                         mask_1LS)
+      return logits[0, -1].astype(jnp.float32), cache
+
+    def step(params, cache, token_11, position_11):
+      with task.context():
+        logits, cache = task.bind(params).with_cache(token_11, position_11, cache,
+                                                     slots[None, None, :] <= position_11[:, :, None])
+      return logits[0, 0].astype(jnp.float32), cache
+
+    self._prefill, self._step = jax.jit(prefill), jax.jit(step, donate_argnums=1)
+    self._params, self._seq_len = params, seq_len
+    self._cache, self._text = None, []
+
+  def __call__(self, tokens: list[int]):
+    import numpy as np
+    grown = self._cache is not None and len(tokens) == len(self._text) + 1 and tokens[:-1] == self._text
+    if grown and len(tokens) <= self._seq_len:
+      logits_V, self._cache = self._step(self._params, self._cache, np.array([[tokens[-1]]], np.int32),
+                                         np.array([[len(tokens) - 1]], np.int32))
+    else:
+      logits_V, self._cache = self._prefill(self._params, np.array([tokens[-self._seq_len:]], np.int32))
+    self._text = list(tokens)
+    return logits_V
+
+
 def cached_decoder(config):
   """The run's Llama for decoding with a KV cache (llama.for_decoding); None where sample.py runs the whole window
   per token: brought models (the launcher does not know their internals) and MoE in capacity mode, where a token
@@ -255,24 +322,44 @@ def _picker(top_k: int, top_p: float):
 
 
 def generate(next_logits, prompt: list[int], num_tokens: int, temperature: float, seed: int, top_k: int = 0,
-             top_p: float = 1.0) -> list[int]:
-  """`num_tokens` tokens after `prompt`; `next_logits(tokens)` (a WindowLogits or CachedLogits) scores each."""
+             top_p: float = 1.0, end_ids: tuple[int, ...] = ()) -> list[int]:
+  """Up to `num_tokens` tokens after `prompt`, ending with the first of `end_ids` written (kept, as transformers'
+  generate() keeps it); `next_logits(tokens)` (a WindowLogits or CachedLogits) scores each."""
   import jax
   pick = _picker(top_k, top_p)
   tokens, key = list(prompt), jax.random.key(seed)
   for _ in range(num_tokens):
     key, sub = jax.random.split(key)
     tokens.append(int(pick(next_logits(tokens), sub, temperature)))
+    if tokens[-1] in end_ids:
+      break
   return tokens[len(prompt):]
 
 
 def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed: int, step: str, top_k: int = 0,
-           top_p: float = 1.0, params: str = 'raw') -> bytes:
-  """The prompt and its continuation, as the bytes to print."""
+           top_p: float = 1.0, params: str = 'raw', chat: bool = False, ignore_eos: bool = False) -> bytes:
+  """The prompt and its continuation (with `chat`: the assistant's answer alone), as the bytes to print."""
+  tokens, new, as_bytes, decode = sample_ids(workdir, prompt, num_tokens, temperature, seed, step, top_k, top_p, params,
+                                             chat, ignore_eos)
+  if as_bytes:
+    if any(t > 255 for t in tokens + new):
+      from trainer.errors import UserError
+      raise UserError(f'the model wrote token id {max(tokens + new)}, which is no byte (this run\'s text is bytes but '
+                      f'its model.vocab_size exceeds 256); retrain with --config.model.vocab_size=256 to sample text.')
+    return bytes(tokens + new)
+  if decode is not None:
+    return decode(tokens, new).encode()
+  return ' '.join(map(str, tokens + new)).encode()
+
+
+def sample_ids(workdir: str, prompt: str, num_tokens: int, temperature: float, seed: int, step: str, top_k: int = 0,
+               top_p: float = 1.0, params: str = 'raw', chat: bool = False, ignore_eos: bool = False):
+  """(prompt ids, new ids, whether they are bytes, decode(prompt ids, new ids) -> text or None)."""
   import jax
 
   from trainer import storage
   from trainer.errors import UserError
+  from trainer.hf import serving
   if num_tokens < 0 or temperature < 0:
     raise UserError(f'--num_tokens={num_tokens} and --temperature={temperature} must be >= 0.')
   if top_k < 0 or not 0 < top_p <= 1:
@@ -280,25 +367,61 @@ def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed:
   workdir = storage.path(workdir)  # A local folder or gs://bucket/run.
   config = load_run_config(workdir)
   as_bytes = byte_level(config)
-  encode, decode = text_codec(config, as_bytes)
+  encode, decode = chat_codec(config) if chat else text_codec(config, as_bytes)
   if encode is not None:
     if not prompt:
       raise UserError('--prompt is empty; give at least one token to continue.')
     tokens = encode(prompt)
   else:
     tokens = encode_prompt(prompt, as_bytes, config.model.vocab_size)
+  end_ids = () if ignore_eos else serving.end_token_ids(config)
   restored, bind, weights = restore_model(config, workdir, step, params)
   print(f'sample.py: {params} parameters of checkpoint step {restored} in {workdir}', file=sys.stderr)  # stdout: text.
   decoder = cached_decoder(config)
   with jax.default_device(jax.devices('cpu')[0]):
     next_logits = (WindowLogits(bind, weights, config.data.seq_len) if decoder is None else
                    CachedLogits(decoder, weights, config.data.seq_len))
-    new = generate(next_logits, tokens, num_tokens, temperature, seed, top_k, top_p)
-  if as_bytes:
-    return bytes(tokens + new)
-  if decode is not None:
-    return decode(tokens, new).encode()
-  return ' '.join(map(str, tokens + new)).encode()
+    if decoder is None and DecodingCallLogits.fits(bind.task):
+      next_logits = DecodingCallLogits(bind.task, weights, config.data.seq_len, config.train.compute_dtype)
+    new = generate(next_logits, tokens, num_tokens, temperature, seed, top_k, top_p, end_ids)
+  return tokens, new, as_bytes, decode
+
+
+def chat_messages(prompt: str) -> list[dict]:
+  """--prompt as messages: a JSON list of {"role", "content"} objects, else one user message."""
+  from trainer.errors import UserError
+  if not prompt.lstrip().startswith('['):
+    return [{'role': 'user', 'content': prompt}]
+  try:
+    messages = json.loads(prompt)
+  except ValueError as e:
+    raise UserError(f'--prompt starts with "[" but is not a JSON list of messages ({e}); give '
+                    f'\'[{{"role": "user", "content": "..."}}]\' or plain text.') from None
+  if not all(isinstance(m, dict) and {'role', 'content'} <= m.keys() for m in messages):
+    raise UserError('--prompt: each message of the JSON list needs a "role" and a "content".')
+  return messages
+
+
+def chat_codec(config):
+  """(encode(prompt) -> the chat template's ids with the assistant's turn opened, decode(prompt ids, new ids) ->
+  the answer without its end token) for --chat; UserError for a run with no Hugging Face chat template."""
+  from trainer.errors import UserError
+  from trainer.hf import serving
+  from trainer.hf import tokenizer as hf_tokenizer
+  folder = hf_tokenizer.run_folder(config)
+  tok = None if folder is None else hf_tokenizer.load(str(folder), flag='the run\'s tokenizer')
+  if tok is None or not tok.chat_template:
+    raise UserError(f'--chat: this run has no chat template (its Hugging Face tokenizer: '
+                    f'{str(folder) if folder else "none"}); drop --chat, or prepare the data with a tokenizer whose '
+                    f'tokenizer_config.json has a chat_template.')
+  ends = set(serving.end_token_ids(config))
+
+  def encode(prompt):
+    return tok.encode(tok.render_chat(chat_messages(prompt), add_generation_prompt=True), document=False)
+
+  def decode(prompt_ids, new):
+    return tok.decode(new[:-1] if new and new[-1] in ends else new)
+  return encode, decode
 
 
 def text_codec(config, as_bytes: bool):
@@ -330,7 +453,7 @@ def main(argv):
     logging.set_verbosity(logging.ERROR)
   try:
     out = sample(_WORKDIR.value, _PROMPT.value, _NUM_TOKENS.value, _TEMPERATURE.value, _SEED.value, _STEP.value,
-                 _TOP_K.value, _TOP_P.value, _PARAMS.value)
+                 _TOP_K.value, _TOP_P.value, _PARAMS.value, _CHAT.value, _IGNORE_EOS.value)
   except UserError as e:
     print(f'sample.py: error: {" ".join(str(e).split())}', file=sys.stderr)
     sys.exit(2)
@@ -339,4 +462,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  from trainer import console
+  app.run(main, flags_parser=console.one_line_flag_errors('sample.py'))  # Flag errors: one line, exit 2.

@@ -298,3 +298,150 @@ def test_a_model_written_for_explicit_mesh_axes_is_told_what_to_remove(strategy,
           in message), message
   assert 'fix the model' not in message and '\n' not in message
   assert '(raised at ' in message and 'nnx_lm.py:' in message  # Where: the model's own line.
+
+
+# Parameters named in the vocabularies of public Flax code (tests/third_party/vocab_models.py) need no
+# extra_axis_rules: each is split as docs/brought_models.md's table says (parallel/vocabularies.py).
+_QKV = {'q': ('fsdp', 'tensor', None), 'k': ('fsdp', 'tensor', None), 'v': ('fsdp', 'tensor', None)}
+VOCABULARY_SPLITS = {
+    'flax_examples': {'embedding': ('tensor', 'fsdp'), **_QKV, 'o': ('tensor', None, 'fsdp'),
+                      'wi': ('fsdp', 'tensor'), 'wo': ('tensor', 'fsdp'), 'scale': ('fsdp',)},
+    't5x': {'embedding': ('tensor', 'fsdp'), 'q': ('fsdp', 'tensor'), 'k': ('fsdp', 'tensor'), 'v': ('fsdp', 'tensor'),
+            'o': ('tensor', 'fsdp'), 'wi': ('fsdp', None, 'tensor'), 'wo': ('tensor', 'fsdp'), 'scale': ('fsdp',)},
+    'maxtext': {'embedding': ('tensor', 'fsdp'), 'q_a': ('fsdp', None), 'kv_a': ('fsdp', None), **_QKV,
+                'o': ('tensor', None, 'fsdp'), 'wi': ('fsdp', None, 'tensor'), 'wo': ('tensor', 'fsdp'),
+                'wi_exp': ('expert', 'fsdp', 'tensor'), 'wo_exp': ('expert', 'tensor', 'fsdp'), 'scale': (None,)},
+    'tunix': {'embedding': ('tensor', 'fsdp'), 'q': ('tensor', 'fsdp', None), 'k': ('tensor', 'fsdp', None),
+              'v': ('tensor', 'fsdp', None), 'o': ('tensor', None, 'fsdp'), 'wi': ('fsdp', 'tensor'),
+              'wo': ('tensor', 'fsdp'), 'scale': ('tensor',)},
+    'nanodo': {'embedding': (None, 'data'), 'q': ('data', None, None), 'k': ('data', None, None),
+               'v': ('data', None, None), 'o': (None, None, 'data'), 'wi': ('data', None), 'wo': (None, 'data'),
+               'scale': (None,)},
+    'big_vision': {'embedding': (None, None), 'q': (None, None, None), 'k': (None, None, None),
+                   'v': (None, None, None), 'o': (None, None, None), 'wi': (None, None), 'wo': (None, None),
+                   'scale': (None,)},  # Unnamed and small: parallel.unnamed_params='auto' replicates them.
+}
+
+
+def _vocabulary_config(builder: str, steps=2):
+  c = _config('do', steps=steps)
+  c.model.name = f'tests.third_party.vocab_models:{builder}'
+  c.parallel.extra_axis_rules = ()
+  return c
+
+
+def _splits(config) -> dict[str, tuple]:
+  """{parameter: its PartitionSpec, one entry per dimension} of the Job `config` builds."""
+  built = job.build_job(config)
+  return {sharding.path_name(path).split('/')[-1]: tuple(s.spec) + (None,) * (len(leaf.shape) - len(s.spec))
+          for (path, s), leaf in zip(jax.tree_util.tree_flatten_with_path(built.shardings.params)[0],
+                                     jax.tree.leaves(built.abstract.params))}
+
+
+@pytest.mark.parametrize('framework', ['linen', 'nnx'])
+@pytest.mark.parametrize('vocabulary', list(VOCABULARY_SPLITS))
+def test_public_vocabularies_need_no_rule_and_split_as_the_table_promises(vocabulary, framework):
+  assert _splits(_vocabulary_config(f'{framework}_{vocabulary}')) == VOCABULARY_SPLITS[vocabulary]
+
+
+@pytest.mark.parametrize('builder', ['linen_flax_examples', 'linen_t5x', 'linen_maxtext', 'nnx_maxtext', 'nnx_tunix',
+                                     'linen_nanodo', 'linen_big_vision'])
+def test_public_vocabularies_train_on_a_2x2x2_mesh_with_no_extra_rules(builder, tmp_path):
+  loop.run(_vocabulary_config(builder), str(tmp_path))
+  losses = [r['loss'] for r in read_metrics(tmp_path) if 'loss' in r]
+  assert len(losses) == 2 and all(np.isfinite(losses)) and abs(losses[0] - np.log(256)) < 1.0, losses
+
+
+def test_a_user_rule_still_wins_and_an_unknown_name_is_still_refused():
+  config = _vocabulary_config('linen_t5x')
+  config.parallel.extra_axis_rules = (('joined_kv', None),)
+  assert _splits(config)['q'] == ('fsdp', None)
+  config.model.name = 'tests.test_brought_models:linen_unknown_name'
+  with pytest.raises(UserError, match=r"names axis 'qkv_joint', which is neither a mesh axis .*extra_axis_rules"):
+    job.build_job(config)
+
+
+def linen_unknown_name(config):
+  """t5x's model with its query kernel named ('embed', 'qkv_joint'): a name in no vocabulary."""
+  from tests.third_party import vocab_models
+  m = config.model
+  vocab_models.VOCABULARIES.setdefault('unknown', {**vocab_models.VOCABULARIES['t5x'],
+                                                   'q': ('DJ', ('embed', 'qkv_joint'))})
+  return vocab_models.LinenLM('unknown', m.vocab_size, m.d_model, m.num_heads, m.mlp_dim)
+
+
+def test_docs_table_lists_every_public_name_with_its_axis():
+  from conftest import REPO
+  from parallel import vocabularies
+  text = (REPO / 'docs' / 'brought_models.md').read_text()
+  for name, axis, _, _ in vocabularies.PUBLIC_NAMES:
+    shown = 'None' if axis is None else repr(axis).replace("'", '')
+    assert f'| `{name}` | `{shown}` |' in text, name
+
+
+# The decoding call convention, model(tokens, positions, cache, attention_mask) -> (logits, cache), of flax's Gemma
+# example and tunix's Llama 3 (copies in their style: tests/third_party/gemma_nnx.py, tunix_llama3.py).
+DECODING = ('gemma', 'tunix_llama')
+
+
+@pytest.fixture(scope='module')
+def decoding_runs(tmp_path_factory):
+  """Each decoding-convention model trained 10 steps on text on a (2, 2, 2) mesh, 4 heads sharing 2 kv heads."""
+  root = tmp_path_factory.mktemp('decoding')
+  (root / 'text').mkdir()
+  make_text_dir(root / 'text', num_files=4)
+  runs = {}
+  for builder in DECODING:
+    c = _config(builder, steps=10)
+    c.data.source, c.data.text_dir = 'text', str(root / 'text')
+    c.model.num_heads, c.model.num_kv_heads, c.train.learning_rate, c.ckpt.every_steps = 4, 2, 1e-2, 10
+    loop.run(c, str(root / builder))
+    runs[builder] = root / builder
+  return runs
+
+
+@pytest.mark.parametrize('builder', DECODING)
+def test_decoding_convention_models_train_by_import_path_losses_falling(builder, decoding_runs):
+  losses = [r['loss'] for r in read_metrics(decoding_runs[builder]) if 'loss' in r]
+  assert len(losses) == 10 and np.mean(losses[-3:]) < losses[0] - 0.3, losses
+
+
+def test_the_launcher_gives_a_decoding_model_positions_and_the_causal_segment_mask():
+  from trainer.models import call_convention
+  seen = {}
+
+  class Model:
+    def __call__(self, input_tokens, positions, cache, attention_mask):
+      seen.update(positions=positions, cache=cache, mask=attention_mask)
+      return input_tokens.astype(jnp.float32)[..., None], cache
+
+  assert call_convention.takes_decoding_call(Model)
+  wrapped = call_convention.CallConvention(decoding=True).wrap(Model())
+  logits = wrapped(jnp.array([[5, 6, 7, 8]]), segment_ids=jnp.array([[1, 1, 2, 2]]), positions=jnp.array([[0, 1, 0, 1]]))
+  assert logits.shape == (1, 4, 1) and seen['cache'] is None
+  np.testing.assert_array_equal(seen['positions'], [[0, 1, 0, 1]])
+  np.testing.assert_array_equal(seen['mask'][0], [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]])
+  wrapped(jnp.array([[5, 6, 7]]))  # Unpacked: positions 0..L-1 and the plain causal mask.
+  np.testing.assert_array_equal(seen['positions'], [[0, 1, 2]])
+  np.testing.assert_array_equal(seen['mask'][0], np.tril(np.ones((3, 3))))
+
+
+@pytest.mark.parametrize('builder', DECODING)
+def test_sample_decodes_a_decoding_model_with_its_own_cache(builder, decoding_runs):
+  from trainer import storage
+  run = storage.path(str(decoding_runs[builder]))
+  config = sample.load_run_config(run)
+  _, bind, params = sample.restore_model(config, run, 'latest')
+  assert sample.DecodingCallLogits.fits(bind.task)
+  seq_len = config.data.seq_len
+  window = sample.WindowLogits(bind, params, seq_len)
+  cached = sample.DecodingCallLogits(bind.task, params, seq_len, config.train.compute_dtype)
+  text = np.random.default_rng(1).integers(0, 256, 12).tolist()
+  for n in range(3, len(text) + 1):  # Prefill at 3 tokens, then one token at a time against the cache.
+    np.testing.assert_allclose(np.asarray(cached(text[:n])), np.asarray(window(text[:n])), rtol=0, atol=1e-4)
+  # Greedy past the window: the cached path starts a new text, steps, then prefills the last seq_len tokens.
+  prompt = text[:5]
+  reference = sample.generate(window, prompt, seq_len + 4, temperature=0.0, seed=0)
+  assert sample.generate(cached, prompt, seq_len + 4, temperature=0.0, seed=0) == reference
+  out = sample.sample(str(run), 'def ', 6, 0.0, 0, 'latest')  # The whole script, on its cached path.
+  assert out.startswith(b'def ') and len(out) == 10

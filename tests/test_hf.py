@@ -96,6 +96,9 @@ def test_config_json_sets_the_model_and_a_contradicting_override_is_refused():
   bad.model.d_model = 128
   with pytest.raises(UserError, match=r"model.d_model=128 \(config.json: 64\).*drop that override"):
     hf_load.configure(bad)
+  with pytest.raises(UserError, match=r"--config.model.d_model=128 \(config.json: 64\) contradicts .*drop that"):
+    hf_load.configure(bad, command_line={'model.d_model': 128})
+  assert hf_load.configure(bad, command_line={'train.steps': 3}).model.d_model == 64  # The file's value: replaced.
 
 
 def _copy(name, tmp_path):
@@ -213,3 +216,21 @@ def test_export_refuses_a_model_no_hugging_face_architecture_describes():
   with pytest.raises(UserError, match=r'model.num_experts > 0 \(a mixture of experts\), which none of the exported '
                                       r'Hugging Face architectures .* scripts/export_params.py instead'):
     architectures.hf_config(model)
+
+
+def test_any_config_file_imports_and_only_a_contradicting_flag_is_refused(launcher, tmp_path):
+  """configs/tiny.py sets the model's sizes: config.json replaces them and the log lists them; a flag is refused."""
+  common = ('--config=configs/tiny.py', f'--config.model.init_from=hf:{FIXTURES / "llama"}',
+            '--config.data.source=synthetic', '--config.train.steps=1', '--config.train.eval_batches=0')
+  result = launcher(*common, f'--workdir={tmp_path / "run"}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  (line,) = [l for l in result.stderr.splitlines() if 'config.json replaces what the config file set' in l]
+  assert 'model.d_model=32 -> 64' in line and 'model.mlp_dim=64 -> 128' in line and 'model.num_heads=2 -> 4' in line
+  config = json.loads((tmp_path / 'run' / 'config.json').read_text())['model']
+  assert (config['d_model'], config['num_heads'], config['mlp_dim']) == (64, 4, 128)
+  refused = launcher(*common, f'--workdir={tmp_path / "refused"}', '--config.model.d_model=32')
+  assert refused.returncode == 2
+  last = refused.stderr.strip().splitlines()[-1]
+  assert last == (f"launch.py: error: model.init_from='hf:{FIXTURES / 'llama'}': --config.model.d_model=32 "
+                  f"(config.json: 64) contradicts {FIXTURES / 'llama' / 'config.json'}, which decides the model; "
+                  f"drop that override."), last

@@ -173,3 +173,108 @@ def test_the_kv_cache_is_for_the_builtin_llama_only_and_not_for_capacity_mode_mo
   assert sample.cached_decoder(config) is None
   config.model.expert_capacity_factor = None  # Dropless: each token's experts do not depend on the others.
   assert sample.cached_decoder(config) is not None
+
+
+# Chat and end tokens on a Hugging Face model: tests/fixtures/hf/chat.json holds what transformers does
+# (scripts/make_hf_fixtures.py): apply_chat_template's ids and generate()'s greedy ids, stopped at an end id.
+HF = REPO / 'tests' / 'fixtures' / 'hf'
+
+
+def _chat_record() -> dict:
+  return json.loads((HF / 'chat.json').read_text())
+
+
+@pytest.fixture(scope='module')
+def chat_source(tmp_path_factory):
+  """The Llama fixture as a chat model is published: its tokenizer beside it, generation_config.json listing the
+  end ids chat.json's generation stopped at."""
+  import shutil
+  record = _chat_record()
+  folder = tmp_path_factory.mktemp('chat') / 'llama_chat'
+  shutil.copytree(HF / record['model'], folder)
+  for f in (HF / 'tokenizer').iterdir():
+    shutil.copy(f, folder)
+  generation = json.loads((folder / 'generation_config.json').read_text())
+  (folder / 'generation_config.json').write_text(json.dumps({**generation, 'eos_token_id': record['eos_token_id']}))
+  return folder
+
+
+@pytest.fixture(scope='module')
+def chat_run(chat_source):
+  """A run imported from chat_source whose one step leaves the weights as they came (a learning rate of 1e-30 moves
+  no float32 weight: the test checks the export bit for bit)."""
+  run = run_launcher('--config=configs/finetune_llama.py', f'--workdir={chat_source.parent / "run"}',
+                     f'--config.model.init_from=hf:{chat_source}', '--config.data.source=synthetic',
+                     '--config.data.loss_mask=False', '--config.data.packing=False', '--config.data.seq_len=64',
+                     '--config.train.remat_policy=none', '--config.train.batch_size=8', '--config.train.steps=1',
+                     '--config.train.learning_rate=1e-30', '--config.train.warmup_steps=0',
+                     '--config.train.eval_batches=0', '--config.train.compute_dtype=float32')
+  assert run.returncode == 0, run.stderr[-3000:]
+  return chat_source.parent / 'run'
+
+
+def test_chat_applies_the_template_as_transformers_apply_chat_template(chat_source):
+  from configs import base
+  record = _chat_record()
+  config = base.get_config()
+  config.model.init_from = f'hf:{chat_source}'
+  encode, _ = _sample_module().chat_codec(config)
+  assert encode(json.dumps(record['messages'])) == record['prompt_ids']
+  one = encode(record['messages'][0]['content'])  # Plain text: one user message.
+  assert one == [1] + encode(json.dumps(record['messages'][:1]))[1:] and one[-3:] == record['prompt_ids'][-3:]
+
+
+def test_greedy_sampling_equals_transformers_generate_on_the_export_and_stops_at_the_same_token(chat_run, tmp_path):
+  from safetensors.numpy import load_file
+
+  from scripts import export_hf
+  record = _chat_record()
+  out = tmp_path / 'exported'
+  export_hf.export(str(chat_run), str(out))
+  source = load_file(HF / record['model'] / 'model.safetensors')
+  exported = load_file(out / 'model.safetensors')
+  assert all((exported[k] == v).all() for k, v in source.items())  # The export is the model chat.json generated on.
+  assert json.loads((out / 'generation_config.json').read_text())['eos_token_id'] == record['eos_token_id']
+  prompt, new, _, _ = _sample_module().sample_ids(str(chat_run), json.dumps(record['messages']), 16, 0.0, 0,
+                                                  'latest', chat=True)
+  assert prompt == record['prompt_ids'] and new == record['greedy_ids']  # Stopped where generate() stopped.
+  unstopped = _sample_module().sample_ids(str(chat_run), json.dumps(record['messages']), 16, 0.0, 0, 'latest',
+                                          chat=True, ignore_eos=True)[1]
+  assert len(unstopped) == 16 and unstopped[:len(new)] == new
+
+
+def test_chat_on_the_command_line_prints_the_answer_alone(chat_run):
+  import tokenizers
+  record = _chat_record()
+  result = _sample(f'--workdir={chat_run}', f'--prompt={json.dumps(record["messages"])}', '--chat',
+                   '--temperature=0', '--num_tokens=16')
+  assert result.returncode == 0, result.stderr[-3000:].decode(errors='replace')
+  tok = tokenizers.Tokenizer.from_file(str(HF / 'tokenizer' / 'tokenizer.json'))
+  assert result.stdout.decode() == tok.decode(record['greedy_ids'][:-1], skip_special_tokens=False) + '\n'
+
+
+def test_chat_without_a_chat_template_is_one_line(workdir):
+  result = _sample(f'--workdir={workdir}', '--prompt=hi', '--chat')
+  stderr = result.stderr.decode()
+  assert result.returncode == 2 and stderr.count('\n') == 1, stderr[-3000:]
+  assert stderr.startswith('sample.py: error: --chat: this run has no chat template') and 'drop --chat' in stderr
+
+
+def test_a_run_on_npy_tokens_past_255_samples_ids(tmp_path):
+  """prepare_data.py marks .npy tokens 'bytes' with their own vocabulary: ids above 255 are not bytes."""
+  import numpy as np
+  (tmp_path / 'npy').mkdir()
+  for i in range(4):
+    np.save(tmp_path / 'npy' / f'{i}.npy', np.random.default_rng(i).integers(0, 300, 400))
+  prepared = subprocess.run([sys.executable, str(REPO / 'scripts/prepare_data.py'), f'--input={tmp_path / "npy"}',
+                             f'--output={tmp_path / "data"}', '--glob=*.npy', '--eval_percent=0', '--vocab_size=300'],
+                            capture_output=True, text=True, timeout=120)
+  assert prepared.returncode == 0, prepared.stderr
+  run = run_launcher('--config=configs/tiny.py', f'--workdir={tmp_path / "run"}', '--config.data.source=array_record',
+                     f'--config.data.path={tmp_path / "data"}', '--config.model.vocab_size=300',
+                     '--config.train.steps=1', '--config.train.eval_batches=0')
+  assert run.returncode == 0, run.stderr[-3000:]
+  result = _sample(f'--workdir={tmp_path / "run"}', '--prompt=280 3 299', '--num_tokens=5', '--temperature=0')
+  assert result.returncode == 0, result.stderr[-3000:].decode(errors='replace')
+  ids = [int(t) for t in result.stdout.split()]
+  assert ids[:3] == [280, 3, 299] and len(ids) == 8 and all(0 <= t < 300 for t in ids)

@@ -101,3 +101,33 @@ def quiet_library_info() -> None:
   """Drops library INFO chatter unless the user raised --verbosity above 0."""
   if logging.get_verbosity() <= logging.INFO:
     logging.get_absl_handler().addFilter(_OwnInfoOnly())
+
+
+def one_line_flag_errors(script: str):
+  """An absl `app.run(main, flags_parser=...)` for the scripts: a flag error (a required flag missing, a bad value,
+  a --config file that fails to load or an unknown --config key, a stray argument) is one line,
+  `SCRIPT: error: ...`, and exit code 2, as launch.py's user errors are; absl's own parser exits 1 with usage text
+  or a traceback."""
+  import sys
+
+  from absl import flags
+  from ml_collections import config_flags
+
+  def parse(argv):
+    try:
+      argv = flags.FLAGS(argv)
+      for name in flags.FLAGS:
+        if hasattr(flags.FLAGS[name], 'config_filename') and flags.FLAGS[name].present:  # A config_flags flag:
+          flags.FLAGS[name].value.keys()  # it defers a failed file load to the first access.
+      if len(argv) > 1:
+        raise flags.Error(f'unexpected arguments: {" ".join(argv[1:])}')
+    except (AttributeError, KeyError) as e:  # config_flags raises these for an override key the config lacks.
+      message = (f'a --config override names a key the config lacks ({e.args[0] if e.args else e}); every key is '
+                 f'declared in configs/base.py')
+    except (flags.Error, OSError, SyntaxError) as e:
+      message = str(e)
+    else:
+      return argv
+    print(f'{script}: error: {" ".join(message.split())}', file=sys.stderr)
+    sys.exit(2)
+  return parse

@@ -179,6 +179,8 @@ def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
     eval_convention = call_convention.CallConvention.from_config(config.model, evaluating=True)
   args, packed = objectives.example_inputs(objective)
   model = adapters.adapt(builder, config, (args, convention.keywords(packed)), keywords, init_context)
+  if made_for is None and call_convention.takes_decoding_call(model.module_class):  # flax Gemma, tunix: by their call.
+    convention, eval_convention = (dataclasses.replace(c, decoding=True) for c in (convention, eval_convention))
   mesh_shape = dict(mesh.shape) if mesh is not None else {'fsdp': 1}
   foreign = param_names.names_foreign_mesh_axes(model.abstract_boxed)
   unnamed = config.parallel.get('unnamed_params', 'auto')  # A run's config.json from before the key has none.

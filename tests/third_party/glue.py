@@ -6,12 +6,16 @@ model.call_kwargs / packed_kwarg_names / unshifted_inputs keys, set in
 tests/test_brought_models.py); nothing else is needed.
 """
 
-from tests.third_party import do_linen, lm1b_linen, meshy_linen, nnx_lm, prefix_linen, vit_linen
+import jax.numpy as jnp
+
+from tests.third_party import (do_linen, gemma_nnx, lm1b_linen, meshy_linen, nnx_lm, prefix_linen, tunix_llama3,
+                               vit_linen)
 from trainer.memory import remat
 
+# gemma_style's 'tp' and lm1b's 'kv' are in the default rules (parallel/vocabularies.py); prefix names the heads of
+# its flat kernels 'kv', which the default keeps whole, and splits them with its own rule, which wins.
 RULES = {'meshy': (('model', 'tensor'),), 'prefix': (('kv', 'tensor'), ('joined_kv', 'tensor')),
-         'gemma_style': (('tp', 'tensor'),), 'gemma_explicit': (('tp', 'tensor'),), 'do': (), 'lm1b': (('kv', None),),
-         'vit': ()}
+         'gemma_style': (), 'gemma_explicit': (), 'do': (), 'lm1b': (), 'vit': (), 'gemma': (), 'tunix_llama': ()}
 
 
 def meshy(config, dtype):  # Its mesh axis 'data' is the launcher's; 'model' is mapped by a rule.
@@ -59,3 +63,25 @@ def vit(config, dtype):  # Its required train= comes from model.call_kwargs / mo
 def gemma_explicit(config, *, rngs, dtype, remat_policy):  # Refused: its out_sharding= needs Explicit mesh axes.
   return gemma_style(config, rngs=rngs, dtype=dtype, remat_policy=remat_policy,
                      sharding=nnx_lm.ShardingConfig.fsdp_tp_explicit)
+
+
+# The decoding convention, model(tokens, positions, cache, attention_mask) -> (logits, cache): the launcher calls it
+# so by its parameter names (trainer/models/call_convention.py); the glue only maps the config.
+def gemma(config, *, rngs, dtype):  # flax's Gemma example: its own init_cache serves scripts/sample.py.
+  m = config.model
+  return gemma_nnx.Transformer(gemma_nnx.TransformerConfig(m.num_layers, m.vocab_size, m.d_model, m.mlp_dim, m.num_heads,
+                                                           m.d_model // m.num_heads, m.num_heads, dtype), rngs=rngs)
+
+
+def tunix_llama(config, *, rngs):  # No dtype: the launcher casts its parameters.
+  m = config.model
+  return _Llama3WithCache(tunix_llama3.ModelConfig(m.num_layers, m.vocab_size, m.d_model, m.mlp_dim, m.num_heads,
+                                                   m.d_model // m.num_heads, m.num_kv_heads or m.num_heads), rngs=rngs)
+
+
+class _Llama3WithCache(tunix_llama3.Llama3):  # tunix's sampler makes the cache; sample.py asks the model for one.
+  def init_cache(self, cache_size: int, batch_size: int, dtype):
+    c = self.config
+    shape = (batch_size, cache_size, c.num_kv_heads, c.head_dim)
+    return {f'layer_{i}': {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype),
+                           'end_index': jnp.zeros((batch_size,), jnp.int32)} for i in range(c.num_layers)}

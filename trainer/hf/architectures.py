@@ -91,9 +91,10 @@ def model_keys(hf: dict, seq_len: int, where: str) -> dict:
       **_rope(hf, where)}
 
 
-def hf_config(model, torch_dtype: str = 'float32') -> dict:
+def hf_config(model, torch_dtype: str = 'float32', architecture: str | None = None) -> dict:
   """The config.json of the built-in Llama of `model` (config.model): Qwen2 when it has q/k/v biases, Qwen3 when it
-  norms queries and keys, else Llama; UserError for a model no Hugging Face architecture describes."""
+  norms queries and keys, else `architecture` when given (the imported 'MistralForCausalLM'), else Llama; UserError
+  for a model no Hugging Face architecture describes."""
   bias, qk_norm = bool(model.get('qkv_bias', False)), bool(model.get('qk_norm', False))
   unexportable = [what for what, on in (('model.num_experts > 0 (a mixture of experts)', model.get('num_experts', 0)),
                                         ('both model.qkv_bias and model.qk_norm', bias and qk_norm)) if on]
@@ -101,10 +102,9 @@ def hf_config(model, torch_dtype: str = 'float32') -> dict:
     raise UserError(f'this run\'s model has {unexportable[0]}, which none of the exported Hugging Face architectures '
                     f'(LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM) describes; export it with '
                     f'scripts/export_params.py instead.')
-  model_type = 'qwen3' if qk_norm else 'qwen2' if bias else 'llama'
+  model_type = 'qwen3' if qk_norm else 'qwen2' if bias else SUPPORTED.get(architecture, 'llama')
   out = {
-      'architectures': [{'qwen3': 'Qwen3ForCausalLM', 'qwen2': 'Qwen2ForCausalLM', 'llama': 'LlamaForCausalLM'}[
-          model_type]],
+      'architectures': [{v: k for k, v in SUPPORTED.items()}[model_type]],
       'model_type': model_type,
       'hidden_size': model.d_model, 'num_hidden_layers': model.num_layers, 'num_attention_heads': model.num_heads,
       'num_key_value_heads': model.num_kv_heads or model.num_heads, 'intermediate_size': model.mlp_dim,

@@ -1,10 +1,10 @@
 """Import: `model.init_from='hf:/local/folder'` -> the built-in Llama's config keys and its weights, sharded.
 
 Two calls, at two moments of a run:
-- `configure(config)` reads config.json only (so `--plan` sizes an imported model
-  without reading a weight): the model.* keys it stands for replace those left at
-  configs/base.py's defaults; a key set to anything else must agree with it, or the
-  launch is refused naming both.
+- `configure(config, command_line)` reads config.json only (so `--plan` sizes an
+  imported model without reading a weight): the model.* keys it stands for replace
+  those of the config (the log lists those the config file set); a command-line
+  override that contradicts it is refused naming both.
 - `load_params(config, abstract_params, shardings)` reads the safetensors headers,
   checks every tensor's name and shape against the model (one line for a missing,
   extra or misshapen tensor, before any compile), then builds each parameter from
@@ -45,8 +45,14 @@ def _where(config) -> str:
   return f'model.init_from={config.model.init_from!r}'
 
 
-def configure(config):
-  """`config` with the model.* keys of init_from's config.json; `config` itself when init_from is None."""
+def configure(config, command_line: dict | None = None):
+  """`config` with the model.* keys of init_from's config.json; `config` itself when init_from is None.
+
+  `command_line`: the `--config.*` overrides launch.py was given (path -> value). A value the config file set
+  (configs/default.py sets the model's sizes) is replaced by config.json's and listed in the log; only a
+  command-line override that contradicts config.json is refused, naming both. Without `command_line` (a config
+  built in code) every value other than configs/base.py's default counts as an override.
+  """
   source = config.model.get('init_from')
   if not source:
     return config
@@ -56,11 +62,17 @@ def configure(config):
                     f"--config.model.name=llama.")
   keys = architectures.model_keys(architectures.read_config(folder, where), config.data.seq_len, where)
   defaults = base_config.get_config().model
-  contradictions = [f'model.{k}={config.model[k]!r} (config.json: {v!r})' for k, v in keys.items()
-                    if config.model[k] != defaults[k] and config.model[k] != v]
+  differ = {k: v for k, v in keys.items() if config.model[k] != v}
+  overridden = ({k for k in differ if config.model[k] != defaults[k]} if command_line is None else
+                {k for k in differ if f'model.{k}' in command_line})
+  contradictions = [f'--config.model.{k}={config.model[k]!r} (config.json: {differ[k]!r})' for k in sorted(overridden)]
   if contradictions:
-    raise UserError(f'{where}: the config sets {", ".join(contradictions)}; config.json decides the model, so drop '
-                    f'{"that override" if len(contradictions) == 1 else "those overrides"}.')
+    raise UserError(f'{where}: {", ".join(contradictions)} contradicts {folder / "config.json"}, which decides the '
+                    f'model; drop {"that override" if len(contradictions) == 1 else "those overrides"}.')
+  replaced = [f'model.{k}={config.model[k]!r} -> {v!r}' for k, v in sorted(differ.items())
+              if config.model[k] != defaults[k]]
+  if replaced:
+    logging.info('%s: config.json replaces what the config file set: %s.', where, ', '.join(replaced))
   config = copy.deepcopy(config)
   with config.unlocked():
     config.model.update(keys)

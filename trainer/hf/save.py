@@ -2,11 +2,13 @@
 
 `export(model_config, params, output, ...)` writes what
 `transformers.AutoModelForCausalLM.from_pretrained(output)` loads: config.json
-(Llama, or Qwen2 when the model has q/k/v biases; trainer/hf/architectures.py),
+(Llama, Qwen2 when the model has q/k/v biases, Qwen3 with query/key norms, Mistral when
+imported as one; trainer/hf/architectures.py) with the fields `serving` adds (token ids, context length:
+trainer/hf/serving.py),
 the tensors in Hugging Face's names and layouts (trainer/hf/layout.py, the inverse
 of the import), in files of at most `max_shard_bytes` with
-model.safetensors.index.json when there is more than one, and the tokenizer files
-given. One parameter is gathered to the host at a time, and one file's tensors are
+model.safetensors.index.json when there is more than one, and `serving`'s files
+(generation_config.json, the tokenizer's). One parameter is gathered to the host at a time, and one file's tensors are
 held at most.
 """
 
@@ -20,14 +22,16 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from trainer.errors import UserError
-from trainer.hf import architectures, layout, safetensors_files
+from trainer.hf import architectures, layout, safetensors_files, serving as serving_lib
 
 DTYPES = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16, 'float16': np.float16}
 
 
-def export(model_config, params, output: pathlib.Path, dtype: str = 'float32', max_shard_bytes: int = 5 << 30,
-           tokenizer_files: tuple[pathlib.Path, ...] = ()) -> list[str]:
-  """Writes the folder; returns the names of the safetensors files written."""
+def export(model_config, params, output: pathlib.Path, dtype: str | None = None, max_shard_bytes: int = 5 << 30,
+           serving: serving_lib.Serving | None = None) -> list[str]:
+  """Writes the folder; returns the names of the safetensors files written. `dtype` None: `serving.dtype`."""
+  serving = serving or serving_lib.Serving({}, None, 'float32', ())
+  dtype = dtype or serving.dtype
   if dtype not in DTYPES:
     raise UserError(f'--dtype={dtype!r}: choose one of {tuple(DTYPES)}.')
   if output.exists():
@@ -57,8 +61,8 @@ def export(model_config, params, output: pathlib.Path, dtype: str = 'float32', m
   if len(names) > 1:
     index = {'metadata': {'total_size': total}, 'weight_map': {t: names[i] for t, i in sorted(weight_map.items())}}
     (output / safetensors_files.INDEX).write_text(json.dumps(index, indent=2) + '\n')
-  config = architectures.hf_config(model_config, dtype)
+  config = {**architectures.hf_config(model_config, dtype, serving.architecture), **serving.fields}
   (output / 'config.json').write_text(json.dumps(config, indent=2, sort_keys=True) + '\n')
-  for path in tokenizer_files:
+  for path in serving.files:
     shutil.copy2(path, output / path.name)
   return names
