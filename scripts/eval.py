@@ -181,6 +181,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   from trainer.errors import UserError
+  from parallel import platforms
+  platforms.skip_absent_tpu()  # No libtpu start-up lines where no TPU chip is (parallel/platforms.py).
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
   try:

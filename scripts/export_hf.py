@@ -69,6 +69,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   from trainer import console
   from trainer.errors import UserError
+  from parallel import platforms
+  platforms.skip_absent_tpu()  # No libtpu start-up lines where no TPU chip is (parallel/platforms.py).
   console.quiet_library_info()
   try:
     step, names = export(args.workdir, args.output, args.step, args.dtype, args.max_shard_gb, args.params)

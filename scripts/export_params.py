@@ -64,6 +64,8 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   from trainer import console
   from trainer.errors import UserError
+  from parallel import platforms
+  platforms.skip_absent_tpu()  # No libtpu start-up lines where no TPU chip is (parallel/platforms.py).
   console.quiet_library_info()  # Orbax's dozens of INFO lines per save and restore; --verbosity=1 shows them.
   try:
     export(_CONFIG.value, _WORKDIR.value, _OUTPUT.value, _STEP.value, _PARAMS.value)
