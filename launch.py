@@ -212,15 +212,13 @@ def _exit_within(code: int) -> None:
 
 if __name__ == '__main__':
   from trainer import startup_signals
-  startup_signals.install_early()  # Before flags and jax: a SIGTERM, SIGHUP or SIGUSR1 now never kills without a word.
+  startup_signals.install_early()  # Before flags and jax: SIGTERM, SIGHUP, SIGINT or SIGUSR1 never kill without a word.
   try:
     app.run(main, flags_parser=_parse_flags)
-  except startup_signals.OutsideTheLoop as stop:
+  except startup_signals.OutsideTheLoop as stop:  # A stop signal during the final eval or save (trainer/loop.py).
     _exit_within(128 + stop.signum)
-    _fail(f'{stop} received outside the step loop (while starting, compiling or closing): stopped. No step of this '
-          f'launch was left unsaved by it; every checkpoint complete on disk is intact (a save it cut short stays an '
-          f'incomplete folder that a relaunch skips). Relaunch the same command to continue.', 128 + stop.signum,
-          'interrupted')
+    print(startup_signals.message(stop.signum, stop.kept), file=sys.stderr, flush=True)
+    sys.exit(128 + stop.signum)
   except SystemExit as exit_:
     _exit_within(exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1))
     raise
