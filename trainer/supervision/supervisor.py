@@ -39,7 +39,7 @@ import threading
 import time
 
 from trainer import storage
-from trainer.supervision import attempt
+from trainer.supervision import attempt, heartbeat
 
 CRASH_LOOP = 3  # Failed attempts in a row resumed from the same step before the supervisor gives up.
 _MAX_BACKOFF_S = 300.0
@@ -147,17 +147,22 @@ class Supervisor:
   def _one(self, n: int, gap: float) -> tuple[int, dict]:
     fd, status_file = tempfile.mkstemp(prefix='launch-attempt-', suffix='.json')
     os.close(fd)
+    beat_file = status_file[:-len('.json')] + '-heartbeat.json'
     env = {**os.environ, 'LAUNCH_ATTEMPT': str(n), 'LAUNCH_STATUS_FILE': status_file,
-           'LAUNCH_RESTART_GAP_S': f'{gap:.3f}'}
+           'LAUNCH_RESTART_GAP_S': f'{gap:.3f}', heartbeat.ENV: beat_file}
     started = time.time()
     try:
       # Its own process group: a terminal's Ctrl-C reaches this parent alone, which forwards it once.
       self._child = subprocess.Popen(self.command_for(n), env=env, process_group=0, preexec_fn=_die_with_parent)
-      returncode = self._child.wait()
+      returncode, frozen = self._wait(n, beat_file, started)
       status = attempt.read(status_file)
     finally:
-      os.unlink(status_file)
+      for path in (status_file, beat_file):
+        if os.path.exists(path):
+          os.unlink(path)
     retried, cause = classify(returncode, status)
+    if frozen:
+      retried, cause = True, 'hang (frozen; ended by the supervisor)'
     if self._stop.is_set():
       retried, cause = False, f'stopped by {self._stop_signal} ({cause})'
     record = {'attempt': n, 'start': round(started, 3), 'end': round(time.time(), 3), 'exit_code': returncode,
@@ -165,10 +170,30 @@ class Supervisor:
               'steps_redone': status.get('steps_redone', 0), 'retried': retried}
     if 'phase' in status:
       record['phase'] = status['phase']
+    if frozen:
+      record['detail'] = frozen
     self.records.append(record)
     if status.get('process_index', 0) == 0 and self.writes_record:
       self._append(record)
     return returncode, record
+
+  def _wait(self, n: int, beat_file: str, started: float) -> tuple[int, str | None]:
+    """The child's exit code, and why the supervisor ended it if it did: no progress past its hang limit."""
+    while True:
+      try:
+        return self._child.wait(timeout=1.0), None
+      except subprocess.TimeoutExpired:
+        why = None if self._stop.is_set() else heartbeat.overdue(beat_file, started)
+      if why:
+        break
+    _say(f'attempt {n}: {why}, and its own hang watch did not end it (the process is frozen: stopped, or stuck where '
+         f'no thread of it runs); ending it (SIGTERM, then SIGKILL after {heartbeat.GRACE_S:g}s) to restart it.', 'hang')
+    os.kill(self._child.pid, signal.SIGTERM)
+    try:
+      return self._child.wait(timeout=heartbeat.GRACE_S), why
+    except subprocess.TimeoutExpired:
+      self._child.kill()  # The only signal a stopped process acts on.
+      return self._child.wait(), why
 
   def command_for(self, n: int) -> list[str]:
     """Attempt n's command line: a restart resumes, so a --start_over given for the first attempt is not repeated."""
