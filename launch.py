@@ -5,6 +5,7 @@ one run out; everything a user can get wrong ends in one line on stderr and
 exit code 2.
 """
 
+import logging
 import os
 import re
 import sys
@@ -62,13 +63,35 @@ def _fail(message: str, exit_code: int = 2, kind: str = 'error') -> None:
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing, with config_flags' errors (tracebacks for unknown keys, bad files) turned into one line."""
   given = list(argv)
+  # config_flags logs its own version of the errors below (get_config() returning None, a failed load) before
+  # absl's logging is set up, two lines ahead of ours: the one line below says it, with the fix.
+  said = []
+  quiet = logging.Filter()
+  quiet.filter = lambda record: said.append(record.getMessage()) if record.pathname.endswith('config_flags.py') else 1
+  logging.getLogger('absl').addFilter(quiet)
   try:
     argv = flags.FLAGS(argv)
     _CONFIG.value.keys()  # config_flags defers a failed file load to the first access.
-  except flags.Error as e:
-    if 'Flag --config must have a value other than None' in str(e) and _config_path(argv) != '(none)':
-      _fail(f'--config file {_config_path(argv)}: get_config() returned None; it must return the ConfigDict it '
+  except Exception as e:  # pylint: disable=broad-except  (sorted into one line by _parse_error)
+    if any('returned None' in s for s in said) and _config_path(given) != '(none)':  # Overrides of it fail too.
+      _fail(f'--config file {_config_path(given)}: get_config() returned None; it must return the ConfigDict it '
             f'built (end it with `return c`, as configs/tiny.py does).')
+    _parse_error(given, argv, e)
+  finally:
+    logging.getLogger('absl').removeFilter(quiet)
+  from trainer import config_keys
+  unknown = config_keys.unknown(_CONFIG.value)
+  if unknown:
+    _fail(f'--config file {_config_path(given)} sets {"a key" if len(unknown) == 1 else "keys"} that no code reads: '
+          f'{"; ".join(unknown)}. Every key is declared in configs/base.py.')
+  return argv
+
+
+def _parse_error(given: list[str], argv: list[str], error: BaseException) -> None:
+  """One line for what absl or config_flags raised while parsing the flags."""
+  try:
+    raise error
+  except flags.Error as e:
     _fail(str(e))
   except OSError as e:
     _fail(f'cannot load the --config file: {str(e).strip().splitlines()[-1].strip()}')
@@ -85,12 +108,6 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _fail(f'unknown config key --{culprit}. {hint} Every key is declared in configs/base.py.')
   except Exception as e:  # pylint: disable=broad-except  (the config file's own code failed: an import, a typo)
     _config_file_error(argv, e)
-  from trainer import config_keys
-  unknown = config_keys.unknown(_CONFIG.value)
-  if unknown:
-    _fail(f'--config file {_config_path(given)} sets {"a key" if len(unknown) == 1 else "keys"} that no code reads: '
-          f'{"; ".join(unknown)}. Every key is declared in configs/base.py.')
-  return argv
 
 
 def _config_path(argv: list[str]) -> str:
@@ -142,7 +159,9 @@ def main(argv):
   from trainer.errors import UserError
   from trainer.safety import workdir as workdir_lib
   from trainer import storage
+  from trainer.supervision import settings
   try:
+    settings.check(_CONFIG.value.train, _MAX_RESTARTS.value, _RESTART_BACKOFF_S.value)
     if not _PLAN.value:
       storage.configure(_CONFIG.value.ckpt.storage_deadline_s)
       workdir_lib.check(_WORKDIR.value)  # Before jax is imported: a bad --workdir fails in a second.
