@@ -22,6 +22,7 @@ import logging as std_logging
 import os
 import pathlib
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -126,8 +127,19 @@ def _check_schedule(step: int, saved: dict[str, Any], manifest: dict[str, Any]) 
   if config.get('accept_schedule_change', False):
     logging.warning('Resuming step %d: %s (accepted: train.accept_schedule_change=True).', step, what)
     return
+  changed_keys = {k for k, v in train.items() if k in saved_train and saved_train[k] != v}
+  if changed_keys == {'learning_rate'} and _given_on_command_line('train.learning_rate'):
+    # What the non-finite stop advises ("lower train.learning_rate"): typed on the relaunch, it is the user's choice.
+    logging.warning('Resuming step %d: %s; taken as deliberate, since --config.train.learning_rate was given on the '
+                    'command line.', step, what)
+    return
   raise UserError(f'{what}, a jump the run never had. Relaunch with --config.train.accept_schedule_change=True to '
                   f'take it, or with the checkpoint\'s values to keep the schedule it was trained on.')
+
+
+def _given_on_command_line(key: str) -> bool:
+  """Whether launch.py's command line set --config.KEY (this process's own flags: what the user typed)."""
+  return any(arg.lstrip('-').startswith(f'config.{key}=') for arg in sys.argv[1:])
 
 
 def _check_same_average(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:

@@ -173,7 +173,8 @@ class Supervisor:
     if frozen:
       record['detail'] = frozen
     self.records.append(record)
-    if status.get('process_index', 0) == 0 and self.writes_record:
+    # A launch refused because the workdir is in use leaves the live run's record alone.
+    if status.get('process_index', 0) == 0 and self.writes_record and not status.get('workdir_in_use'):
       self._append(record)
     return returncode, record
 
