@@ -189,10 +189,12 @@ def main(argv):
     held = lock.acquire_for_run(_WORKDIR.value)  # Before --start_over moves anything, and before compiling.
     loop.run(_CONFIG.value, _WORKDIR.value, start_over=_START_OVER.value)
   except UserError as e:
+    _exit_at_once.extend([True] if getattr(e, 'exit_at_once', False) else [])  # A failed save (trainer/safety/disk.py).
     _fail(str(e), getattr(e, 'exit_code', 2))  # 3: stopped on a non-finite loss (trainer/guardrails.py).
   except Exception as e:  # pylint: disable=broad-except
     # A UserError that a cleanup step (closing a writer on a full disk) raised over, or a disk/permission failure.
     cause = next((c for c in _chain(e) if isinstance(c, UserError)), None)
+    _exit_at_once.extend([True] if cause is not None and getattr(cause, 'exit_at_once', False) else [])
     message = str(cause) if cause else disk.describe(e, _WORKDIR.value)
     if message is None:
       watchdog.grace()  # A collective that failed because a peer died: let the watchdog name it first.
@@ -210,6 +212,7 @@ def main(argv):
 
 
 _EXIT_GRACE_S = 5
+_exit_at_once: list[bool] = []  # Set for an error after which no interpreter shutdown should run (a failed save).
 
 
 def _exit_within(code: int) -> None:
@@ -239,7 +242,12 @@ if __name__ == '__main__':
     print(startup_signals.message(stop.signum, stop.kept), file=sys.stderr, flush=True)
     sys.exit(128 + stop.signum)
   except SystemExit as exit_:
-    _exit_within(exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1))
+    code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    if _exit_at_once:
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(code)
+    _exit_within(code)
     raise
   except BaseException:
     _exit_within(1)
