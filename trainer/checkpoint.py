@@ -36,6 +36,7 @@ from trainer import attention, storage
 from trainer.errors import UserError
 from trainer.safety import damaged as damaged_lib
 from trainer.safety import disk
+from trainer.supervision import attempt
 
 # Settings that change what a checkpoint means; any other difference is safe and only logged.
 _UNSAFE_SECTIONS = ('model',)
@@ -309,7 +310,8 @@ class Checkpointer:
         data=ocp.args.JsonSave(data_iterator.get_state()),
         manifest=ocp.args.JsonSave(manifest))
     with self._save_failures(step):
-      started = self._manager.save(step, args=args, force=force)
+      started = storage.within_deadline(f'saving step {step}', self.directory,
+                                        lambda: self._manager.save(step, args=args, force=force))
     if started:
       self._saving_step = step
     return started
@@ -319,6 +321,14 @@ class Checkpointer:
     """Turns a write that failed for space or permission (now, or in the async save in flight) into one line."""
     try:
       yield
+    except storage.StorageStall as e:
+      # The bucket stopped answering mid-save: Orbax's writers (and the metrics' uploads) would each wait out their
+      # own retries in the cleanup that follows, minutes of silence. The line now, and the exit the supervisor
+      # retries, as the hang watch does (trainer/supervision/hang.py).
+      attempt.note(stopped='storage stalled')
+      print(f'{pathlib.Path(sys.argv[0]).name}: error: could not save step {step}: {e}',
+            file=sys.stderr, flush=True)
+      os._exit(e.exit_code)
     except Exception as e:
       code = disk.write_failure(e)
       if code is None:
@@ -381,7 +391,8 @@ class Checkpointer:
 
   def wait_until_finished(self) -> None:
     with self._save_failures(self._saving_step or 0):
-      self._manager.wait_until_finished()
+      storage.within_deadline(f'finishing the save of step {self._saving_step}', self.directory,
+                              self._manager.wait_until_finished)
     self._saving_step = None
 
   def close(self) -> None:

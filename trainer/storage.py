@@ -92,9 +92,14 @@ def within_deadline(operation: str, where: str | os.PathLike, fn, *args):
   worker.join(_deadline_s[0])
   if worker.is_alive():
     host, port = endpoint()
+    try:
+      socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
+      state = 'the endpoint is reachable but stopped answering'
+    except OSError as e:
+      state = f'the endpoint is lost ({e.strerror or type(e).__name__} on a new connection)'
     raise StorageStall(f'gs://{bucket(where)}: {operation} got no answer from the storage endpoint {host}:{port} '
-                       f'in {_deadline_s[0]:g}s (ckpt.storage_deadline_s); the endpoint is reachable but stopped '
-                       f'answering. Nothing was lost; relaunch when it answers again (a supervised run retries).')
+                       f'in {_deadline_s[0]:g}s (ckpt.storage_deadline_s); {state}. Every complete checkpoint is '
+                       f'intact; relaunch when it answers again (a supervised run retries).')
   if 'error' in outcome:
     raise outcome['error']
   return outcome.get('value')

@@ -30,6 +30,7 @@ step the child had reported (at most a second stale for one killed without a wor
 
 import ctypes
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -104,6 +105,8 @@ class Supervisor:
       os.kill(self._child.pid, signum)
 
   def run(self) -> int:
+    # gcsfs logs each write that ran out of retries with its traceback; _write's warning line says it once.
+    logging.getLogger('gcsfs').setLevel(logging.CRITICAL)
     previous = {s: signal.signal(s, self._on_signal) for s in self._forwarded}
     try:
       return self._attempts()
@@ -205,22 +208,31 @@ class Supervisor:
     record['retried'] = retried
     if not self.writes_record:
       return
-    path = storage.path(self.workdir) / 'attempts.jsonl'
-    try:
+    def rewrite():
+      path = storage.path(self.workdir) / 'attempts.jsonl'
       lines = path.read_text().splitlines()[:-1] + [json.dumps(record)]
       path.write_text('\n'.join(lines) + '\n')
-    except OSError:
-      pass
+
+    self._write('rewriting', rewrite)
 
   def _append(self, record: dict) -> None:
-    path = storage.path(self.workdir) / 'attempts.jsonl'
-    try:
+    def append():
+      path = storage.path(self.workdir) / 'attempts.jsonl'
       before = path.read_text() if path.exists() else ''
       if before and not before.endswith('\n'):
         before = before[:before.rfind('\n') + 1]  # A line torn by a kill is dropped, not glued to the next.
       path.write_text(before + json.dumps(record) + '\n')
-    except OSError as e:
-      _say(f'could not write {path} ({e}); the run goes on.', 'warning')
+
+    self._write('appending to', append)
+
+  def _write(self, what: str, write) -> None:
+    """`write()` of attempts.jsonl, within ckpt.storage_deadline_s in a bucket; a failure is one warning line."""
+    try:
+      storage.within_deadline(f'{what} attempts.jsonl', self.workdir, write)
+    except Exception as e:  # pylint: disable=broad-except  (a lost bucket raises aiohttp's or gcsfs's own types)
+      text = ' '.join(str(e).split())[:300] or type(e).__name__
+      _say(f'could not write {self.workdir}/attempts.jsonl ({type(e).__name__}: {text}); the run goes on without '
+           f'this record.', 'warning')
 
 
 def _same_step_streak(failures: list[dict]) -> int:
