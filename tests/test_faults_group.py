@@ -3,6 +3,7 @@
 kill -9 of one process's launch.py (its supervisor, so its training child dies with it): the survivor's supervisor
 restarts its own child after the lost peer, and launch_local starts the killed launch.py again instead of stopping
 the survivor mid-start-up (which ended in a C++ abort, exit 137). Both resume from the same checkpoint and finish.
+A join that times out after every process checked in is one line with the exit the supervisor retries.
 """
 
 import json
@@ -12,7 +13,11 @@ import re
 import signal
 import sys
 
+import pytest
+
 from conftest import REPO, launcher_env, make_text_dir, watch_command
+from parallel import distributed
+from trainer.supervision import supervisor
 
 STEPS = 16
 
@@ -51,3 +56,29 @@ def test_kill_9_of_one_supervisor_restarts_the_group_and_it_resumes_together(tmp
   assert [r['cause'] for r in records] == ['lost peer', 'finished'], records
   assert records[1]['resumed_step'] == 5  # The checkpoint both processes had when process 1 was lost.
   assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
+
+
+def test_a_join_that_times_out_after_check_in_is_one_line_and_retried(monkeypatch):
+  def timed_out(*args, **kwargs):
+    raise RuntimeError('DEADLINE_EXCEEDED: Barrier timed out.\nId: PjRT_Client_Connect\nAdditional GRPC error...')
+
+  monkeypatch.setattr(distributed, '_check_in', lambda *args: None)
+  monkeypatch.setattr(distributed, '_use_cpu_collectives', lambda: None)
+  monkeypatch.setattr(distributed.jax.distributed, 'initialize', timed_out)
+  with pytest.raises(distributed.JoinTimedOut) as raised:
+    distributed.initialize('127.0.0.1:1234', 2, 1, 5)
+  message = str(raised.value)
+  assert '\n' not in message and 'process 1 of 2: joining the coordinator at 127.0.0.1:1234' in message
+  assert 'DEADLINE_EXCEEDED: Barrier timed out.' in message and '--distributed_timeout_s=5' in message
+  assert supervisor.classify(raised.value.exit_code, {}) == (True, 'lost peer')
+
+
+def test_any_other_join_failure_keeps_its_own_error(monkeypatch):
+  def broken(*args, **kwargs):
+    raise ValueError('a bug')
+
+  monkeypatch.setattr(distributed, '_check_in', lambda *args: None)
+  monkeypatch.setattr(distributed, '_use_cpu_collectives', lambda: None)
+  monkeypatch.setattr(distributed.jax.distributed, 'initialize', broken)
+  with pytest.raises(ValueError, match='a bug'):
+    distributed.initialize('127.0.0.1:1234', 2, 1, 5)
