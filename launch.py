@@ -189,12 +189,14 @@ def main(argv):
     held = lock.acquire_for_run(_WORKDIR.value)  # Before --start_over moves anything, and before compiling.
     loop.run(_CONFIG.value, _WORKDIR.value, start_over=_START_OVER.value)
   except UserError as e:
-    _exit_at_once.extend([True] if getattr(e, 'exit_at_once', False) else [])  # A failed save (trainer/safety/disk.py).
+    if getattr(e, 'exit_at_once', False):  # A failed save (trainer/safety/disk.py): no shutdown beside Orbax.
+      _exit_at_once.append(True)
     _fail(str(e), getattr(e, 'exit_code', 2))  # 3: stopped on a non-finite loss (trainer/guardrails.py).
   except Exception as e:  # pylint: disable=broad-except
     # A UserError that a cleanup step (closing a writer on a full disk) raised over, or a disk/permission failure.
     cause = next((c for c in _chain(e) if isinstance(c, UserError)), None)
-    _exit_at_once.extend([True] if cause is not None and getattr(cause, 'exit_at_once', False) else [])
+    if getattr(cause, 'exit_at_once', False):
+      _exit_at_once.append(True)
     message = str(cause) if cause else disk.describe(e, _WORKDIR.value)
     if message is None:
       watchdog.grace()  # A collective that failed because a peer died: let the watchdog name it first.
