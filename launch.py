@@ -5,6 +5,7 @@ one run out; everything a user can get wrong ends in one line on stderr and
 exit code 2.
 """
 
+import logging
 import os
 import re
 import sys
@@ -62,13 +63,35 @@ def _fail(message: str, exit_code: int = 2, kind: str = 'error') -> None:
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing, with config_flags' errors (tracebacks for unknown keys, bad files) turned into one line."""
   given = list(argv)
+  # config_flags logs its own version of the errors below (get_config() returning None, a failed load) before
+  # absl's logging is set up, two lines ahead of ours: the one line below says it, with the fix.
+  said = []
+  quiet = logging.Filter()
+  quiet.filter = lambda record: said.append(record.getMessage()) if record.pathname.endswith('config_flags.py') else 1
+  logging.getLogger('absl').addFilter(quiet)
   try:
     argv = flags.FLAGS(argv)
     _CONFIG.value.keys()  # config_flags defers a failed file load to the first access.
-  except flags.Error as e:
-    if 'Flag --config must have a value other than None' in str(e) and _config_path(argv) != '(none)':
-      _fail(f'--config file {_config_path(argv)}: get_config() returned None; it must return the ConfigDict it '
+  except Exception as e:  # pylint: disable=broad-except  (sorted into one line by _parse_error)
+    if any('returned None' in s for s in said) and _config_path(given) != '(none)':  # Overrides of it fail too.
+      _fail(f'--config file {_config_path(given)}: get_config() returned None; it must return the ConfigDict it '
             f'built (end it with `return c`, as configs/tiny.py does).')
+    _parse_error(given, argv, e)
+  finally:
+    logging.getLogger('absl').removeFilter(quiet)
+  from trainer import config_keys
+  unknown = config_keys.unknown(_CONFIG.value)
+  if unknown:
+    _fail(f'--config file {_config_path(given)} sets {"a key" if len(unknown) == 1 else "keys"} that no code reads: '
+          f'{"; ".join(unknown)}. Every key is declared in configs/base.py.')
+  return argv
+
+
+def _parse_error(given: list[str], argv: list[str], error: BaseException) -> None:
+  """One line for what absl or config_flags raised while parsing the flags."""
+  try:
+    raise error
+  except flags.Error as e:
     _fail(str(e))
   except OSError as e:
     _fail(f'cannot load the --config file: {str(e).strip().splitlines()[-1].strip()}')
@@ -85,12 +108,6 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _fail(f'unknown config key --{culprit}. {hint} Every key is declared in configs/base.py.')
   except Exception as e:  # pylint: disable=broad-except  (the config file's own code failed: an import, a typo)
     _config_file_error(argv, e)
-  from trainer import config_keys
-  unknown = config_keys.unknown(_CONFIG.value)
-  if unknown:
-    _fail(f'--config file {_config_path(given)} sets {"a key" if len(unknown) == 1 else "keys"} that no code reads: '
-          f'{"; ".join(unknown)}. Every key is declared in configs/base.py.')
-  return argv
 
 
 def _config_path(argv: list[str]) -> str:
@@ -144,7 +161,9 @@ def main(argv):
   from trainer.errors import UserError
   from trainer.safety import workdir as workdir_lib
   from trainer import storage
+  from trainer.supervision import settings
   try:
+    settings.check(_CONFIG.value.train, _MAX_RESTARTS.value, _RESTART_BACKOFF_S.value)
     if not _PLAN.value:
       storage.configure(_CONFIG.value.ckpt.storage_deadline_s)
       workdir_lib.check(_WORKDIR.value)  # Before jax is imported: a bad --workdir fails in a second.
@@ -176,10 +195,14 @@ def main(argv):
     held = lock.acquire_for_run(_WORKDIR.value)  # Before --start_over moves anything, and before compiling.
     loop.run(config, _WORKDIR.value, start_over=_START_OVER.value)
   except UserError as e:
+    if getattr(e, 'exit_at_once', False):  # A failed save (trainer/safety/disk.py): no shutdown beside Orbax.
+      _exit_at_once.append(True)
     _fail(str(e), getattr(e, 'exit_code', 2))  # 3: stopped on a non-finite loss (trainer/guardrails.py).
   except Exception as e:  # pylint: disable=broad-except
     # A UserError that a cleanup step (closing a writer on a full disk) raised over, or a disk/permission failure.
     cause = next((c for c in _chain(e) if isinstance(c, UserError)), None)
+    if getattr(cause, 'exit_at_once', False):
+      _exit_at_once.append(True)
     message = str(cause) if cause else disk.describe(e, _WORKDIR.value)
     if message is None:
       watchdog.grace()  # A collective that failed because a peer died: let the watchdog name it first.
@@ -197,6 +220,7 @@ def main(argv):
 
 
 _EXIT_GRACE_S = 5
+_exit_at_once: list[bool] = []  # Set for an error after which no interpreter shutdown should run (a failed save).
 
 
 def _exit_within(code: int) -> None:
@@ -218,17 +242,20 @@ def _exit_within(code: int) -> None:
 
 if __name__ == '__main__':
   from trainer import startup_signals
-  startup_signals.install_early()  # Before flags and jax: a SIGTERM, SIGHUP or SIGUSR1 now never kills without a word.
+  startup_signals.install_early()  # Before flags and jax: SIGTERM, SIGHUP, SIGINT or SIGUSR1 never kill without a word.
   try:
     app.run(main, flags_parser=_parse_flags)
-  except startup_signals.OutsideTheLoop as stop:
+  except startup_signals.OutsideTheLoop as stop:  # A stop signal during the final eval or save (trainer/loop.py).
     _exit_within(128 + stop.signum)
-    _fail(f'{stop} received outside the step loop (while starting, compiling or closing): stopped. No step of this '
-          f'launch was left unsaved by it; every checkpoint complete on disk is intact (a save it cut short stays an '
-          f'incomplete folder that a relaunch skips). Relaunch the same command to continue.', 128 + stop.signum,
-          'interrupted')
+    print(startup_signals.message(stop.signum, stop.kept), file=sys.stderr, flush=True)
+    sys.exit(128 + stop.signum)
   except SystemExit as exit_:
-    _exit_within(exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1))
+    code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    if _exit_at_once:
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(code)
+    _exit_within(code)
     raise
   except BaseException:
     _exit_within(1)

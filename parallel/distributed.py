@@ -78,7 +78,7 @@ def initialize(coordinator_address: str | None, num_processes: int | None, proce
     start = time.monotonic()
     address = coordinator_address.strip()
     heartbeat = _check_in(host, port, address, num_processes, process_id, timeout_s)
-    jax.distributed.initialize(address, num_processes, process_id, initialization_timeout=timeout_s)
+    _join(address, num_processes, process_id, timeout_s)
     if process_id == 0:
       threading.Thread(target=watchdog.serve, args=(heartbeat, num_processes, timeout_s), daemon=True,
                        name='peer-watchdog').start()
@@ -86,6 +86,26 @@ def initialize(coordinator_address: str | None, num_processes: int | None, proce
       watchdog.join(host, heartbeat, process_id, num_processes, timeout_s)
     logging.info('Joined %d processes as process %d via the coordinator at %s in %.1fs', num_processes,
                  process_id, address, time.monotonic() - start)
+
+
+class JoinTimedOut(UserError):
+  """Every process checked in, but joining jax's coordination service timed out: a loaded host, worth a retry."""
+  exit_code = watchdog.PEER_LOST_EXIT_CODE
+
+
+def _join(address: str, num_processes: int, process_id: int, timeout_s: int) -> None:
+  """jax.distributed.initialize, with a timeout or lost connection in it as one line and the exit the supervisor
+  retries (it printed a DEADLINE_EXCEEDED traceback and was classed a crash under load, issue 39)."""
+  try:
+    jax.distributed.initialize(address, num_processes, process_id, initialization_timeout=timeout_s)
+  except Exception as e:  # pylint: disable=broad-except  (jax raises its runtime errors untyped for Python)
+    text = ' '.join(str(e).split())
+    if not any(code in text for code in ('DEADLINE_EXCEEDED', 'UNAVAILABLE')):
+      raise
+    raise JoinTimedOut(f'process {process_id} of {num_processes}: joining the coordinator at {address} failed after '
+                       f'every process checked in ({text[:200]}); a loaded or restarting host is the usual cause. A '
+                       f'supervised run retries; otherwise relaunch every process, or raise '
+                       f'--distributed_timeout_s={timeout_s}.') from None
 
 
 def _check_flags(address: str, num_processes: int, process_id: int) -> tuple[str, int]:

@@ -85,23 +85,48 @@ def _exit_code(returncode: int) -> int:
   return returncode if returncode > 0 else 128 - returncode  # A signal's negative code as the shell shows it.
 
 
-def run(cmds: list[list[str]], env: dict[str, str], timeout_s: float) -> int:
-  """Starts every command, relays its output with a `[i] ` prefix, and returns the exit code for the whole run."""
+def max_restarts(launch_args: list[str]) -> int:
+  """The --max_restarts launch.py will use (its flag, else $LAUNCH_MAX_RESTARTS, else 3); 0 when it is unreadable."""
+  given = [a.split('=', 1)[1] for a in launch_args if a.startswith('--max_restarts=')]
+  given += [b for a, b in zip(launch_args, launch_args[1:]) if a == '--max_restarts']
+  value = given[-1] if given else (os.environ.get('LAUNCH_MAX_RESTARTS', '').strip() or '3')
+  return int(value) if value.isdigit() else 0
+
+
+def run(cmds: list[list[str]], env: dict[str, str], timeout_s: float, restarts: int = 0) -> int:
+  """Starts every command, relays its output with a `[i] ` prefix, and returns the exit code for the whole run.
+
+  `restarts` (launch.py's --max_restarts): each process's launch.py supervises its own training process, and the
+  survivors of a lost peer restart theirs. A launch.py killed by a signal (kill -9 of the supervisor itself) has no
+  one to restart it: it is started again here, up to `restarts` times, to rejoin the group, and the others are
+  left alone (stopping them then killed them mid-start-up: a C++ abort, issue 39).
+  """
   procs, relays = [], []
   deadline = time.monotonic() + timeout_s if timeout_s > 0 else float('inf')
   code, reason = 0, ''
   signal.signal(signal.SIGTERM, _interrupt)
+
+  def start(i: int) -> subprocess.Popen:
+    # Own session per process: stopping it takes its children too, and Ctrl-C reaches only this script.
+    p = subprocess.Popen(cmds[i], env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, bufsize=1, start_new_session=True)
+    for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+      relays.append(threading.Thread(target=_relay, args=(stream, sink, f'[{i}] '), daemon=True))
+      relays[-1].start()
+    return p
+
   try:
-    for i, cmd in enumerate(cmds):
-      # Own session per process: stopping it takes its children too, and Ctrl-C reaches only this script.
-      p = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, bufsize=1, start_new_session=True)
-      procs.append(p)
-      for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-        relays.append(threading.Thread(target=_relay, args=(stream, sink, f'[{i}] '), daemon=True))
-        relays[-1].start()
+    for i in range(len(cmds)):
+      procs.append(start(i))
     while any(p.poll() is None for p in procs):
       failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+      for i in [i for i in failed if procs[i].returncode < 0 and restarts > 0]:
+        restarts -= 1
+        print(f'launch_local.py: restarting: the launch.py of process {i} was killed by '
+              f'{signal.Signals(-procs[i].returncode).name}; started it again to rejoin the group '
+              f'({restarts} restart(s) left).', file=sys.stderr, flush=True)
+        procs[i] = start(i)
+        failed.remove(i)
       if failed:
         grace_end = time.monotonic() + _GRACE_S
         while any(p.poll() is None for p in procs) and time.monotonic() < grace_end:
@@ -150,7 +175,7 @@ def main() -> int:
     for i, cmd in enumerate(cmds):
       print(f'# process {i}\n' + ' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items()) + ' ' + shlex.join(cmd))
     return 0
-  return run(cmds, env, args.timeout_s)
+  return run(cmds, env, args.timeout_s, max_restarts(launch_args))
 
 
 if __name__ == '__main__':

@@ -269,3 +269,34 @@ def test_launch_max_restarts_empty_is_the_default_and_a_non_count_is_one_line(va
     assert result.returncode == 2 and result.stderr == (
         "launch.py: error: LAUNCH_MAX_RESTARTS='abc' is not a count of restarts; set it to 0 or more, or unset it "
         "for the default 3.\n"), result.stderr
+
+
+def _child_of(pid: int) -> int:
+  [child] = pathlib.Path(f'/proc/{pid}/task/{pid}/children').read_text().split()
+  return int(child)
+
+
+def test_a_frozen_child_is_ended_by_the_supervisor_timer_and_restarted(text_dir, tmp_path):
+  # SIGSTOP freezes the child's own hang watch with it; only the supervisor's timer over the heartbeat can see it.
+  import time
+  stopped = []
+
+  def on_line(proc, line):
+    if 'step 5/' in line and not stopped:
+      os.kill(_child_of(proc.pid), signal.SIGSTOP)
+      stopped.append(time.monotonic())
+    if line.startswith('launch.py: hang:'):
+      stopped.append(time.monotonic())
+
+  result = _launch(_args(tmp_path, text_dir, '--config.train.hang_timeout_s=30'), on_line=on_line)
+  assert result.returncode == 0, result.stderr[-3000:]
+  [frozen_at, said_at] = stopped
+  assert said_at - frozen_at >= 30  # Not before the limit: a slow step is not a frozen process.
+  [line] = [l for l in result.stderr.splitlines() if l.startswith('launch.py: hang:')]
+  assert 'attempt 1: no progress for' in line and 'limit 30s' in line and 'SIGKILL' in line, line
+  assert 'Traceback' not in result.stderr
+  first, second = _attempts(tmp_path)
+  assert (first['cause'], first['exit_code'], first['retried']) == ('hang (frozen; ended by the supervisor)', -9, True)
+  assert 'no progress for' in first['detail']
+  assert (second['cause'], second['resumed_step']) == ('finished', 4)
+  assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir())[-1] == STEPS

@@ -22,6 +22,7 @@ import logging as std_logging
 import os
 import pathlib
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -35,6 +36,7 @@ from trainer import attention, storage
 from trainer.errors import UserError
 from trainer.safety import damaged as damaged_lib
 from trainer.safety import disk
+from trainer.supervision import attempt
 
 # Settings that change what a checkpoint means; any other difference is safe and only logged.
 _UNSAFE_SECTIONS = ('model',)
@@ -126,8 +128,19 @@ def _check_schedule(step: int, saved: dict[str, Any], manifest: dict[str, Any]) 
   if config.get('accept_schedule_change', False):
     logging.warning('Resuming step %d: %s (accepted: train.accept_schedule_change=True).', step, what)
     return
+  changed_keys = {k for k, v in train.items() if k in saved_train and saved_train[k] != v}
+  if changed_keys == {'learning_rate'} and _given_on_command_line('train.learning_rate'):
+    # What the non-finite stop advises ("lower train.learning_rate"): typed on the relaunch, it is the user's choice.
+    logging.warning('Resuming step %d: %s; taken as deliberate, since --config.train.learning_rate was given on the '
+                    'command line.', step, what)
+    return
   raise UserError(f'{what}, a jump the run never had. Relaunch with --config.train.accept_schedule_change=True to '
                   f'take it, or with the checkpoint\'s values to keep the schedule it was trained on.')
+
+
+def _given_on_command_line(key: str) -> bool:
+  """Whether launch.py's command line set --config.KEY (this process's own flags: what the user typed)."""
+  return any(arg.lstrip('-').startswith(f'config.{key}=') for arg in sys.argv[1:])
 
 
 def _check_same_average(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
@@ -297,7 +310,8 @@ class Checkpointer:
         data=ocp.args.JsonSave(data_iterator.get_state()),
         manifest=ocp.args.JsonSave(manifest))
     with self._save_failures(step):
-      started = self._manager.save(step, args=args, force=force)
+      started = storage.within_deadline(f'saving step {step}', self.directory,
+                                        lambda: self._manager.save(step, args=args, force=force))
     if started:
       self._saving_step = step
     return started
@@ -307,6 +321,14 @@ class Checkpointer:
     """Turns a write that failed for space or permission (now, or in the async save in flight) into one line."""
     try:
       yield
+    except storage.StorageStall as e:
+      # The bucket stopped answering mid-save: Orbax's writers (and the metrics' uploads) would each wait out their
+      # own retries in the cleanup that follows, minutes of silence. The line now, and the exit the supervisor
+      # retries, as the hang watch does (trainer/supervision/hang.py).
+      attempt.note(stopped='storage stalled')
+      print(f'{pathlib.Path(sys.argv[0]).name}: error: could not save step {step}: {e}',
+            file=sys.stderr, flush=True)
+      os._exit(e.exit_code)
     except Exception as e:
       code = disk.write_failure(e)
       if code is None:
@@ -378,7 +400,8 @@ class Checkpointer:
 
   def wait_until_finished(self) -> None:
     with self._save_failures(self._saving_step or 0):
-      self._manager.wait_until_finished()
+      storage.within_deadline(f'finishing the save of step {self._saving_step}', self.directory,
+                              self._manager.wait_until_finished)
     self._saving_step = None
 
   def close(self) -> None:

@@ -120,7 +120,8 @@ class Guard:
       raise NonFiniteError(
           f'step {step}: {what}{again}. Stopped (train.on_nonfinite={self.mode}); the update was not applied and '
           f'no checkpoint of this step or later was written, so a relaunch resumes from the last good one. '
-          f'Lower train.learning_rate, check the data, or set train.on_nonfinite=skip or rollback.{self._data_hint}')
+          f'Lower train.learning_rate (a relaunch with a lower --config.train.learning_rate resumes with it), check '
+          f'the data, or set train.on_nonfinite=skip or rollback.{self._data_hint}')
 
   def _resume_point(self) -> str:
     return f'step {self._last_save}' if self._last_save else 'step 0 (no checkpoint was saved before the skips)'

@@ -15,7 +15,7 @@ import numpy as np
 from absl import logging
 
 from parallel import sharding
-from trainer import checkpoint, compilation_cache, data, flops, guardrails, objectives, preemption
+from trainer import checkpoint, compilation_cache, data, flops, guardrails, objectives, preemption, startup_signals
 from trainer import goodput as goodput_lib
 from trainer import evals as evals_lib
 from trainer import trackers as trackers_lib
@@ -209,12 +209,18 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   finally:
     train_iter.close()
     profiler.close()
-    preempt.close()
     notice.close()
     t_close = time.perf_counter()
-    ckpt.close()  # Waits for an async save in flight: a finished run never leaves a half-written checkpoint.
+    try:
+      ckpt.close()  # Waits for an async save in flight: a finished run never leaves a half-written checkpoint.
+    finally:
+      preempt.close()  # After the final save: a signal during it is answered below, once the save is complete.
     tracker.record_side(checkpoint_s=time.perf_counter() - t_close)
     writer.close()
+  late = preempt.unanswered()
+  if late is not None:
+    raise startup_signals.OutsideTheLoop(late, f'It came during the final eval or save, which finished: the newest '
+                                               f'checkpoint is step {ckpt.latest_step()} in {ckpt.directory}.')
 
 
 def _active_params(config, num_params: int) -> str:

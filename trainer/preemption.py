@@ -43,6 +43,8 @@ class PreemptionWatch:
   def __init__(self):
     self._flag = threading.Event()
     self._signal_name = None
+    self._signum = None
+    self._answered = False  # The loop saved for it; False with a signal set: it came during the final eval or save.
     self._previous = None
     # With jax.distributed up, jax's preemption service (on by default) owns SIGTERM and syncs the processes.
     self._use_jax = jax.distributed.is_initialized() and jax.config.jax_enable_preemption_service
@@ -57,6 +59,7 @@ class PreemptionWatch:
 
   def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
     self._signal_name = signal.Signals(signum).name
+    self._signum = signum
     self._flag.set()  # Only a flag: the loop saves at a step boundary, never inside a handler.
 
   def _on_hangup(self, signum, frame) -> None:
@@ -82,7 +85,12 @@ class PreemptionWatch:
   def reached(self, step: int) -> bool:
     if self._use_jax:
       return multihost_utils.reached_preemption_sync_point(step)
-    return self._flag.is_set()
+    self._answered = self._flag.is_set()
+    return self._answered
+
+  def unanswered(self) -> int | None:
+    """The stop signal that came after the last step's check (during the final eval or save), if one did."""
+    return self._signum if self._flag.is_set() and not self._answered else None
 
   def describe(self) -> str:
     return self._signal_name or 'preemption notice (SIGTERM via jax\'s preemption sync point)'

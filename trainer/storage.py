@@ -27,6 +27,7 @@ What a bucket does not do like a disk is handled here, once:
 
 import os
 import pathlib
+import re
 import socket
 import threading
 from typing import Union
@@ -91,9 +92,14 @@ def within_deadline(operation: str, where: str | os.PathLike, fn, *args):
   worker.join(_deadline_s[0])
   if worker.is_alive():
     host, port = endpoint()
+    try:
+      socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
+      state = 'the endpoint is reachable but stopped answering'
+    except OSError as e:
+      state = f'the endpoint is lost ({e.strerror or type(e).__name__} on a new connection)'
     raise StorageStall(f'gs://{bucket(where)}: {operation} got no answer from the storage endpoint {host}:{port} '
-                       f'in {_deadline_s[0]:g}s (ckpt.storage_deadline_s); the endpoint is reachable but stopped '
-                       f'answering. Nothing was lost; relaunch when it answers again (a supervised run retries).')
+                       f'in {_deadline_s[0]:g}s (ckpt.storage_deadline_s); {state}. Every complete checkpoint is '
+                       f'intact; relaunch when it answers again (a supervised run retries).')
   if 'error' in outcome:
     raise outcome['error']
   return outcome.get('value')
@@ -119,6 +125,30 @@ def path(workdir: str | os.PathLike) -> Path:
 
 def bucket(workdir: str | os.PathLike) -> str:
   return os.fspath(workdir)[len(SCHEME):].split('/', 1)[0]
+
+
+_BUCKET_CHARS = re.compile(r'^[a-z0-9][a-z0-9._-]*[a-z0-9]$')
+
+
+def bucket_name_problem(name: str) -> str | None:
+  """What Cloud Storage's bucket naming rules refuse in `name` (cloud.google.com/storage/docs/buckets#naming), or None.
+
+  An emulator accepts any name, and the real service refuses a bad one only when a
+  save first writes to it: checked here, before jax loads.
+  """
+  parts = name.split('.')
+  if not 3 <= len(name) <= (222 if len(parts) > 1 else 63):
+    return f'is {len(name)} characters long; a bucket name has 3 to 63 (up to 222 with dots)'
+  if not _BUCKET_CHARS.match(name):
+    return ('may hold only lowercase letters, digits, dashes, underscores and dots, and must start and end with a '
+            'letter or digit')
+  if any(not 1 <= len(part) <= 63 for part in parts):
+    return 'has a dot-separated part that is empty or longer than 63 characters'
+  if len(parts) == 4 and all(part.isdigit() for part in parts):
+    return 'is an IP address'
+  if name.startswith('goog') or 'google' in name or 'g00gle' in name:
+    return 'starts with "goog" or contains "google", which Cloud Storage reserves'
+  return None
 
 
 def _use_emulator() -> None:
@@ -189,8 +219,12 @@ def check_writable(workdir: str) -> Path:
   exist, and a probe object can be written and deleted (which tells a missing bucket
   and a missing permission apart).
   """
-  root = path(workdir)
   name = bucket(workdir)
+  problem = bucket_name_problem(name)
+  if problem:
+    raise UserError(f'--workdir={workdir}: {name!r} cannot be a Cloud Storage bucket: the name {problem}; use the '
+                    f'name of an existing bucket (gs://BUCKET/run).')
+  root = path(workdir)
   _check_reachable(workdir)
   _check_credentials(workdir)
   probe = root / f'.write_probe.{socket.gethostname()}.{os.getpid()}'

@@ -33,6 +33,7 @@ def validate_config(config) -> None:
     _positive_int(config, path)
   _positive_int(config, 'train.grad_accum_steps')
   _check_loss_chunks(config)
+  _check_ranges(config)
   _require(config.train.z_loss_weight >= 0, f'train.z_loss_weight={config.train.z_loss_weight} must be >= 0.')
   _require(config.train.adam_mu_dtype in DTYPES,
            f'train.adam_mu_dtype={config.train.adam_mu_dtype!r}: choose float32 or bfloat16.')
@@ -59,6 +60,32 @@ def validate_config(config) -> None:
   _warn_if_warmup_exceeds_steps(config.train)
   layer_scan.check(config.model)
   _require(0 <= config.data.eval_percent < 100, f'data.eval_percent={config.data.eval_percent} must be in [0, 100).')
+
+
+# Optimizer, schedule and router numbers with a range outside which they train nothing sensible (a momentum of 1.5
+# diverges, a negative weight decay grows the weights): (key, low, high, low included, high included).
+_RANGES = (
+    ('train.adam_b1', 0, 1, True, False), ('train.adam_b2', 0, 1, True, False),
+    ('train.lion_b1', 0, 1, True, True), ('train.lion_b2', 0, 1, True, False),
+    ('train.muon_beta', 0, 1, True, False), ('train.sgd_momentum', 0, 1, True, False),
+    ('train.adafactor_decay_rate', 0, 1, False, True), ('train.end_learning_rate_ratio', 0, 1, True, True),
+    ('train.weight_decay', 0, float('inf'), True, False), ('train.muon_consistent_rms', 0, float('inf'), False, False),
+    ('model.router_aux_loss_weight', 0, float('inf'), True, False),
+    ('model.router_z_loss_weight', 0, float('inf'), True, False),
+)
+
+
+def _check_ranges(config) -> None:
+  for path, low, high, low_in, high_in in _RANGES:
+    section, key = path.split('.')
+    if key not in config[section]:  # A run's config.json from before the key.
+      continue
+    value = config[section][key]
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and (low <= value if low_in else low < value) and (value <= high if high_in else value < high))
+    bounds = f'{"[" if low_in else "("}{low:g}, {high:g}{"]" if high_in else ")"}'
+    _require(ok, f'{path}={value!r} must be in {bounds}.' if high != float('inf') else
+             f'{path}={value!r} must be {">=" if low_in else ">"} {low:g}.')
 
 
 def _check_loss_chunks(config) -> None:
@@ -95,6 +122,11 @@ def validate_strategy(config, mesh: Mesh) -> None:
   _require(name == 'jit' or expert == 1,
            f"parallel.strategy={name!r} does not support an expert axis (mesh.expert={expert}); set "
            f"mesh.expert=1, or use parallel.strategy='jit' for expert parallelism.")
+  experts = config.model.get('num_experts', 0)
+  _require(not experts or experts % expert == 0,
+           f'model.num_experts={experts} must be a multiple of mesh.expert={expert} (each device on the expert axis '
+           f'holds an equal share of the experts); choose num_experts from {[expert * n for n in range(1, 5)]}, or '
+           f'a mesh.expert that divides it.')
   _check_context(config, mesh.shape.get('context', 1))
   if name == 'shard_map':
     # The per-device step gathers whole parameters: a tensor axis would only hold copies of the same work.

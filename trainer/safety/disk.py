@@ -21,15 +21,21 @@ from trainer.errors import UserError
 # errno values meaning "this folder cannot take the write", whoever asks.
 WRITE_FAILURES = {errno.ENOSPC: 'no space left on the device', errno.EDQUOT: 'the disk quota is exceeded',
                   errno.EACCES: 'permission denied', errno.EPERM: 'operation not permitted',
-                  errno.EROFS: 'the file system is read-only'}
+                  errno.EROFS: 'the file system is read-only',
+                  errno.EFBIG: 'a file grew past the largest this process may write (its file-size limit, ulimit -f)'}
 _TEXTS = {'No space left on device': errno.ENOSPC, 'Disk quota exceeded': errno.EDQUOT,
-          'Permission denied': errno.EACCES, 'Read-only file system': errno.EROFS}
+          'Permission denied': errno.EACCES, 'Read-only file system': errno.EROFS, 'File too large': errno.EFBIG}
+_FIXES = {errno.ENOSPC: 'free some space', errno.EDQUOT: 'free some space or raise the quota',
+          errno.EFBIG: 'raise the file-size limit (ulimit -f unlimited)'}
 SAVE_FAILED_EXIT_CODE = 2
 
 
 class SaveFailedError(UserError):
   """A checkpoint could not be written; the newest complete one is named in the message."""
   exit_code = SAVE_FAILED_EXIT_CODE
+  # Orbax's writer threads and coroutines outlive the failed save: an interpreter shutdown beside them printed
+  # "Exception ignored ... Python is likely shutting down" tracebacks after the line. launch.py ends at once instead.
+  exit_at_once = True
 
 
 def write_failure(error: BaseException | None) -> int | None:
@@ -65,7 +71,7 @@ def save_failed(checkpoints: pathlib.Path, step: int, code: int, good_steps: lis
            else '')
   kept = (f'The last good checkpoint, step {newest}, is intact; the run resumes from it' if newest is not None
           else 'No checkpoint was completed; the run starts over')
-  fix = 'free some space' if code in (errno.ENOSPC, errno.EDQUOT) else 'restore write access'
+  fix = _FIXES.get(code, 'restore write access')
   return SaveFailedError(f'could not save step {step} to {checkpoints}: {WRITE_FAILURES[code]}{space}. {kept} '
                          f'once you {fix} (or copy the workdir elsewhere) and relaunch the same command.')
 
@@ -101,11 +107,9 @@ _FILTER = _OneLine()
 
 
 def _one_line_unraisable(unraisable) -> None:
-  """sys.unraisablehook: the same echoes, raised where Python can only print them, as one line each."""
+  """sys.unraisablehook: the same echoes, raised where Python can only print them, dropped; any other printed."""
   if _is_save_echo(unraisable.exc_value):
-    print(f'(after a failed save) {type(unraisable.exc_value).__name__}: '
-          f'{" ".join(str(unraisable.exc_value).split())[:200]}', file=sys.stderr)
-    return
+    return  # The run's own line names the failed save; each echo (one per array written) said it again.
   sys.__unraisablehook__(unraisable)
 
 

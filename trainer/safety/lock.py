@@ -48,6 +48,7 @@ from absl import logging
 
 from trainer import storage
 from trainer.errors import UserError
+from trainer.supervision import attempt
 
 LOCK_NAME = 'launch.lock'
 HEARTBEAT_S = 30
@@ -219,6 +220,7 @@ def _acquire_object(workdir) -> ObjectLock:
 
 
 def _in_use(workdir, holder: Holder | None, heartbeat_age_s: float | None = None) -> UserError:
+  attempt.note(workdir_in_use=True)  # The supervisor then writes nothing into the live run's attempts.jsonl.
   who = holder.describe() if holder else 'another launch'
   stale = (f' Its last heartbeat was {heartbeat_age_s:.0f}s ago; if that host is down, the lock is taken over once '
            f'it is {STALE_AFTER_S}s old.' if heartbeat_age_s is not None else '')

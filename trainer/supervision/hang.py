@@ -26,7 +26,7 @@ import threading
 import time
 
 from trainer import storage
-from trainer.supervision import attempt
+from trainer.supervision import attempt, heartbeat
 
 HANG_EXIT_CODE = 124  # What `timeout` returns: "ran past its time limit".
 FIRST_STEP_S = 1800.0
@@ -47,6 +47,7 @@ class HangWatch:
     self._progress_at = time.monotonic()
     self._stop = threading.Event()
     self._thread = None
+    self._beat = heartbeat.Beat()  # The same progress, for the supervisor's watch a frozen process cannot silence.
 
   @property
   def enabled(self) -> bool:
@@ -56,18 +57,24 @@ class HangWatch:
     if self.enabled:
       self._thread = threading.Thread(target=self._watch, daemon=True, name='hang-watch')
       self._thread.start()
+    self._beat_now()
     return self
+
+  def _beat_now(self) -> None:
+    self._beat.progress(self._phase, self._last_step, lambda: self.limit_s() if self.enabled else 0)
 
   def phase(self, name: str) -> None:
     """A new phase began: progress, and the phase a hang would be reported in."""
     self._phase = name
     self._progress_at = time.monotonic()
+    self._beat_now()
 
   def step_done(self, step: int, step_time_s: float) -> None:
     self._last_step = step
     self._recent.append(step_time_s)
     del self._recent[:-_RECENT]
     self._progress_at = time.monotonic()
+    self._beat_now()
 
   def limit_s(self) -> float:
     if self._explicit is not None:

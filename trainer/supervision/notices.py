@@ -17,19 +17,14 @@ import time
 
 import jax
 
-from trainer.errors import UserError
+from trainer.supervision import settings
 
 _POLL_EVERY_STEPS = 10  # A stat() of the notice file every 10 steps: nothing on the step's time.
 
 
 def check_config(train) -> None:
   """One line for a signal name that is not one, or that the launcher uses for something else."""
-  for name in train.preemption_signals:
-    if name not in signal.Signals.__members__:
-      raise UserError(f'train.preemption_signals: {name!r} is not a signal name; use names such as \'SIGUSR2\'.')
-    if name in ('SIGUSR1', 'SIGINT', 'SIGKILL', 'SIGSTOP'):
-      raise UserError(f'train.preemption_signals: {name} cannot be a preemption notice (SIGUSR1 starts a profile, '
-                      f'SIGINT is Ctrl-C, SIGKILL and SIGSTOP cannot be caught); use SIGUSR2 or another signal.')
+  settings.check_preemption_signals(train.preemption_signals)
 
 
 class Notices:

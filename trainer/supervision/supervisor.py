@@ -30,6 +30,7 @@ step the child had reported (at most a second stale for one killed without a wor
 
 import ctypes
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -39,7 +40,7 @@ import threading
 import time
 
 from trainer import storage
-from trainer.supervision import attempt
+from trainer.supervision import attempt, heartbeat
 
 CRASH_LOOP = 3  # Failed attempts in a row resumed from the same step before the supervisor gives up.
 _MAX_BACKOFF_S = 300.0
@@ -104,6 +105,8 @@ class Supervisor:
       os.kill(self._child.pid, signum)
 
   def run(self) -> int:
+    # gcsfs logs each write that ran out of retries with its traceback; _write's warning line says it once.
+    logging.getLogger('gcsfs').setLevel(logging.CRITICAL)
     previous = {s: signal.signal(s, self._on_signal) for s in self._forwarded}
     try:
       return self._attempts()
@@ -147,17 +150,22 @@ class Supervisor:
   def _one(self, n: int, gap: float) -> tuple[int, dict]:
     fd, status_file = tempfile.mkstemp(prefix='launch-attempt-', suffix='.json')
     os.close(fd)
+    beat_file = status_file[:-len('.json')] + '-heartbeat.json'
     env = {**os.environ, 'LAUNCH_ATTEMPT': str(n), 'LAUNCH_STATUS_FILE': status_file,
-           'LAUNCH_RESTART_GAP_S': f'{gap:.3f}'}
+           'LAUNCH_RESTART_GAP_S': f'{gap:.3f}', heartbeat.ENV: beat_file}
     started = time.time()
     try:
       # Its own process group: a terminal's Ctrl-C reaches this parent alone, which forwards it once.
       self._child = subprocess.Popen(self.command_for(n), env=env, process_group=0, preexec_fn=_die_with_parent)
-      returncode = self._child.wait()
+      returncode, frozen = self._wait(n, beat_file, started)
       status = attempt.read(status_file)
     finally:
-      os.unlink(status_file)
+      for path in (status_file, beat_file):
+        if os.path.exists(path):
+          os.unlink(path)
     retried, cause = classify(returncode, status)
+    if frozen:
+      retried, cause = True, 'hang (frozen; ended by the supervisor)'
     if self._stop.is_set():
       retried, cause = False, f'stopped by {self._stop_signal} ({cause})'
     record = {'attempt': n, 'start': round(started, 3), 'end': round(time.time(), 3), 'exit_code': returncode,
@@ -165,10 +173,31 @@ class Supervisor:
               'steps_redone': status.get('steps_redone', 0), 'retried': retried}
     if 'phase' in status:
       record['phase'] = status['phase']
+    if frozen:
+      record['detail'] = frozen
     self.records.append(record)
-    if status.get('process_index', 0) == 0 and self.writes_record:
+    # A launch refused because the workdir is in use leaves the live run's record alone.
+    if status.get('process_index', 0) == 0 and self.writes_record and not status.get('workdir_in_use'):
       self._append(record)
     return returncode, record
+
+  def _wait(self, n: int, beat_file: str, started: float) -> tuple[int, str | None]:
+    """The child's exit code, and why the supervisor ended it if it did: no progress past its hang limit."""
+    while True:
+      try:
+        return self._child.wait(timeout=1.0), None
+      except subprocess.TimeoutExpired:
+        why = None if self._stop.is_set() else heartbeat.overdue(beat_file, started)
+      if why:
+        break
+    _say(f'attempt {n}: {why}, and its own hang watch did not end it (the process is frozen: stopped, or stuck where '
+         f'no thread of it runs); ending it (SIGTERM, then SIGKILL after {heartbeat.GRACE_S:g}s) to restart it.', 'hang')
+    os.kill(self._child.pid, signal.SIGTERM)
+    try:
+      return self._child.wait(timeout=heartbeat.GRACE_S), why
+    except subprocess.TimeoutExpired:
+      self._child.kill()  # The only signal a stopped process acts on.
+      return self._child.wait(), why
 
   def command_for(self, n: int) -> list[str]:
     """Attempt n's command line: a restart resumes, so a --start_over given for the first attempt is not repeated."""
@@ -179,22 +208,31 @@ class Supervisor:
     record['retried'] = retried
     if not self.writes_record:
       return
-    path = storage.path(self.workdir) / 'attempts.jsonl'
-    try:
+    def rewrite():
+      path = storage.path(self.workdir) / 'attempts.jsonl'
       lines = path.read_text().splitlines()[:-1] + [json.dumps(record)]
       path.write_text('\n'.join(lines) + '\n')
-    except OSError:
-      pass
+
+    self._write('rewriting', rewrite)
 
   def _append(self, record: dict) -> None:
-    path = storage.path(self.workdir) / 'attempts.jsonl'
-    try:
+    def append():
+      path = storage.path(self.workdir) / 'attempts.jsonl'
       before = path.read_text() if path.exists() else ''
       if before and not before.endswith('\n'):
         before = before[:before.rfind('\n') + 1]  # A line torn by a kill is dropped, not glued to the next.
       path.write_text(before + json.dumps(record) + '\n')
-    except OSError as e:
-      _say(f'could not write {path} ({e}); the run goes on.', 'warning')
+
+    self._write('appending to', append)
+
+  def _write(self, what: str, write) -> None:
+    """`write()` of attempts.jsonl, within ckpt.storage_deadline_s in a bucket; a failure is one warning line."""
+    try:
+      storage.within_deadline(f'{what} attempts.jsonl', self.workdir, write)
+    except Exception as e:  # pylint: disable=broad-except  (a lost bucket raises aiohttp's or gcsfs's own types)
+      text = ' '.join(str(e).split())[:300] or type(e).__name__
+      _say(f'could not write {self.workdir}/attempts.jsonl ({type(e).__name__}: {text}); the run goes on without '
+           f'this record.', 'warning')
 
 
 def _same_step_streak(failures: list[dict]) -> int:

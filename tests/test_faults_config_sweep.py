@@ -1,0 +1,90 @@
+"""Every bad value of the keys added by MoE, the context axis, Hugging Face import, optimizers, schedules, storage and
+the supervisor: one line naming the key, exit 2, and no retry, from a supervised launch (issue 39, item 4).
+
+Each row is a real launch (configs/tiny.py, 8 fake CPU devices, --max_restarts=2), so a value that slipped past the
+checks would show here as a traceback, a crash retried by the supervisor, or a run that trains.
+"""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, launcher_env
+
+NONE_CONFIG = 'def get_config():\n  c = None\n  return c\n'
+
+# (flags, words the one line must hold). The workdir is added unless a row gives its own.
+ROWS = [
+    # Mixtures of experts.
+    (['--config.model.num_experts=3', '--config.mesh.expert=2', '--config.mesh.data=4'],
+     'model.num_experts=3 must be a multiple of mesh.expert=2'),
+    (['--config.model.num_experts=4', '--config.model.experts_per_token=5'], 'model.experts_per_token=5'),
+    (['--config.model.num_experts=-2'], 'model.num_experts=-2'),
+    (['--config.model.num_experts=4', '--config.model.moe_layers=3'], 'model.moe_layers=3'),
+    (['--config.model.num_experts=4', '--config.model.expert_capacity_factor=-1'], 'model.expert_capacity_factor'),
+    (['--config.model.num_experts=4', '--config.model.router_aux_loss_weight=-1'], 'model.router_aux_loss_weight=-1'),
+    # The context axis.
+    (['--config.mesh.context=2', '--config.mesh.data=4', '--config.data.seq_len=30'], 'data.seq_len=30'),
+    (['--config.mesh.context=2', '--config.mesh.data=4', '--config.parallel.strategy=pmap'], 'mesh.context=2'),
+    (['--config.model.context_scheme=bogus'], 'model.context_scheme'),
+    # Hugging Face import.
+    (['--config.model.init_from=hf:/nonexistent-issue-39'], 'model.init_from'),
+    (['--config.model.init_from=/nonexistent-issue-39'], "give 'hf:'"),
+    # Optimizers and schedules.
+    (['--config.train.optimizer=adamx'], "train.optimizer='adamx'"),
+    (['--config.train.adam_b1=1.5'], 'train.adam_b1=1.5 must be in [0, 1)'),
+    (['--config.train.optimizer=lion', '--config.train.lion_b1=2'], 'train.lion_b1=2'),
+    (['--config.train.optimizer=muon', '--config.train.muon_beta=-1'], 'train.muon_beta=-1'),
+    (['--config.train.optimizer=sgd', '--config.train.sgd_momentum=-1'], 'train.sgd_momentum=-1'),
+    (['--config.train.optimizer=adafactor', '--config.train.adafactor_decay_rate=-1'], 'train.adafactor_decay_rate'),
+    (['--config.train.weight_decay=-1'], 'train.weight_decay=-1'),
+    (['--config.train.schedule=cosinus'], "train.schedule='cosinus'"),
+    (['--config.train.end_learning_rate_ratio=-1'], 'train.end_learning_rate_ratio=-1'),
+    (['--config.train.schedule=wsd', '--config.train.decay_fraction=1.5'], 'train.decay_fraction=1.5'),
+    (['--config.train.ema_decay=1.5'], 'train.ema_decay=1.5'),
+    # Storage.
+    (['--workdir=gs://tb/run'], "'tb' cannot be a Cloud Storage bucket"),
+    (['--workdir=gs://My_Bucket/run'], "'My_Bucket' cannot be a Cloud Storage bucket"),
+    (['--workdir=gs://google-runs/run'], 'reserves'),
+    (['--workdir=gs://192.168.1.1/run'], 'IP address'),
+    (['--config.ckpt.storage_deadline_s=-1'], 'ckpt.storage_deadline_s=-1'),
+    # The supervisor.
+    (['--max_restarts=-1'], '--max_restarts=-1 is not a count of restarts'),
+    (['--restart_backoff_s=-1'], '--restart_backoff_s=-1'),
+    (['--config.train.hang_timeout_s=-5'], 'train.hang_timeout_s=-5'),
+    (['--config.train.straggler_warn_fraction=-1'], 'train.straggler_warn_fraction=-1'),
+    (["--config.train.preemption_signals=('SIGKILL',)"], 'train.preemption_signals'),
+    (['LAUNCH_MAX_RESTARTS=-1'], "LAUNCH_MAX_RESTARTS='-1' is not a count"),
+    # The config file itself.
+    (['CONFIG_RETURNS_NONE'], 'get_config() returned None'),
+]
+
+
+@pytest.mark.parametrize('flags, expected', ROWS, ids=[' '.join(r[0])[:60] for r in ROWS])
+def test_a_bad_value_is_one_line_exit_2_and_never_retried(tmp_path, flags, expected):
+  env = launcher_env(LAUNCH_MAX_RESTARTS='2')
+  config = 'configs/tiny.py'
+  if flags == ['CONFIG_RETURNS_NONE']:
+    config, flags = tmp_path / 'none_config.py', []
+    config.write_text(NONE_CONFIG)
+  if flags and flags[0].startswith('LAUNCH_MAX_RESTARTS='):
+    env['LAUNCH_MAX_RESTARTS'], flags = flags[0].split('=', 1)[1], []
+  workdir = tmp_path / 'run'
+  if not any(f.startswith('--workdir=') for f in flags):
+    flags = [*flags, f'--workdir={workdir}']
+  result = subprocess.run([sys.executable, str(REPO / 'launch.py'), f'--config={config}', '--config.train.steps=4',
+                           '--restart_backoff_s=0', *flags], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 2, result.stderr[-3000:]
+  # Only absl INFO lines ("I1126 ...") may come before the one line: no warning, traceback or restart.
+  lines = [l for l in result.stderr.splitlines() if l.strip() and not re.match(r'I\d{4} ', l)]
+  assert len(lines) == 1, lines
+  assert lines[0].startswith('launch.py: error: ') and expected in lines[0], lines[0]
+  attempts = workdir / 'attempts.jsonl'
+  if attempts.exists():  # Refused in the child: one attempt, recorded as not retried.
+    [record] = [json.loads(l) for l in attempts.read_text().splitlines()]
+    assert (record['exit_code'], record['cause'], record['retried']) == (2, 'user error', False)
+  assert not (workdir / 'checkpoints').exists() or not any((workdir / 'checkpoints').iterdir())

@@ -1,0 +1,84 @@
+"""A multi-process group restarts together (issue 39, item 5): scripts/launch_local.py, 2 processes x 4 devices.
+
+kill -9 of one process's launch.py (its supervisor, so its training child dies with it): the survivor's supervisor
+restarts its own child after the lost peer, and launch_local starts the killed launch.py again instead of stopping
+the survivor mid-start-up (which ended in a C++ abort, exit 137). Both resume from the same checkpoint and finish.
+A join that times out after every process checked in is one line with the exit the supervisor retries.
+"""
+
+import json
+import os
+import pathlib
+import re
+import signal
+import sys
+
+import pytest
+
+from conftest import REPO, launcher_env, make_text_dir, watch_command
+from parallel import distributed
+from trainer.supervision import supervisor
+
+STEPS = 16
+
+
+def _launch_py_of(launcher_pid: int, process_id: int) -> int:
+  for child in pathlib.Path(f'/proc/{launcher_pid}/task/{launcher_pid}/children').read_text().split():
+    if f'--process_id={process_id}' in pathlib.Path(f'/proc/{child}/cmdline').read_text():
+      return int(child)
+  raise AssertionError(f'no launch.py of process {process_id} under {launcher_pid}')
+
+
+def test_kill_9_of_one_supervisor_restarts_the_group_and_it_resumes_together(tmp_path):
+  (tmp_path / 'text').mkdir()
+  text_dir = make_text_dir(tmp_path / 'text')
+  workdir = tmp_path / 'run'
+  killed = []
+
+  def on_line(proc, line):
+    if not killed and re.match(r'\[0\] .*step 7/', line):  # Process 0 logs the steps.
+      os.kill(_launch_py_of(proc.pid, 1), signal.SIGKILL)
+      killed.append(line)
+
+  result, lines = watch_command(
+      [sys.executable, str(REPO / 'scripts' / 'launch_local.py'), '--num_processes=2', '--devices_per_process=4',
+       '--config=configs/tiny.py', f'--workdir={workdir}', f'--config.train.steps={STEPS}',
+       '--config.ckpt.every_steps=5', '--config.ckpt.async_save=False', '--config.log.every_steps=1',
+       f'--config.data.text_dir={text_dir}', '--max_restarts=2', '--restart_backoff_s=1'],
+      launcher_env(LAUNCH_MAX_RESTARTS='2'), on_line, 500)
+  assert killed, result.stderr[-3000:]
+  assert result.returncode == 0, result.stderr[-5000:]
+  for noise in ('Fatal Python error', 'Aborted'):
+    assert noise not in result.stderr, result.stderr[-5000:]
+  assert sum(l.startswith('launch_local.py: restarting: the launch.py of process 1 was killed by SIGKILL')
+             for _, l in lines) == 1
+  records = [json.loads(l) for l in (workdir / 'attempts.jsonl').read_text().splitlines()]
+  assert [r['cause'] for r in records] == ['lost peer', 'finished'], records
+  assert records[1]['resumed_step'] == 5  # The checkpoint both processes had when process 1 was lost.
+  assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
+
+
+def test_a_join_that_times_out_after_check_in_is_one_line_and_retried(monkeypatch):
+  def timed_out(*args, **kwargs):
+    raise RuntimeError('DEADLINE_EXCEEDED: Barrier timed out.\nId: PjRT_Client_Connect\nAdditional GRPC error...')
+
+  monkeypatch.setattr(distributed, '_check_in', lambda *args: None)
+  monkeypatch.setattr(distributed, '_use_cpu_collectives', lambda: None)
+  monkeypatch.setattr(distributed.jax.distributed, 'initialize', timed_out)
+  with pytest.raises(distributed.JoinTimedOut) as raised:
+    distributed.initialize('127.0.0.1:1234', 2, 1, 5)
+  message = str(raised.value)
+  assert '\n' not in message and 'process 1 of 2: joining the coordinator at 127.0.0.1:1234' in message
+  assert 'DEADLINE_EXCEEDED: Barrier timed out.' in message and '--distributed_timeout_s=5' in message
+  assert supervisor.classify(raised.value.exit_code, {}) == (True, 'lost peer')
+
+
+def test_any_other_join_failure_keeps_its_own_error(monkeypatch):
+  def broken(*args, **kwargs):
+    raise ValueError('a bug')
+
+  monkeypatch.setattr(distributed, '_check_in', lambda *args: None)
+  monkeypatch.setattr(distributed, '_use_cpu_collectives', lambda: None)
+  monkeypatch.setattr(distributed.jax.distributed, 'initialize', broken)
+  with pytest.raises(ValueError, match='a bug'):
+    distributed.initialize('127.0.0.1:1234', 2, 1, 5)

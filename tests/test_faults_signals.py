@@ -1,0 +1,169 @@
+"""Stop signals at every phase of a supervised launch, as real signals to real processes (issue 39).
+
+Each launch runs under the supervisor (--max_restarts=1), so the signal goes to the parent, which forwards it, as a
+user's `kill` or a scheduler's would. A `sitecustomize` module put on the path of both processes holds one phase
+open (an import, the compile, the first step, the final eval) and prints a marker line from the process it holds; the
+test sends the signal when it reads the marker, so the signal lands in that phase by construction, however fast or
+slow this machine is.
+"""
+
+import os
+import re
+import signal
+import sys
+
+import pytest
+
+from conftest import REPO, launcher_env, make_text_dir, watch_command
+
+TIMEOUT_S = 300
+
+HOLD = r'''
+import importlib.abc, importlib.util, os, sys, time
+
+_where = os.environ.get('TEST_HOLD')
+
+
+def _marker(what):
+  print(f'held {what} in pid {os.getpid()}', file=sys.stderr, flush=True)
+
+
+def _hold(seconds):
+  deadline = time.monotonic() + seconds
+  while time.monotonic() < deadline:  # Python-level waiting: a handler runs here at once, as between bytecodes.
+    time.sleep(0.05)
+
+
+def _patch(name, module):
+  if _where == 'compile' and name == 'trainer.memory.preflight':
+    original = module.compile_checked
+    def compile_checked(job):
+      _marker('compile')
+      return original(job)
+    module.compile_checked = compile_checked
+  if _where == 'step' and name == 'trainer.supervision.faults':
+    original_inject = module.inject
+    def inject(fault, step, where):
+      if step == 1 and where == 'step':
+        _marker('step 1')
+        _hold(3)
+      return original_inject(fault, step, where)
+    module.inject = inject
+  if _where == 'final_eval' and name == 'trainer.loop':
+    original_eval = module._evaluate
+    def evaluate(*args):
+      _marker('final eval')
+      _hold(3)
+      return original_eval(*args)
+    module._evaluate = evaluate
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path, target=None):
+    # The child imports numpy (through jax); the supervisor, which imports no jax, its own module.
+    if _where == 'import' and name in ('numpy', 'trainer.supervision.supervisor') and 'trainer.startup_signals' in sys.modules:
+      _marker(f'import of {name}')
+      _hold(60)  # Inside the import machinery, where a raised exception became an ImportError.
+    if name not in ('trainer.memory.preflight', 'trainer.supervision.faults', 'trainer.loop'):
+      return None
+    sys.meta_path.remove(self)
+    try:
+      spec = importlib.util.find_spec(name)
+    finally:
+      sys.meta_path.insert(0, self)
+    execute = spec.loader.exec_module
+    def exec_module(module):
+      execute(module)
+      _patch(name, module)
+    spec.loader.exec_module = exec_module
+    return spec
+
+
+if _where:
+  sys.meta_path.insert(0, _Finder())
+'''
+
+
+@pytest.fixture(scope='module')
+def text_dir(tmp_path_factory):
+  return make_text_dir(tmp_path_factory.mktemp('text'))
+
+
+@pytest.fixture(scope='module')
+def hook_dir(tmp_path_factory):
+  folder = tmp_path_factory.mktemp('hold_hook')
+  (folder / 'sitecustomize.py').write_text(HOLD)
+  return folder
+
+
+def _launch(tmp_path, text_dir, hook_dir, where, sig, from_child=True, *extra):
+  """A supervised tiny launch with `where` held; `sig` goes to the parent when the marker comes from the child."""
+  sent = []
+
+  def on_line(proc, line):
+    held = re.match(r'held .* in pid (\d+)', line)
+    if held and not sent and (int(held.group(1)) != proc.pid) == from_child:
+      sent.append(line)
+      os.kill(proc.pid, sig)
+
+  env = launcher_env(TEST_HOLD=where, PYTHONPATH=os.pathsep.join([str(hook_dir), str(REPO)]))
+  if where == 'compile':  # A compile of its own, not a hit in the suite's shared cache: it lasts seconds.
+    env = {k: v for k, v in env.items() if not k.startswith('JAX_COMPILATION_CACHE')}
+  result, lines = watch_command([sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py',
+                                 f'--workdir={tmp_path}', f'--config.data.text_dir={text_dir}', '--max_restarts=1',
+                                 '--restart_backoff_s=0', *extra], env, on_line, TIMEOUT_S)
+  assert sent, result.stderr[-3000:]
+  return result
+
+
+def _assert_one_clean_line(result, sig):
+  assert result.returncode == 128 + sig, result.stderr[-3000:]
+  for noise in ('Traceback', 'Fatal Python error', 'Exception ignored', 'Segmentation fault'):
+    assert noise not in result.stderr, result.stderr[-3000:]
+  lines = [l for l in result.stderr.splitlines() if l.startswith('launch.py: ')]
+  assert len(lines) == 1, lines
+  name = 'Ctrl-C (SIGINT)' if sig == signal.SIGINT else signal.Signals(sig).name
+  assert lines[0].startswith(f'launch.py: interrupted: {name} received outside the step loop'), lines[0]
+  return lines[0]
+
+
+STOPS = [signal.SIGTERM, signal.SIGHUP, signal.SIGINT]
+
+
+@pytest.mark.parametrize('sig', STOPS, ids=lambda s: s.name)
+def test_a_stop_signal_while_the_child_still_imports_ends_in_one_line(text_dir, hook_dir, tmp_path, sig):
+  result = _launch(tmp_path, text_dir, hook_dir, 'import', sig)
+  line = _assert_one_clean_line(result, sig)
+  assert 'No step of this launch was left unsaved' in line
+  assert not (tmp_path / 'checkpoints').exists() or not any((tmp_path / 'checkpoints').iterdir())
+
+
+def test_a_stop_signal_while_the_supervisor_itself_imports_ends_in_one_line(text_dir, hook_dir, tmp_path):
+  result = _launch(tmp_path, text_dir, hook_dir, 'import', signal.SIGTERM, False)
+  _assert_one_clean_line(result, signal.SIGTERM)
+  assert not (tmp_path / 'attempts.jsonl').exists()  # No attempt was started, so none is recorded.
+
+
+@pytest.mark.parametrize('sig', STOPS, ids=lambda s: s.name)
+def test_a_stop_signal_while_compiling_ends_in_one_line_without_a_crash(text_dir, hook_dir, tmp_path, sig):
+  result = _launch(tmp_path, text_dir, hook_dir, 'compile', sig)
+  _assert_one_clean_line(result, sig)
+  assert 'Compiled the train step' not in result.stderr  # It ended during the compile, not after it.
+  [record] = [l for l in (tmp_path / 'attempts.jsonl').read_text().splitlines()]
+  assert '"retried": false' in record and 'SIGSEGV' not in record, record
+
+
+def test_a_stop_signal_during_the_first_step_saves_it_and_stops(text_dir, hook_dir, tmp_path):
+  result = _launch(tmp_path, text_dir, hook_dir, 'step', signal.SIGTERM)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr
+  assert re.search(r'SIGTERM received: saved step 1 to \S+ and stopped', result.stderr), result.stderr[-3000:]
+  assert sorted(p.name for p in (tmp_path / 'checkpoints').iterdir()) == ['1']
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_stop_signal_during_the_final_eval_says_what_was_kept(text_dir, hook_dir, tmp_path, sig):
+  result = _launch(tmp_path, text_dir, hook_dir, 'final_eval', sig)
+  line = _assert_one_clean_line(result, sig)
+  assert 'during the final eval or save' in line and 'the newest checkpoint is step 8' in line, line
+  assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()) == [4, 8]
