@@ -68,7 +68,9 @@ def test_a_resumed_run_does_not_read_init_from_and_says_so(trained, tmp_path, ca
   run = tmp_path / 'resumed'
   shutil.copytree(trained, run)
   with caplog.at_level(logging.INFO):
-    loop.run(_config(FIXTURES / 'llama_tied'), str(run), devices=jax.devices()[:1])  # Step 2 reached: no step.
+    config = _config(FIXTURES / 'llama_tied', steps=3)  # One step more: a finished run returns before restoring.
+    config.train.accept_schedule_change = True
+    loop.run(config, str(run), devices=jax.devices()[:1])
   assert "model.init_from='hf:" in caplog.text and 'is not read: a resumed run continues' in caplog.text
   assert 'into the run\'s shardings' not in caplog.text
 

@@ -211,15 +211,18 @@ def test_bad_profile_setting_stops_the_launch_before_compiling(launcher, tmp_pat
 
 
 def test_out_of_memory_in_the_loop_leaves_a_memory_profile_and_the_error(tmp_path, monkeypatch):
-  """The loop's wiring: an out-of-memory error mid-run reaches the profiler, then the caller, unchanged."""
+  """The loop's wiring: an out-of-memory error mid-run reaches the profiler, then the caller as one line (exit 2)."""
   from trainer import loop, metrics
+  from trainer.errors import UserError
 
   def out_of_memory_at_step_3(self, step, *args):
     if step == 3:
       raise RuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB.')
 
   monkeypatch.setattr(metrics.MetricsWriter, 'step_done', out_of_memory_at_step_3)
-  with pytest.raises(RuntimeError, match='RESOURCE_EXHAUSTED'):
+  with pytest.raises(UserError, match='out of memory while training: the device was asked for one allocation of '
+                     '2.00 GiB') as raised:
     loop.run(tiny.get_config(), str(tmp_path), devices=jax.devices()[:2])
+  assert 'RESOURCE_EXHAUSTED' in str(raised.value.__context__)  # XLA's own error stays chained for the log.
   assert len(list((tmp_path / 'memory_profiles').glob('oom-*.prof'))) == 1
   assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL

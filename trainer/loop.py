@@ -282,7 +282,9 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
       state, metrics = run.compiled_step(state, batch)
       dispatch_s = time.perf_counter() - t_dispatch  # Blocks while the devices are still busy with earlier steps.
     if step == start_step + 1:  # No transfer during the step's first run (a CUDA graph capture): data/device_feed.py.
+      t_first = time.perf_counter()
       train_iter.release_after(metrics)
+      dispatch_s += time.perf_counter() - t_first  # Blocked on the devices, as a fetch is: not host (straggler) time.
       runtime_oom.after_first_step(run.compiled_step, metrics)  # GPUs: the allocator's state against step 2's needs.
     if pending is not None:  # Fetch step-1's metrics while step runs: the one sync point per step.
       last_fetch, side_time = _finish(run, pending, window, last_fetch, side_time, evals, is_log_step, waited,
