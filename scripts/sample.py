@@ -135,8 +135,10 @@ def byte_level(config) -> bool:
   """Whether the run's tokens are bytes: text read raw, or shards prepare_data.py tokenized as bytes."""
   if config.data.source == 'text':
     return True
-  if config.data.source == 'array_record' and config.data.path:
-    meta = pathlib.Path(config.data.path) / 'meta.json'
+  from trainer.data import prepared
+  prepared_folder = prepared.folder(config.data)
+  if prepared_folder is not None:
+    meta = prepared_folder / 'meta.json'
     if not meta.is_file():
       return False
     meta = json.loads(meta.read_text())  # .npy tokens are marked 'bytes' too: bytes only while every id is one.
@@ -437,9 +439,11 @@ def text_codec(config, as_bytes: bool):
     tok = hf_tokenizer.load(str(folder), flag='the run\'s tokenizer')
     return ((lambda text: [*tok.prefix, *tok.encode(text, document=False)]),
             (lambda prompt, new: tok.decode(prompt[len(tok.prefix):] + new)))
-  meta = pathlib.Path(config.data.path or '') / 'meta.json'
-  if config.data.source == 'array_record' and meta.is_file():
-    tok = file_tokenizers.of_run(config.data.path, json.loads(meta.read_text()).get('tokenizer', ''))
+  from trainer.data import prepared
+  prepared_folder = prepared.folder(config.data)
+  meta = (prepared_folder or pathlib.Path('')) / 'meta.json'
+  if prepared_folder is not None and meta.is_file():
+    tok = file_tokenizers.of_run(str(prepared_folder), json.loads(meta.read_text()).get('tokenizer', ''))
     if tok is not None:
       return (lambda text: list(tok.encode(text))), (lambda prompt, new: tok.decode(prompt + new))
   return None, None

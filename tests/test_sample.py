@@ -107,6 +107,35 @@ def test_a_run_tokenized_with_a_tiktoken_file_samples_text(tmp_path):
     _sample_module().text_codec(config, as_bytes=False)
 
 
+def test_a_mixture_run_reads_its_tokenizer_from_its_sources(tmp_path):
+  """A run on data.source='mixture' samples, evaluates and exports with its sources' tokenizer (they share one)."""
+  from ml_collections import config_dict
+
+  from trainer.evals import codec
+  from trainer.hf import serving
+  from trainer.hf import tokenizer as hf_tokenizer
+  text = tmp_path / 'text'
+  text.mkdir()
+  (text / 'a.txt').write_text('def the_thing(): return the other thing\n' * 20)
+  for name in ('web', 'code'):
+    prepared = subprocess.run([sys.executable, str(REPO / 'scripts/prepare_data.py'), f'--input={text}',
+                               f'--output={tmp_path / name}', f'--tokenizer={HF / "tokenizer"}', '--glob=*.txt',
+                               '--eval_percent=0'], capture_output=True, text=True, timeout=600)
+    assert prepared.returncode == 0, prepared.stderr
+  config = config_dict.ConfigDict({'data': {'source': 'mixture', 'path': None,
+                                            'mixture': ((str(tmp_path / 'web'), 0.7), (str(tmp_path / 'code'), 0.3))},
+                                   'model': {'init_from': None}})
+  assert hf_tokenizer.run_folder(config) == tmp_path / 'web' / 'tokenizer'
+  assert serving._data_tokenizer(config) == tmp_path / 'web' / 'tokenizer'  # pylint: disable=protected-access
+  import tokenizers
+  reference = tokenizers.Tokenizer.from_file(str(HF / 'tokenizer' / 'tokenizer.json'))
+  encode, _ = _sample_module().text_codec(config, as_bytes=False)
+  assert encode('def the')[-len(reference.encode('def the', add_special_tokens=False).ids):] == \
+      reference.encode('def the', add_special_tokens=False).ids
+  assert not _sample_module().byte_level(config)
+  assert codec.for_run(config).encode('def the')[-2:] == reference.encode('def the', add_special_tokens=False).ids[-2:]
+
+
 # The KV cache (sample.CachedLogits, llama.for_decoding) against the whole window run for every token
 # (sample.WindowLogits, the path brought models take), on tiny random Llamas whose window is SEQ_LEN tokens.
 SEQ_LEN = 16

@@ -30,9 +30,10 @@ def for_run(config) -> Codec:
   from trainer.data import file_tokenizers
   from trainer.hf import tokenizer as hf_tokenizer
   data = config.data
-  meta = pathlib.Path(data.path or '') / 'meta.json'
-  recorded = json.loads(meta.read_text()).get('tokenizer', '') if data.source == 'array_record' and meta.is_file() \
-      else ''
+  from trainer.data import prepared
+  prepared_folder = prepared.folder(data)
+  meta = (prepared_folder or pathlib.Path('')) / 'meta.json'
+  recorded = json.loads(meta.read_text()).get('tokenizer', '') if prepared_folder and meta.is_file() else ''
   if data.source == 'text' or recorded == 'bytes':
     return _bytes_codec()
   folder = hf_tokenizer.run_folder(config)
@@ -41,7 +42,7 @@ def for_run(config) -> Codec:
     return Codec(lambda text: tok.encode(text, document=False), tok.decode, tuple(tok.prefix),
                  tuple(tok.suffix) or ((tok.eos_id,) if tok.eos_id is not None else ()))
   if recorded:
-    tok = file_tokenizers.of_run(data.path, recorded)
+    tok = file_tokenizers.of_run(str(prepared_folder), recorded)
     if tok is not None:
       return Codec(lambda text: list(tok.encode(text)), lambda ids: tok.decode(list(ids)))
   raise UserError(f'eval.tasks: this run\'s tokens came with no tokenizer (data.source={data.source!r}), so task '

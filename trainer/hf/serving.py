@@ -59,8 +59,10 @@ def _tokenizer_files(folder: pathlib.Path | None) -> tuple[pathlib.Path, ...]:
 
 
 def _data_tokenizer(config) -> pathlib.Path | None:
-  if config.data.source == 'array_record' and config.data.path:
-    folder = pathlib.Path(config.data.path) / 'tokenizer'
+  from trainer.data import prepared  # pylint: disable=import-outside-toplevel  (jax and grain: tools only)
+  data_folder = prepared.folder(config.data)
+  if data_folder is not None:
+    folder = data_folder / 'tokenizer'
     return folder if (folder / 'tokenizer.json').is_file() else None
   return None
 

@@ -66,9 +66,10 @@ class HfTokenizer:
 def run_folder(config) -> pathlib.Path | None:
   """The folder of the Hugging Face tokenizer a run's tokens came from: the one scripts/prepare_data.py kept with
   the data (DATA/tokenizer/), else model.init_from's; None when neither has a tokenizer.json."""
+  from trainer.data import prepared  # pylint: disable=import-outside-toplevel  (trainer.data imports this module)
   folders = []
-  if config.data.source == 'array_record' and config.data.path:
-    folders.append(pathlib.Path(config.data.path) / 'tokenizer')
+  if prepared.folder(config.data) is not None:
+    folders.append(prepared.folder(config.data) / 'tokenizer')
   init_from = config.model.get('init_from')
   if init_from and init_from.startswith('hf:'):
     folders.append(pathlib.Path(init_from[len('hf:'):]).expanduser())
