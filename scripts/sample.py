@@ -243,18 +243,22 @@ class CachedLogits:
       logits_V, self._cache = self._step(self._params, self._cache, np.array([[tokens[-1]]], np.int32),
                                          np.array([[len(tokens) - 1]], np.int32))
     else:
-      logits_V, self._cache = self._prefill(self._params, *_window(tokens, self._seq_len))
+      logits_V, self._cache = self._prefill(self._params, *self._prefill_args(tokens))
     self._text = list(tokens)
     return logits_V
 
+  def _prefill_args(self, tokens: list[int]) -> tuple:
+    return _window(tokens, self._seq_len)
 
-class DecodingCallLogits:
+
+class DecodingCallLogits(CachedLogits):
   """tokens -> the next token's logits (V,) float32, from a brought model of the decoding call convention
   (`model(tokens, positions, cache, attention_mask) -> (logits, cache)`: flax's Gemma example, tunix) and the cache
   its `init_cache(cache_size, batch_size, dtype)` makes, of data.seq_len entries.
 
-  As CachedLogits: a text grown by one token runs that token alone at its position against the cache; any other
-  runs the text (its last `seq_len` tokens) from position 0 into a fresh cache, compiled once per length.
+  As CachedLogits (whose call it shares): a text grown by one token runs that token alone at its position against the
+  cache; any other runs the text (its last `seq_len` tokens) from position 0 into a fresh cache, compiled once per
+  length.
   """
 
   @staticmethod
@@ -285,16 +289,9 @@ class DecodingCallLogits:
     self._params, self._seq_len = params, seq_len
     self._cache, self._text = None, []
 
-  def __call__(self, tokens: list[int]):
+  def _prefill_args(self, tokens: list[int]) -> tuple:
     import numpy as np
-    grown = self._cache is not None and len(tokens) == len(self._text) + 1 and tokens[:-1] == self._text
-    if grown and len(tokens) <= self._seq_len:
-      logits_V, self._cache = self._step(self._params, self._cache, np.array([[tokens[-1]]], np.int32),
-                                         np.array([[len(tokens) - 1]], np.int32))
-    else:
-      logits_V, self._cache = self._prefill(self._params, np.array([tokens[-self._seq_len:]], np.int32))
-    self._text = list(tokens)
-    return logits_V
+    return (np.array([tokens[-self._seq_len:]], np.int32),)
 
 
 def cached_decoder(config):
