@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -87,7 +88,9 @@ def test_a_killed_process_is_restarted_and_finishes_with_the_uninterrupted_losse
   for step in range(1, STEPS + 1):
     assert losses[step] == pytest.approx(uninterrupted[step], rel=1e-6), step
   goodput = json.loads((tmp_path / 'goodput.jsonl').read_text().splitlines()[-1])
-  assert goodput['restart_s'] >= 1 and goodput['lost_steps'] == 1  # The back-off is in the goodput table.
+  # The back-off is in the goodput table: 1 s, less up to a clock tick (the process's start time is read in kernel
+  # ticks, trainer/goodput.py; 0.9965 s was measured in a CI run).
+  assert goodput['restart_s'] >= 0.9 and goodput['lost_steps'] == 1
   assert 'between attempts' in result.stderr
 
 
@@ -182,16 +185,20 @@ def test_two_processes_restart_together_after_one_is_killed(uninterrupted, text_
 def test_a_slowed_process_is_named_the_straggler_with_its_lag(text_dir, tmp_path):
   delay = 0.3
   args = [sys.executable, str(REPO / 'scripts' / 'launch_local.py'), '--num_processes=2',
-          '--devices_per_process=4', '--timeout_s=280',
+          '--devices_per_process=4', '--timeout_s=600',
           # Windows of 4 steps, no checkpoint before the end: each comparison is a mean over 4 plain steps.
-          *_args(tmp_path, text_dir, '--max_restarts=0', '--config.train.steps=20', '--config.log.every_steps=4',
+          *_args(tmp_path, text_dir, '--max_restarts=0', '--config.train.steps=28', '--config.log.every_steps=4',
                  '--config.ckpt.every_steps=100')]
   result = _launch(None, fault=f'slow@1,process=1,seconds={delay}', command=args)
   assert result.returncode == 0, result.stderr[-4000:]
   records = [r for r in read_metrics(tmp_path) if 'straggler_lag_s' in r]
-  assert records and all(r['straggler_process'] == 1 for r in records), records
-  lag = sorted(r['straggler_lag_s'] for r in records)[len(records) // 2]
-  assert lag == pytest.approx(delay, rel=0.2)
+  named = [(r['step'], int(r['straggler_process']), round(r['straggler_lag_s'], 3)) for r in records]
+  # Each window names the host that spent the most host time. On a loaded CI machine (two suites side by side) the
+  # scheduler can hold process 0 back for one window as long as the injected delay: one window in 7 may name it.
+  # The warning needs PERSIST windows in a row, which 7 windows still hold around one such window.
+  assert len(records) >= 6 and sum(p == 1 for _, p, _ in named) >= len(named) - 1, named
+  lag = statistics.median(lag for _, p, lag in named if p == 1)
+  assert lag == pytest.approx(delay, rel=0.2), named
   assert 'process 1 is a straggler' in result.stderr
 
 
