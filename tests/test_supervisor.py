@@ -194,9 +194,10 @@ def test_a_slowed_process_is_named_the_straggler_with_its_lag(text_dir, tmp_path
   records = [r for r in read_metrics(tmp_path) if 'straggler_lag_s' in r]
   named = [(r['step'], int(r['straggler_process']), round(r['straggler_lag_s'], 3)) for r in records]
   # Each window names the host that spent the most host time. On a loaded CI machine (two suites side by side) the
-  # scheduler can hold process 0 back for one window as long as the injected delay: one window in 7 may name it.
-  # The warning needs PERSIST windows in a row, which 7 windows still hold around one such window.
-  assert len(records) >= 6 and sum(p == 1 for _, p, _ in named) >= len(named) - 1, named
+  # scheduler can hold process 0 back for one window as long as the injected delay: one window may name it. Process
+  # 0 compares the newest window every process has reported, so a loaded machine also logs fewer than the 7
+  # windows (5 were seen); the warning needs PERSIST of them in a row.
+  assert len(records) >= 4 and sum(p == 1 for _, p, _ in named) >= len(named) - 1, named
   lag = statistics.median(lag for _, p, lag in named if p == 1)
   assert lag == pytest.approx(delay, rel=0.2), named
   assert 'process 1 is a straggler' in result.stderr
