@@ -1,6 +1,6 @@
 """One GPU acceptance command (issue 38): crashes over fresh launches of the default job, then the GPU rows.
 
-  python scripts/bench_gpu_acceptance.py --out=$OUT [--launches=5] [--budget_s=450]
+  python scripts/bench_gpu_acceptance.py --out=$OUT [--launches=5] [--budget_s=450] [--rows=moe_b8,gpt2_b64]
   python scripts/bench_gpu_acceptance.py --out=/tmp/acc --smoke      # CPU: configs/tiny.py, shrunk rows, seconds
 
 1. `launch.py --config=configs/default.py --max_restarts=0` `--launches` times, each a fresh process and workdir
@@ -10,7 +10,11 @@
 2. scripts/bench_gpu.py's rows, each in its own process: gpt2_b64, llama_b16_auto and their hand-written minimal
    loops (gpt2_b64_minimal, llama_b16_auto_minimal), gpt2_b32_packed, moe_b4, moe_b8, moe_b8_capacity. A row that
    fails (out of memory) is recorded with its last line and the others go on; rows left when the time budget is
-   spent are recorded as not run.
+   spent are recorded as not run. --rows picks and orders them (--launches=0 skips part 1), so a short lease
+   measures what matters first.
+
+Every child gets the XLA flags launch.py sets on NVIDIA GPUs (trainer/gpu_env.py): the rows build the Job in
+scripts/bench_gpu.py, not through launch.py, and must measure the same flags.
 
 Writes OUT/acceptance.json (everything above, with the versions of python, jax, jaxlib and flax and the device)
 and OUT/acceptance.log (each child's whole output, in order). Runs on the device image's stack (jax 0.11.2 with
@@ -29,6 +33,10 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+  sys.path.insert(0, str(REPO))
+
+from trainer import gpu_env  # noqa: E402  (imports no jax)
 ROWS = ('gpt2_b64', 'gpt2_b64_minimal', 'llama_b16_auto', 'llama_b16_auto_minimal', 'gpt2_b32_packed', 'moe_b4',
         'moe_b8', 'moe_b8_capacity')
 SMOKE_ROWS = ('gpt2_b32', 'gpt2_b32_minimal', 'moe_b8')
@@ -97,7 +105,7 @@ def rows(names: tuple[str, ...], log: Log, deadline: float, smoke: bool, steps: 
     command += ['--smoke', f'--rows={name}'] if smoke else ['--one_row', name]
     done = _run(command, left)
     log.add(f'row {name} (exit {done.returncode})', done.stdout + done.stderr)
-    last = _last_line(done.stdout)
+    last = (done.stdout.strip().splitlines() or [''])[-1]  # Whole: a row's JSON is longer than _last_line keeps.
     if done.returncode == 0 and not smoke and last.startswith('{'):
       results.append(json.loads(last))
     elif done.returncode == 0 and smoke:
@@ -125,6 +133,7 @@ def main(argv=None) -> dict:
   parser.add_argument('--steps', type=int, default=10, help='Timed steps per row.')
   parser.add_argument('--warmup', type=int, default=2)
   parser.add_argument('--smoke', action='store_true', help='CPU: configs/tiny.py launches and shrunk rows.')
+  parser.add_argument('--rows', default=None, help=f'Comma-separated, in order (default: {",".join(ROWS)}).')
   args = parser.parse_args(argv)
   if not args.out:
     raise SystemExit('bench_gpu_acceptance.py: give --out=DIR (or set $OUT) for acceptance.json and .log.')
@@ -133,11 +142,14 @@ def main(argv=None) -> dict:
   start = time.monotonic()
   deadline = start + args.budget_s
   log = Log(out / 'acceptance.log')
+  gpu_flags = gpu_env.apply()  # Children inherit os.environ; a no-op without NVIDIA GPUs.
   config, overrides = (('configs/tiny.py', ['--config.train.steps=4']) if args.smoke
                        else ('configs/default.py', ['--config.ckpt.every_steps=1000000']))
+  names = tuple(args.rows.split(',')) if args.rows else SMOKE_ROWS if args.smoke else ROWS
   result = {'versions': versions(), 'smoke': args.smoke,
+            'xla_flags': os.environ.get('XLA_FLAGS', '') if gpu_flags else None,
             'default_job': launches(args.launches, config, overrides, log, deadline),
-            'rows': rows(SMOKE_ROWS if args.smoke else ROWS, log, deadline, args.smoke, args.steps, args.warmup)}
+            'rows': rows(names, log, deadline, args.smoke, args.steps, args.warmup)}
   import jax  # After the children ran: this process holds no GPU memory while they measure.
   result['device'] = jax.devices()[0].device_kind
   result['seconds'] = round(time.monotonic() - start, 1)
