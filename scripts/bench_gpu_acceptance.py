@@ -1,6 +1,6 @@
 """One GPU acceptance command (issue 38): crashes over fresh launches of the default job, then the GPU rows.
 
-  python scripts/bench_gpu_acceptance.py --out=$OUT [--launches=5] [--budget_s=450] [--rows=moe_b8,gpt2_b64]
+  python scripts/bench_gpu_acceptance.py --out=$OUT [--launches=5] [--budget_s=480] [--rows=moe_b8,gpt2_b64]
   python scripts/bench_gpu_acceptance.py --out=/tmp/acc --smoke      # CPU: configs/tiny.py, shrunk rows, seconds
 
 1. `launch.py --config=configs/default.py --max_restarts=0` `--launches` times, each a fresh process and workdir
@@ -129,7 +129,7 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--out', default=os.environ.get('OUT'), help='Folder for acceptance.json and .log ($OUT).')
   parser.add_argument('--launches', type=int, default=5)
-  parser.add_argument('--budget_s', type=float, default=450.0, help='Wall-clock budget for everything.')
+  parser.add_argument('--budget_s', type=float, default=480.0, help='Wall-clock budget for everything.')
   parser.add_argument('--steps', type=int, default=10, help='Timed steps per row.')
   parser.add_argument('--warmup', type=int, default=2)
   parser.add_argument('--smoke', action='store_true', help='CPU: configs/tiny.py launches and shrunk rows.')

@@ -10,8 +10,10 @@ with `cuda_graph_end_capture ... capturing stream has unjoined work` from cuDNN'
 that survived with them). Only cuDNN is taken out: the `-TYPE` form removes one type from XLA's defaults and keeps
 fusions and cuBLAS in graphs, where they cut launch overhead. In the pinned jaxlib (0.10.2) the defaults are FUSION,
 CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN, CONDITIONAL and DYNAMIC_SLICE_FUSION, and `-CUDNN` leaves the other six
-(tests/test_gpu_env.py reads them back from XLA's dumped debug options). The removal alone is not yet measured on a
-GPU; scripts/bench_gpu_acceptance.py counts crashes over fresh launches to measure it.
+(tests/test_gpu_env.py reads them back from XLA's dumped debug options). With `-CUDNN` and the
+device feed held until the first step completes (trainer/data), 0 of 14 fresh launches crashed on an H100 (jax
+0.11.2, 2026-11-26, scripts/bench_gpu_acceptance.py; BENCHMARKS.md, issue 38); which of the two removed the crash
+is not separated, so both stay.
 """
 
 import os
