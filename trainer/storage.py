@@ -181,7 +181,14 @@ def filesystem():
   return fsspec.filesystem('gcs')
 
 
-def _check_reachable(workdir: str) -> None:
+def _check_reachable(workdir: str, answered_before: bool) -> None:
+  """The endpoint answers a TCP connect; else UserError (exit 2), or StorageStall (74) if it answered before.
+
+  At a first launch a refused or unanswered connect is this host's network or
+  settings, which a retry does not fix. A supervised attempt starts only after its
+  supervisor's own probe passed (launch.py), so there the same refusal is the
+  endpoint lost since: worth the supervisor's retries, with its back-off.
+  """
   host, port = endpoint()
   try:
     socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
@@ -190,6 +197,10 @@ def _check_reachable(workdir: str) -> None:
       reason = f'no answer to a connect in {_CONNECT_TIMEOUT_S:g}s'
     else:
       reason = e.strerror or type(e).__name__
+    if answered_before:
+      raise StorageStall(f'gs://{bucket(workdir)}: the storage endpoint {host}:{port} answered earlier in this run '
+                         f'and is lost now ({reason} on a new connection); every complete checkpoint is intact; '
+                         f'relaunch when it answers again (a supervised run retries until --max_restarts).') from None
     raise UserError(f'--workdir={workdir}: this host cannot reach the storage endpoint {host}:{port} ({reason}); '
                     f'check its network (DNS, a route or a proxy to it, or Private Google Access on a VPC without '
                     f'external IPs), then relaunch. Nothing was written.') from None
@@ -212,12 +223,13 @@ def _check_credentials(workdir: str) -> None:
                     f'run on a VM with a service account.') from None
 
 
-def check_writable(workdir: str) -> Path:
+def check_writable(workdir: str, answered_before: bool = False) -> Path:
   """Proves the bucket exists and these credentials can write to the run's prefix; UserError naming the fix.
 
   In this order, each within seconds: the endpoint answers a TCP connect, credentials
   exist, and a probe object can be written and deleted (which tells a missing bucket
-  and a missing permission apart).
+  and a missing permission apart). `answered_before`: the endpoint answered this
+  run already (a supervised attempt), so losing it is exit 74, not 2.
   """
   name = bucket(workdir)
   problem = bucket_name_problem(name)
@@ -225,7 +237,7 @@ def check_writable(workdir: str) -> Path:
     raise UserError(f'--workdir={workdir}: {name!r} cannot be a Cloud Storage bucket: the name {problem}; use the '
                     f'name of an existing bucket (gs://BUCKET/run).')
   root = path(workdir)
-  _check_reachable(workdir)
+  _check_reachable(workdir, answered_before)
   _check_credentials(workdir)
   probe = root / f'.write_probe.{socket.gethostname()}.{os.getpid()}'
 
