@@ -3,7 +3,10 @@
 kill -9 of one process's launch.py (its supervisor, so its training child dies with it): the survivor's supervisor
 restarts its own child after the lost peer, and launch_local starts the killed launch.py again instead of stopping
 the survivor mid-start-up (which ended in a C++ abort, exit 137). Both resume from the same checkpoint and finish.
-A join that times out after every process checked in is one line with the exit the supervisor retries.
+A frozen member (SIGSTOP of process 1's training child, which freezes its own hang watch and its peer heartbeat):
+process 0 names it lost, process 1's supervisor ends it on its own timer over the heartbeat, and the group restarts
+and resumes from the same checkpoint. A join that times out after every process checked in is one line with the
+exit the supervisor retries.
 """
 
 import json
@@ -55,6 +58,44 @@ def test_kill_9_of_one_supervisor_restarts_the_group_and_it_resumes_together(tmp
   records = [json.loads(l) for l in (workdir / 'attempts.jsonl').read_text().splitlines()]
   assert [r['cause'] for r in records] == ['lost peer', 'finished'], records
   assert records[1]['resumed_step'] == 5  # The checkpoint both processes had when process 1 was lost.
+  assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
+
+
+def _training_child_of(launch_py_pid: int) -> int:
+  [child] = pathlib.Path(f'/proc/{launch_py_pid}/task/{launch_py_pid}/children').read_text().split()
+  return int(child)
+
+
+def test_a_frozen_member_is_ended_by_its_supervisor_and_the_group_resumes_together(tmp_path):
+  (tmp_path / 'text').mkdir()
+  text_dir = make_text_dir(tmp_path / 'text')
+  workdir = tmp_path / 'run'
+  frozen = []
+
+  def on_line(proc, line):
+    if not frozen and re.match(r'\[0\] .*step 7/', line):
+      os.kill(_training_child_of(_launch_py_of(proc.pid, 1)), signal.SIGSTOP)
+      frozen.append(line)
+
+  result, lines = watch_command(
+      [sys.executable, str(REPO / 'scripts' / 'launch_local.py'), '--num_processes=2', '--devices_per_process=4',
+       '--config=configs/tiny.py', f'--workdir={workdir}', f'--config.train.steps={STEPS}',
+       '--config.ckpt.every_steps=5', '--config.ckpt.async_save=False', '--config.log.every_steps=1',
+       '--config.train.hang_timeout_s=30', f'--config.data.text_dir={text_dir}', '--max_restarts=2',
+       '--restart_backoff_s=1'],
+      launcher_env(LAUNCH_MAX_RESTARTS='2'), on_line, 900)  # A hang guard only.
+  assert frozen, result.stderr[-3000:]
+  assert result.returncode == 0, result.stderr[-5000:]
+  for noise in ('Fatal Python error', 'Aborted', 'Traceback'):
+    assert noise not in result.stderr, result.stderr[-5000:]
+  # The frozen process's own supervisor ends it, in one line; process 0 names the lost process.
+  hang = [l for _, l in lines if l.startswith('[1] launch.py: hang: attempt 1: no progress for')]
+  assert len(hang) == 1 and 'limit 30s' in hang[0], result.stderr[-5000:]
+  assert not any(l.startswith('[0] launch.py: hang:') for _, l in lines)
+  assert any(re.match(r'\[0\] .*process 1 of 2 .*was lost', l) for _, l in lines), result.stderr[-5000:]
+  records = [json.loads(l) for l in (workdir / 'attempts.jsonl').read_text().splitlines()]
+  assert [r['cause'] for r in records] == ['lost peer', 'finished'], records
+  assert records[1]['resumed_step'] == 5  # The checkpoint both processes had when process 1 froze.
   assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
 
 
