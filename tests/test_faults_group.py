@@ -6,7 +6,9 @@ the survivor mid-start-up (which ended in a C++ abort, exit 137). Both resume fr
 A frozen member (SIGSTOP of process 1's training child, which freezes its own hang watch and its peer heartbeat):
 process 0 names it lost, process 1's supervisor ends it on its own timer over the heartbeat, and the group restarts
 and resumes from the same checkpoint. A join that times out after every process checked in is one line with the
-exit the supervisor retries.
+exit the supervisor retries. Under SLURM (scripts/slurm_train.sbatch, run with a fake srun that starts its tasks on this
+host with SLURM's variables, so jax detects the cluster): a killed member's supervisor restarts it and the survivor's
+restarts its own after the failed collective; both resume from the same checkpoint.
 """
 
 import json
@@ -14,11 +16,12 @@ import os
 import pathlib
 import re
 import signal
+import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, launcher_env, make_text_dir, watch_command
+from conftest import REPO, free_port, launcher_env, make_text_dir, watch_command
 from parallel import distributed
 from trainer.supervision import supervisor
 
@@ -96,6 +99,66 @@ def test_a_frozen_member_is_ended_by_its_supervisor_and_the_group_resumes_togeth
   records = [json.loads(l) for l in (workdir / 'attempts.jsonl').read_text().splitlines()]
   assert [r['cause'] for r in records] == ['lost peer', 'finished'], records
   assert records[1]['resumed_step'] == 5  # The checkpoint both processes had when process 1 froze.
+  assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
+
+
+# srun on one host: FAKE_NTASKS tasks with SLURM's variables, each task's output in FAKE_LOGS/taskN.log, and
+# --kill-on-bad-exit as SLURM documents it (a task ending non-zero ends the others: SIGTERM here).
+_FAKE_SRUN = r'''#!/usr/bin/env bash
+set -uo pipefail
+kill_on_bad=0
+while [[ $1 == --* ]]; do [[ $1 == --kill-on-bad-exit=1 ]] && kill_on_bad=1; shift; done
+declare -A task_of
+for ((t = 0; t < FAKE_NTASKS; t++)); do
+  SLURM_PROCID=$t SLURM_LOCALID=$t SLURM_NTASKS=$FAKE_NTASKS SLURM_STEP_NODELIST=localhost "$@" \
+    >"$FAKE_LOGS/task$t.log" 2>&1 &
+  task_of[$!]=$t
+done
+while ((${#task_of[@]})); do
+  wait -n -p ended; rc=$?
+  task=${task_of[$ended]}; unset "task_of[$ended]"
+  echo "srun: task $task exited with code $rc"
+  if ((rc && kill_on_bad)); then
+    for pid in "${!task_of[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+    wait; exit "$rc"
+  fi
+done
+'''
+
+
+def test_under_slurm_a_killed_member_restarts_and_the_group_resumes_together(tmp_path):
+  (tmp_path / 'text').mkdir()
+  text_dir = make_text_dir(tmp_path / 'text')
+  workdir, logs, bin_dir = tmp_path / 'run', tmp_path / 'logs', tmp_path / 'bin'
+  logs.mkdir()
+  bin_dir.mkdir()
+  (bin_dir / 'srun').write_text(_FAKE_SRUN)
+  (bin_dir / 'srun').chmod(0o755)
+  env = launcher_env(JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  dry = subprocess.run(
+      ['bash', str(REPO / 'scripts' / 'launch_slurm.sh'), '--nodes=2', '--gpus_per_node=4',
+       '--config=configs/tiny.py', f'--workdir={workdir}', f'--python={sys.executable}',
+       f'--config.train.steps={STEPS}', '--config.ckpt.every_steps=5', '--config.ckpt.async_save=False',
+       '--config.log.every_steps=1', f'--config.data.text_dir={text_dir}', '--max_restarts=2',
+       '--restart_backoff_s=1', '--dry_run'], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert dry.returncode == 0, dry.stderr
+  job = tmp_path / 'job.sbatch'
+  job.write_text(dry.stdout.split("<<'SBATCH_EOF'\n", 1)[1].split('\nSBATCH_EOF\n', 1)[0] + '\n')
+  run_env = {**env, 'PATH': f'{bin_dir}{os.pathsep}{env["PATH"]}', 'FAKE_NTASKS': '2', 'FAKE_LOGS': str(logs),
+             'SLURM_JOB_ID': '77', 'JAX_COORDINATOR_PORT': str(free_port()),
+             'LAUNCH_TEST_FAULT': 'kill@7,process=1,attempt=1'}
+  # cwd: what #SBATCH --chdir does under sbatch. The timeout is a hang guard only.
+  result = subprocess.run(['bash', str(job)], cwd=REPO, env=run_env, capture_output=True, text=True, timeout=900)
+  task_logs = [(logs / f'task{t}.log').read_text() for t in range(2)]
+  assert result.returncode == 0, result.stdout + task_logs[0][-3000:] + task_logs[1][-3000:]
+  assert result.stdout.splitlines()[-2:] in (['srun: task 0 exited with code 0', 'srun: task 1 exited with code 0'],
+                                             ['srun: task 1 exited with code 0', 'srun: task 0 exited with code 0'])
+  # The killed member's own supervisor restarted it; the survivor's restarted its own when the collective failed.
+  assert 'launch.py: restarting: attempt 1 ended with killed by SIGKILL (exit -9)' in task_logs[1], task_logs[1][-3000:]
+  assert 'launch.py: restarting: attempt 1 ended with' in task_logs[0], task_logs[0][-3000:]
+  records = [json.loads(l) for l in (workdir / 'attempts.jsonl').read_text().splitlines()]
+  assert [(r['retried'], r['cause']) for r in records][1:] == [(False, 'finished')], records
+  assert records[0]['retried'] and records[1]['resumed_step'] == 5, records
   assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
 
 
