@@ -7,8 +7,9 @@ A frozen member (SIGSTOP of process 1's training child, which freezes its own ha
 process 0 names it lost, process 1's supervisor ends it on its own timer over the heartbeat, and the group restarts
 and resumes from the same checkpoint. A join that times out after every process checked in is one line with the
 exit the supervisor retries. Under SLURM (scripts/slurm_train.sbatch, run with a fake srun that starts its tasks on this
-host with SLURM's variables, so jax detects the cluster): a killed member's supervisor restarts it and the survivor's
-restarts its own after the failed collective; both resume from the same checkpoint.
+host with SLURM's variables, so jax detects the cluster): a killed member's supervisor restarts it, the survivor names
+it in one line (exit 75; it was a Gloo traceback, classed a crash) and restarts its own; both resume from the same
+checkpoint.
 """
 
 import json
@@ -153,12 +154,18 @@ def test_under_slurm_a_killed_member_restarts_and_the_group_resumes_together(tmp
   assert result.returncode == 0, result.stdout + task_logs[0][-3000:] + task_logs[1][-3000:]
   assert result.stdout.splitlines()[-2:] in (['srun: task 0 exited with code 0', 'srun: task 1 exited with code 0'],
                                              ['srun: task 1 exited with code 0', 'srun: task 0 exited with code 0'])
-  # The killed member's own supervisor restarted it; the survivor's restarted its own when the collective failed.
+  # The killed member's own supervisor restarted it; the survivor named it in one line (the peer watchdog, also in a
+  # launch jax's detection joined) and its supervisor restarted its own.
   assert 'launch.py: restarting: attempt 1 ended with killed by SIGKILL (exit -9)' in task_logs[1], task_logs[1][-3000:]
-  assert 'launch.py: restarting: attempt 1 ended with' in task_logs[0], task_logs[0][-3000:]
+  said = [l for l in task_logs[0].splitlines() if l.startswith('launch.py: error:')]
+  assert said == ['launch.py: error: process 1 of 2 was lost (its connection closed: the process exited or was '
+                  'killed); this run cannot continue without it. Stopped; relaunch every process with the same '
+                  'command to resume from the last checkpoint.'], task_logs[0][-3000:]
+  assert all('Traceback' not in log for log in task_logs), task_logs[0][-3000:] + task_logs[1][-3000:]
   records = [json.loads(l) for l in (workdir / 'attempts.jsonl').read_text().splitlines()]
-  assert [(r['retried'], r['cause']) for r in records][1:] == [(False, 'finished')], records
-  assert records[0]['retried'] and records[1]['resumed_step'] == 5, records
+  assert [(r['cause'], r['exit_code'], r['retried']) for r in records] == [('lost peer', 75, True),
+                                                                           ('finished', 0, False)], records
+  assert records[1]['resumed_step'] == 5, records
   assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
 
 
