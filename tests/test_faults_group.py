@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -193,3 +194,32 @@ def test_any_other_join_failure_keeps_its_own_error(monkeypatch):
   monkeypatch.setattr(distributed.jax.distributed, 'initialize', broken)
   with pytest.raises(ValueError, match='a bug'):
     distributed.initialize('127.0.0.1:1234', 2, 1, 5)
+
+
+def test_a_detected_launch_whose_watchdog_cannot_be_reached_goes_on_with_one_warning(monkeypatch):
+  """A cluster whose firewall blocks process 0's watchdog port: the run goes on as before the watchdog, warned."""
+  from jax._src import distributed as jax_distributed
+  from parallel import watchdog
+
+  class Client:
+    def key_value_set(self, key, value):
+      self.port = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+      return str(free_port())  # Nothing listens there: the connect is refused.
+
+  warnings = []
+  monkeypatch.setattr(watchdog, '_watching', threading.Event())
+  monkeypatch.setattr(jax_distributed.global_state, 'client', Client())
+  monkeypatch.setattr(jax_distributed.global_state, 'coordinator_address', '127.0.0.1:1')
+  monkeypatch.setattr(distributed.logging, 'warning', lambda text, *args: warnings.append(text % args))
+  monkeypatch.setattr(distributed.jax, 'process_count', lambda: 2)
+  monkeypatch.setattr(distributed.jax, 'process_index', lambda: 1)
+  distributed._watch_detected(5)
+  assert len(warnings) == 1 and warnings[0].startswith(
+      'The peer watchdog could not be set up (ConnectionRefusedError: '), warnings
+  assert not watchdog._watching.is_set()  # No lost-peer grace is waited for a watchdog that is not there.
+  # Process 0: nobody connects within the timeout; one warning from its thread, no thread traceback.
+  server = distributed._listen(0)
+  distributed._serve_or_warn(server, 2, 1)
+  assert len(warnings) == 2 and warnings[1].startswith('The peer watchdog could not be set up (TimeoutError'), warnings
