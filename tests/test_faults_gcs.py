@@ -95,3 +95,35 @@ def test_a_lost_endpoint_is_exit_74_when_it_answered_before_and_exit_2_at_first_
   assert lost.value.exit_code == 74 and 'answered earlier in this run and is lost now' in str(lost.value)
   assert not isinstance(never.value, storage.StorageStall) and getattr(never.value, 'exit_code', 2) == 2
   assert 'this host cannot reach the storage endpoint' in str(never.value)
+
+
+def test_a_call_that_fails_to_connect_to_a_lost_endpoint_is_the_storage_line_not_its_traceback(monkeypatch):
+  """gcsfs raises aiohttp's ClientConnectorError after its own retries (33 s here), before a longer deadline."""
+  import aiohttp
+  import socket
+  from conftest import free_port
+  from trainer import storage
+
+  def refused():
+    try:
+      socket.create_connection(('127.0.0.1', port), timeout=5)
+    except ConnectionRefusedError as e:
+      raise aiohttp.ClientConnectorError(None, e) from e  # As gcsfs gives it: the OS error as its cause.
+
+  def not_found():
+    raise FileNotFoundError('gs://lost-bucket/run/x')
+
+  port = free_port()
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', f'http://127.0.0.1:{port}')
+  with pytest.raises(storage.StorageStall) as lost:
+    storage.within_deadline('taking the workdir lock', 'gs://lost-bucket/run', refused)
+  assert lost.value.exit_code == 74
+  assert str(lost.value).startswith(f'gs://lost-bucket: taking the workdir lock could not connect to the storage '
+                                    f'endpoint 127.0.0.1:{port}; the endpoint is lost (Connection refused on a new '
+                                    f'connection).'), str(lost.value)
+  with pytest.raises(FileNotFoundError):  # Not a connection failure: its own error, even with the endpoint lost.
+    storage.within_deadline('reading', 'gs://lost-bucket/run', not_found)
+  server = socket.create_server(('127.0.0.1', 0))  # An endpoint that connects: the error is not a lost endpoint.
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', f'http://127.0.0.1:{server.getsockname()[1]}')
+  with server, pytest.raises(aiohttp.ClientConnectorError):
+    storage.within_deadline('taking the workdir lock', 'gs://lost-bucket/run', refused)

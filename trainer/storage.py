@@ -90,19 +90,43 @@ def within_deadline(operation: str, where: str | os.PathLike, fn, *args):
   worker = threading.Thread(target=call, daemon=True, name=f'storage: {operation}')
   worker.start()
   worker.join(_deadline_s[0])
+  host, port = endpoint()
   if worker.is_alive():
-    host, port = endpoint()
-    try:
-      socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
-      state = 'the endpoint is reachable but stopped answering'
-    except OSError as e:
-      state = f'the endpoint is lost ({e.strerror or type(e).__name__} on a new connection)'
+    state = _endpoint_state() or 'the endpoint is reachable but stopped answering'
     raise StorageStall(f'gs://{bucket(where)}: {operation} got no answer from the storage endpoint {host}:{port} '
                        f'in {_deadline_s[0]:g}s (ckpt.storage_deadline_s); {state}. Every complete checkpoint is '
                        f'intact; relaunch when it answers again (a supervised run retries).')
   if 'error' in outcome:
+    # gcsfs gives up on a refused endpoint after its own retries (33 s, measured with gcsfs 2026.10.1), before a
+    # longer deadline: the same lost endpoint, so the same line and exit, not a traceback classed a crash.
+    lost = _endpoint_state() if _is_connection_error(outcome['error']) else None
+    if lost:
+      raise StorageStall(f'gs://{bucket(where)}: {operation} could not connect to the storage endpoint {host}:{port}; '
+                         f'{lost}. Every complete checkpoint is intact; relaunch when it answers again (a supervised '
+                         f'run retries).') from None
     raise outcome['error']
   return outcome.get('value')
+
+
+def _endpoint_state() -> str | None:
+  """'the endpoint is lost (REASON ...)' when a new connection to it fails now; None when it connects."""
+  try:
+    socket.create_connection(endpoint(), timeout=_CONNECT_TIMEOUT_S).close()
+    return None
+  except OSError as e:
+    return f'the endpoint is lost ({e.strerror or type(e).__name__} on a new connection)'
+
+
+def _is_connection_error(error: BaseException) -> bool:
+  """Whether `error`, or an error it was raised from, is a failed connection (aiohttp's types, or the OS's)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, (ConnectionError, TimeoutError)) or any(
+        t.__name__ == 'ClientConnectionError' for t in type(error).__mro__):  # aiohttp's, not imported here.
+      return True
+    error = error.__cause__ or error.__context__
+  return False
 
 
 def is_cloud(workdir: str | os.PathLike) -> bool:
