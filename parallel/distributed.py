@@ -187,6 +187,50 @@ def _initialize_detected(cluster: str, timeout_s: int) -> None:
     done.set()
   logging.info('Joined %d processes as process %d (%s, detected)', jax.process_count(), jax.process_index(),
                cluster)
+  _watch_detected(timeout_s)
+
+
+_WATCHDOG_KEY = 'jax_launch/peer_watchdog'
+
+
+def _watch_detected(timeout_s: int) -> None:
+  """The peer watchdog of an explicit launch, for one jax's detection joined (SLURM, a TPU pod).
+
+  Without it a survivor learned of a lost process only when its next collective
+  failed, as a Gloo traceback classed a crash (issue 39). Process 0 hosts jax's
+  coordinator, so every process reaches its host already; the watchdog's port goes
+  through jax's key-value store (a private module, hence read here alone).
+  """
+  num_processes, process_id = jax.process_count(), jax.process_index()
+  if num_processes < 2:
+    return
+  from jax._src import distributed as jax_distributed
+  try:
+    client = jax_distributed.global_state.client
+    host = jax_distributed.global_state.coordinator_address.rsplit(':', 1)[0].strip('[]')
+    if process_id == 0:
+      server = _listen(0)
+      client.key_value_set(_WATCHDOG_KEY, str(server.getsockname()[1]))
+      threading.Thread(target=_serve_or_warn, args=(server, num_processes, timeout_s), daemon=True,
+                       name='peer-watchdog').start()
+    else:
+      port = int(client.blocking_key_value_get(_WATCHDOG_KEY, timeout_s * 1000))
+      watchdog.join(host, port, process_id, num_processes, timeout_s)
+  except Exception as e:  # pylint: disable=broad-except  (a port the cluster's firewall blocks; jax's untyped errors)
+    _watchdog_missing(e)
+
+
+def _serve_or_warn(server, num_processes: int, timeout_s: int) -> None:
+  try:
+    watchdog.serve(server, num_processes, timeout_s)
+  except OSError as e:  # A process that never connected (its host cannot reach this port): TimeoutError.
+    _watchdog_missing(e)
+
+
+def _watchdog_missing(error: Exception) -> None:
+  """The run goes on as before the watchdog existed in detected launches: a lost process shows when a collective fails."""
+  logging.warning('The peer watchdog could not be set up (%s: %s); a lost process will show only when a collective '
+                  'fails.', type(error).__name__, ' '.join(str(error).split())[:200])
 
 
 def _check_in(host: str, port: int, address: str, num_processes: int, process_id: int, timeout_s: int):

@@ -1,4 +1,4 @@
-"""A lost peer in an explicit multi-process launch: every survivor exits in one line naming it, not a C++ abort.
+"""A lost peer in a multi-process launch: every survivor exits in one line naming it, not a C++ abort.
 
 Without this, when one process of a hand-started run dies, the others block in
 their next collective until jax's coordination service misses its heartbeats
@@ -6,7 +6,8 @@ their next collective until jax's coordination service misses its heartbeats
 (which hosts that service) dies, the others abort at once without a word.
 
 Each process keeps one TCP connection to process 0 for the whole run (process 0
-listens on a free port it announced during the check-in, parallel/distributed.py)
+listens on a free port it announced during the check-in, or in a launch jax's
+detection joined through jax's key-value store, parallel/distributed.py)
 and both ends send a heartbeat line every HEARTBEAT_S seconds:
 - a connection that closes (the process died: the kernel closes its sockets,
   kill -9 included) is a loss at once; silence for SILENT_AFTER_S seconds (a

@@ -3,7 +3,13 @@
 kill -9 of one process's launch.py (its supervisor, so its training child dies with it): the survivor's supervisor
 restarts its own child after the lost peer, and launch_local starts the killed launch.py again instead of stopping
 the survivor mid-start-up (which ended in a C++ abort, exit 137). Both resume from the same checkpoint and finish.
-A join that times out after every process checked in is one line with the exit the supervisor retries.
+A frozen member (SIGSTOP of process 1's training child, which freezes its own hang watch and its peer heartbeat):
+process 0 names it lost, process 1's supervisor ends it on its own timer over the heartbeat, and the group restarts
+and resumes from the same checkpoint. A join that times out after every process checked in is one line with the
+exit the supervisor retries. Under SLURM (scripts/slurm_train.sbatch, run with a fake srun that starts its tasks on this
+host with SLURM's variables, so jax detects the cluster): a killed member's supervisor restarts it, the survivor names
+it in one line (exit 75; it was a Gloo traceback, classed a crash) and restarts its own; both resume from the same
+checkpoint.
 """
 
 import json
@@ -11,11 +17,13 @@ import os
 import pathlib
 import re
 import signal
+import subprocess
 import sys
+import threading
 
 import pytest
 
-from conftest import REPO, launcher_env, make_text_dir, watch_command
+from conftest import REPO, free_port, launcher_env, make_text_dir, watch_command
 from parallel import distributed
 from trainer.supervision import supervisor
 
@@ -58,6 +66,110 @@ def test_kill_9_of_one_supervisor_restarts_the_group_and_it_resumes_together(tmp
   assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
 
 
+def _training_child_of(launch_py_pid: int) -> int:
+  [child] = pathlib.Path(f'/proc/{launch_py_pid}/task/{launch_py_pid}/children').read_text().split()
+  return int(child)
+
+
+def test_a_frozen_member_is_ended_by_its_supervisor_and_the_group_resumes_together(tmp_path):
+  (tmp_path / 'text').mkdir()
+  text_dir = make_text_dir(tmp_path / 'text')
+  workdir = tmp_path / 'run'
+  frozen = []
+
+  def on_line(proc, line):
+    if not frozen and re.match(r'\[0\] .*step 7/', line):
+      os.kill(_training_child_of(_launch_py_of(proc.pid, 1)), signal.SIGSTOP)
+      frozen.append(line)
+
+  result, lines = watch_command(
+      [sys.executable, str(REPO / 'scripts' / 'launch_local.py'), '--num_processes=2', '--devices_per_process=4',
+       '--config=configs/tiny.py', f'--workdir={workdir}', f'--config.train.steps={STEPS}',
+       '--config.ckpt.every_steps=5', '--config.ckpt.async_save=False', '--config.log.every_steps=1',
+       '--config.train.hang_timeout_s=30', f'--config.data.text_dir={text_dir}', '--max_restarts=2',
+       '--restart_backoff_s=1'],
+      launcher_env(LAUNCH_MAX_RESTARTS='2'), on_line, 900)  # A hang guard only.
+  assert frozen, result.stderr[-3000:]
+  assert result.returncode == 0, result.stderr[-5000:]
+  for noise in ('Fatal Python error', 'Aborted', 'Traceback'):
+    assert noise not in result.stderr, result.stderr[-5000:]
+  # The frozen process's own supervisor ends it, in one line; process 0 names the lost process.
+  hang = [l for _, l in lines if l.startswith('[1] launch.py: hang: attempt 1: no progress for')]
+  assert len(hang) == 1 and 'limit 30s' in hang[0], result.stderr[-5000:]
+  assert not any(l.startswith('[0] launch.py: hang:') for _, l in lines)
+  assert any(re.match(r'\[0\] .*process 1 of 2 .*was lost', l) for _, l in lines), result.stderr[-5000:]
+  records = [json.loads(l) for l in (workdir / 'attempts.jsonl').read_text().splitlines()]
+  assert [r['cause'] for r in records] == ['lost peer', 'finished'], records
+  assert records[1]['resumed_step'] == 5  # The checkpoint both processes had when process 1 froze.
+  assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
+
+
+# srun on one host: FAKE_NTASKS tasks with SLURM's variables, each task's output in FAKE_LOGS/taskN.log, and
+# --kill-on-bad-exit as SLURM documents it (a task ending non-zero ends the others: SIGTERM here).
+_FAKE_SRUN = r'''#!/usr/bin/env bash
+set -uo pipefail
+kill_on_bad=0
+while [[ $1 == --* ]]; do [[ $1 == --kill-on-bad-exit=1 ]] && kill_on_bad=1; shift; done
+declare -A task_of
+for ((t = 0; t < FAKE_NTASKS; t++)); do
+  SLURM_PROCID=$t SLURM_LOCALID=$t SLURM_NTASKS=$FAKE_NTASKS SLURM_STEP_NODELIST=localhost "$@" \
+    >"$FAKE_LOGS/task$t.log" 2>&1 &
+  task_of[$!]=$t
+done
+while ((${#task_of[@]})); do
+  wait -n -p ended; rc=$?
+  task=${task_of[$ended]}; unset "task_of[$ended]"
+  echo "srun: task $task exited with code $rc"
+  if ((rc && kill_on_bad)); then
+    for pid in "${!task_of[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+    wait; exit "$rc"
+  fi
+done
+'''
+
+
+def test_under_slurm_a_killed_member_restarts_and_the_group_resumes_together(tmp_path):
+  (tmp_path / 'text').mkdir()
+  text_dir = make_text_dir(tmp_path / 'text')
+  workdir, logs, bin_dir = tmp_path / 'run', tmp_path / 'logs', tmp_path / 'bin'
+  logs.mkdir()
+  bin_dir.mkdir()
+  (bin_dir / 'srun').write_text(_FAKE_SRUN)
+  (bin_dir / 'srun').chmod(0o755)
+  env = launcher_env(JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  dry = subprocess.run(
+      ['bash', str(REPO / 'scripts' / 'launch_slurm.sh'), '--nodes=2', '--gpus_per_node=4',
+       '--config=configs/tiny.py', f'--workdir={workdir}', f'--python={sys.executable}',
+       f'--config.train.steps={STEPS}', '--config.ckpt.every_steps=5', '--config.ckpt.async_save=False',
+       '--config.log.every_steps=1', f'--config.data.text_dir={text_dir}', '--max_restarts=2',
+       '--restart_backoff_s=1', '--dry_run'], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert dry.returncode == 0, dry.stderr
+  job = tmp_path / 'job.sbatch'
+  job.write_text(dry.stdout.split("<<'SBATCH_EOF'\n", 1)[1].split('\nSBATCH_EOF\n', 1)[0] + '\n')
+  run_env = {**env, 'PATH': f'{bin_dir}{os.pathsep}{env["PATH"]}', 'FAKE_NTASKS': '2', 'FAKE_LOGS': str(logs),
+             'SLURM_JOB_ID': '77', 'JAX_COORDINATOR_PORT': str(free_port()),
+             'LAUNCH_TEST_FAULT': 'kill@7,process=1,attempt=1'}
+  # cwd: what #SBATCH --chdir does under sbatch. The timeout is a hang guard only.
+  result = subprocess.run(['bash', str(job)], cwd=REPO, env=run_env, capture_output=True, text=True, timeout=900)
+  task_logs = [(logs / f'task{t}.log').read_text() for t in range(2)]
+  assert result.returncode == 0, result.stdout + task_logs[0][-3000:] + task_logs[1][-3000:]
+  assert result.stdout.splitlines()[-2:] in (['srun: task 0 exited with code 0', 'srun: task 1 exited with code 0'],
+                                             ['srun: task 1 exited with code 0', 'srun: task 0 exited with code 0'])
+  # The killed member's own supervisor restarted it; the survivor named it in one line (the peer watchdog, also in a
+  # launch jax's detection joined) and its supervisor restarted its own.
+  assert 'launch.py: restarting: attempt 1 ended with killed by SIGKILL (exit -9)' in task_logs[1], task_logs[1][-3000:]
+  said = [l for l in task_logs[0].splitlines() if l.startswith('launch.py: error:')]
+  assert said == ['launch.py: error: process 1 of 2 was lost (its connection closed: the process exited or was '
+                  'killed); this run cannot continue without it. Stopped; relaunch every process with the same '
+                  'command to resume from the last checkpoint.'], task_logs[0][-3000:]
+  assert all('Traceback' not in log for log in task_logs), task_logs[0][-3000:] + task_logs[1][-3000:]
+  records = [json.loads(l) for l in (workdir / 'attempts.jsonl').read_text().splitlines()]
+  assert [(r['cause'], r['exit_code'], r['retried']) for r in records] == [('lost peer', 75, True),
+                                                                           ('finished', 0, False)], records
+  assert records[1]['resumed_step'] == 5, records
+  assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
+
+
 def test_a_join_that_times_out_after_check_in_is_one_line_and_retried(monkeypatch):
   def timed_out(*args, **kwargs):
     raise RuntimeError('DEADLINE_EXCEEDED: Barrier timed out.\nId: PjRT_Client_Connect\nAdditional GRPC error...')
@@ -82,3 +194,32 @@ def test_any_other_join_failure_keeps_its_own_error(monkeypatch):
   monkeypatch.setattr(distributed.jax.distributed, 'initialize', broken)
   with pytest.raises(ValueError, match='a bug'):
     distributed.initialize('127.0.0.1:1234', 2, 1, 5)
+
+
+def test_a_detected_launch_whose_watchdog_cannot_be_reached_goes_on_with_one_warning(monkeypatch):
+  """A cluster whose firewall blocks process 0's watchdog port: the run goes on as before the watchdog, warned."""
+  from jax._src import distributed as jax_distributed
+  from parallel import watchdog
+
+  class Client:
+    def key_value_set(self, key, value):
+      self.port = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+      return str(free_port())  # Nothing listens there: the connect is refused.
+
+  warnings = []
+  monkeypatch.setattr(watchdog, '_watching', threading.Event())
+  monkeypatch.setattr(jax_distributed.global_state, 'client', Client())
+  monkeypatch.setattr(jax_distributed.global_state, 'coordinator_address', '127.0.0.1:1')
+  monkeypatch.setattr(distributed.logging, 'warning', lambda text, *args: warnings.append(text % args))
+  monkeypatch.setattr(distributed.jax, 'process_count', lambda: 2)
+  monkeypatch.setattr(distributed.jax, 'process_index', lambda: 1)
+  distributed._watch_detected(5)
+  assert len(warnings) == 1 and warnings[0].startswith(
+      'The peer watchdog could not be set up (ConnectionRefusedError: '), warnings
+  assert not watchdog._watching.is_set()  # No lost-peer grace is waited for a watchdog that is not there.
+  # Process 0: nobody connects within the timeout; one warning from its thread, no thread traceback.
+  server = distributed._listen(0)
+  distributed._serve_or_warn(server, 2, 1)
+  assert len(warnings) == 2 and warnings[1].startswith('The peer watchdog could not be set up (TimeoutError'), warnings

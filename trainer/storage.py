@@ -90,19 +90,43 @@ def within_deadline(operation: str, where: str | os.PathLike, fn, *args):
   worker = threading.Thread(target=call, daemon=True, name=f'storage: {operation}')
   worker.start()
   worker.join(_deadline_s[0])
+  host, port = endpoint()
   if worker.is_alive():
-    host, port = endpoint()
-    try:
-      socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
-      state = 'the endpoint is reachable but stopped answering'
-    except OSError as e:
-      state = f'the endpoint is lost ({e.strerror or type(e).__name__} on a new connection)'
+    state = _endpoint_state() or 'the endpoint is reachable but stopped answering'
     raise StorageStall(f'gs://{bucket(where)}: {operation} got no answer from the storage endpoint {host}:{port} '
                        f'in {_deadline_s[0]:g}s (ckpt.storage_deadline_s); {state}. Every complete checkpoint is '
                        f'intact; relaunch when it answers again (a supervised run retries).')
   if 'error' in outcome:
+    # gcsfs gives up on a refused endpoint after its own retries (33 s, measured with gcsfs 2026.10.1), before a
+    # longer deadline: the same lost endpoint, so the same line and exit, not a traceback classed a crash.
+    lost = _endpoint_state() if _is_connection_error(outcome['error']) else None
+    if lost:
+      raise StorageStall(f'gs://{bucket(where)}: {operation} could not connect to the storage endpoint {host}:{port}; '
+                         f'{lost}. Every complete checkpoint is intact; relaunch when it answers again (a supervised '
+                         f'run retries).') from None
     raise outcome['error']
   return outcome.get('value')
+
+
+def _endpoint_state() -> str | None:
+  """'the endpoint is lost (REASON ...)' when a new connection to it fails now; None when it connects."""
+  try:
+    socket.create_connection(endpoint(), timeout=_CONNECT_TIMEOUT_S).close()
+    return None
+  except OSError as e:
+    return f'the endpoint is lost ({e.strerror or type(e).__name__} on a new connection)'
+
+
+def _is_connection_error(error: BaseException) -> bool:
+  """Whether `error`, or an error it was raised from, is a failed connection (aiohttp's types, or the OS's)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, (ConnectionError, TimeoutError)) or any(
+        t.__name__ == 'ClientConnectionError' for t in type(error).__mro__):  # aiohttp's, not imported here.
+      return True
+    error = error.__cause__ or error.__context__
+  return False
 
 
 def is_cloud(workdir: str | os.PathLike) -> bool:
@@ -181,7 +205,14 @@ def filesystem():
   return fsspec.filesystem('gcs')
 
 
-def _check_reachable(workdir: str) -> None:
+def _check_reachable(workdir: str, answered_before: bool) -> None:
+  """The endpoint answers a TCP connect; else UserError (exit 2), or StorageStall (74) if it answered before.
+
+  At a first launch a refused or unanswered connect is this host's network or
+  settings, which a retry does not fix. A supervised attempt starts only after its
+  supervisor's own probe passed (launch.py), so there the same refusal is the
+  endpoint lost since: worth the supervisor's retries, with its back-off.
+  """
   host, port = endpoint()
   try:
     socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
@@ -190,6 +221,10 @@ def _check_reachable(workdir: str) -> None:
       reason = f'no answer to a connect in {_CONNECT_TIMEOUT_S:g}s'
     else:
       reason = e.strerror or type(e).__name__
+    if answered_before:
+      raise StorageStall(f'gs://{bucket(workdir)}: the storage endpoint {host}:{port} answered earlier in this run '
+                         f'and is lost now ({reason} on a new connection); every complete checkpoint is intact; '
+                         f'relaunch when it answers again (a supervised run retries until --max_restarts).') from None
     raise UserError(f'--workdir={workdir}: this host cannot reach the storage endpoint {host}:{port} ({reason}); '
                     f'check its network (DNS, a route or a proxy to it, or Private Google Access on a VPC without '
                     f'external IPs), then relaunch. Nothing was written.') from None
@@ -212,12 +247,13 @@ def _check_credentials(workdir: str) -> None:
                     f'run on a VM with a service account.') from None
 
 
-def check_writable(workdir: str) -> Path:
+def check_writable(workdir: str, answered_before: bool = False) -> Path:
   """Proves the bucket exists and these credentials can write to the run's prefix; UserError naming the fix.
 
   In this order, each within seconds: the endpoint answers a TCP connect, credentials
   exist, and a probe object can be written and deleted (which tells a missing bucket
-  and a missing permission apart).
+  and a missing permission apart). `answered_before`: the endpoint answered this
+  run already (a supervised attempt), so losing it is exit 74, not 2.
   """
   name = bucket(workdir)
   problem = bucket_name_problem(name)
@@ -225,7 +261,7 @@ def check_writable(workdir: str) -> Path:
     raise UserError(f'--workdir={workdir}: {name!r} cannot be a Cloud Storage bucket: the name {problem}; use the '
                     f'name of an existing bucket (gs://BUCKET/run).')
   root = path(workdir)
-  _check_reachable(workdir)
+  _check_reachable(workdir, answered_before)
   _check_credentials(workdir)
   probe = root / f'.write_probe.{socket.gethostname()}.{os.getpid()}'
 

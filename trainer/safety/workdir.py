@@ -13,6 +13,7 @@ import socket
 
 from trainer import storage
 from trainer.errors import UserError
+from trainer.supervision import attempt
 
 _URL = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):/')
 
@@ -20,7 +21,8 @@ _URL = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):/')
 def check(workdir: str) -> storage.Path:
   """Creates `workdir` if needed and proves it writable; returns it absolute. Raises UserError otherwise."""
   if storage.is_cloud(workdir):
-    return storage.check_writable(workdir)
+    # A supervised attempt runs after its supervisor's probe of the same bucket passed.
+    return storage.check_writable(workdir, answered_before=attempt.supervised())
   match = _URL.match(workdir)
   if match:
     raise UserError(f'--workdir={workdir}: {match["scheme"]}:// paths are not supported; use a local folder or a '

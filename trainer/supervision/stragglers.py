@@ -8,14 +8,14 @@ results (`busy`; data
 wait included, since a slow input pipeline on one host is a straggler too). A
 straggler's busy time is long and its fetch short; the others' the reverse.
 
-Processes 1..N-1 send their window's mean busy time and data wait to process 0
-over the peer watchdog's connection (parallel/watchdog.py: explicit multi-process
-launches); process 0 compares the newest log interval every process has reported
-(the straggler's report arrives last, so usually the interval before the one just
-logged), and logs the slowest process and its lag over the median of the
-others (metrics `straggler_process`, `straggler_lag_s`, `straggler_data_wait_s`)
-and warns when the same process lags by more than `train.straggler_warn_fraction`
-of the step time for PERSIST log intervals in a row.
+Processes 1..N-1 send their window's mean busy time and data wait to process 0 over
+the peer watchdog's connection (parallel/watchdog.py: every multi-process launch,
+one joined by jax's detection included); process 0 compares the newest log interval
+every process has reported (the straggler's report arrives last, so usually the
+interval before the one just logged), and logs the slowest process and its lag over
+the median of the others (metrics `straggler_process`, `straggler_lag_s`,
+`straggler_data_wait_s`) and warns when the same process lags by more than
+`train.straggler_warn_fraction` of the step time for PERSIST log intervals in a row.
 """
 
 import statistics

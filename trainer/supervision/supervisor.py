@@ -127,7 +127,9 @@ class Supervisor:
         return _exit_code(returncode)
       failures = [r for r in self.records if r['retried']]
       streak = _same_step_streak(failures)
-      if streak >= CRASH_LOOP:
+      # A lost storage endpoint fails every attempt at start-up until it is back: not a crash loop, so the back-off
+      # (growing with the streak) and --max_restarts decide when to stop.
+      if streak >= CRASH_LOOP and returncode != storage.STALL_EXIT_CODE:
         self._finish_record(record, False)
         _say(f'{streak} attempts in a row failed before saving past step {record["resumed_step"] or 0} (the last: '
              f'{record["cause"]}): a crash loop, not restarted again. Each attempt is a line in '
