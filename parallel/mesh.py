@@ -34,7 +34,7 @@ BATCH_AXES = ('data', 'fsdp', 'expert')
 
 def _fitting_shapes(mesh_config, num_devices: int, limit: int = 4) -> list[str]:
   """A few shapes whose product is num_devices, data-parallel first; axes the config leaves at 1 stay 1."""
-  free = [a for a in AXES if a in ('data', 'fsdp', 'tensor') or mesh_config[a] != 1]
+  free = [a for a in AXES if a in ('data', 'fsdp', 'tensor') or mesh_config.get(a, 1) != 1]
   shapes = [s for s in itertools.product(range(1, num_devices + 1), repeat=len(free)) if math.prod(s) == num_devices]
   shapes.sort(key=lambda s: (-s[0], -s[1]))
   return [','.join(f'{a}={n}' for a, n in zip(free, s)) for s in shapes[:limit]]

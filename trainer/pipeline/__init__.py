@@ -3,7 +3,8 @@
 One entry point for the model, `run_layers`, which runs the layer stack as a circular pipeline
 (trainer/pipeline/schedule.py); `from_config` gives the schedule a config and mesh ask for (None without a
 pipeline axis); `check_config` refuses, in one line, what cannot be pipelined (trainer/pipeline/checks.py);
-`describe` is the line the log and `--plan` print.
+`summary` is the line the log and `--plan` print; `candidate` is the pipeline size `--plan` proposes when a model
+does not fit.
 
 Parameters keep the unpipelined layout (one 'layers' axis of num_layers), so a checkpoint restores onto any
 pipeline size, or none; `layer_rules` splits that axis over the pipeline devices.
@@ -11,10 +12,13 @@ pipeline size, or none; `layer_rules` splits that axis over the pipeline devices
 
 from jax.sharding import Mesh
 
+from trainer.errors import UserError
+
 from trainer.pipeline.checks import check_config, stages_of
 from trainer.pipeline.schedule import AXIS, Schedule, run
 
-__all__ = ['AXIS', 'Schedule', 'check_config', 'describe', 'from_config', 'layer_rules', 'run', 'stages_of']
+__all__ = ['AXIS', 'Schedule', 'candidate', 'check_config', 'describe', 'from_config', 'layer_rules', 'run',
+           'stages_of', 'summary']
 
 
 def from_config(train_config, mesh: Mesh | None) -> Schedule | None:
@@ -47,3 +51,26 @@ def describe(schedule: Schedule, num_layers: int) -> str:
   return (f'pipeline: {schedule.stages} stages x {schedule.repeats} repeat(s) of {per} layer(s), '
           f'{schedule.microbatches} microbatches, {schedule.iterations} iterations a step, bubble '
           f'{schedule.bubble_fraction:.1%} = (S-1)/(repeats x microbatches + S-1); layers {groups}')
+
+
+def summary(config, mesh_shape: dict[str, int]) -> str | None:
+  """`describe` for a config on a mesh of `mesh_shape`; None without a pipeline axis."""
+  stages = mesh_shape.get(AXIS, 1)
+  if stages == 1:
+    return None
+  train = config.train
+  schedule = Schedule(stages, train.get('pipeline_microbatches', 0) or stages, train.get('pipeline_repeats', 1))
+  return describe(schedule, config.model.num_layers)
+
+
+def candidate(config, mesh_shape: dict[str, int]) -> dict[str, object] | None:
+  """Twice the pipeline stages, taken from the data axis, where the model and batch allow it; else None."""
+  stages = mesh_shape.get(AXIS, 1) * 2
+  if mesh_shape['data'] % 2:
+    return None
+  batch_devices = mesh_shape['data'] // 2 * mesh_shape['fsdp'] * mesh_shape.get('expert', 1)
+  try:
+    check_config(config, stages, batch_devices)
+  except UserError:
+    return None
+  return {'mesh.pipeline': config.mesh.get('pipeline', 1) * 2, 'mesh.data': -1}

@@ -1,7 +1,5 @@
 """What can be pipelined, checked before any compile: each refusal is one UserError naming the key and the fix."""
 
-import math
-
 from trainer.errors import UserError
 from trainer.models import layer_scan
 
@@ -67,7 +65,7 @@ def check_config(config, stages: int | None, batch_devices: int | None = None) -
            f'= {rows} rows a pass do not split into train.pipeline_microbatches={micro}; choose microbatches '
            f'dividing {rows}.')
   if batch_devices:
-    unit = math.lcm(micro, batch_devices)
+    unit = micro * batch_devices  # Each microbatch's rows split over the batch devices too.
     _require(rows % unit == 0, f'{rows} rows a pass (train.batch_size / train.grad_accum_steps) over '
              f'{batch_devices} batch-parallel devices do not split into train.pipeline_microbatches={micro} on every '
              f'device; use a batch of rows divisible by {unit}, or fewer microbatches.')
