@@ -188,3 +188,12 @@ def test_plan_states_the_stages_and_the_smaller_per_device_parameters():
   job = job_lib.build_job(_config(steps=1), jax.devices()[:8])
   layers = sum(x.size * 4 for x in jax.tree.leaves(job.abstract.params['layers']))  # float32 bytes, every layer.
   assert whole.params_bytes - piped.params_bytes == pytest.approx(layers * 3 / 4, rel=1e-6)
+
+
+def test_launcher_refuses_in_one_line_with_exit_code_2(launcher, tmp_path):
+  result = launcher('--config=configs/tiny.py', f'--workdir={tmp_path}', '--config.model.num_layers=8',
+                    '--config.mesh.pipeline=4', '--config.mesh.data=2', '--config.train.pipeline_microbatches=2')
+  assert result.returncode == 2, result.stderr[-2000:]
+  errors = [line for line in result.stderr.splitlines() if 'train.pipeline_microbatches=2 is fewer' in line]
+  assert len(errors) == 1 and 'use at least 4 (0 picks 4)' in errors[0]
+  assert not (tmp_path / 'checkpoints').exists()
