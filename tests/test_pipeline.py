@@ -156,7 +156,10 @@ def test_per_device_rows_that_cannot_split_are_refused():
 @pytest.mark.parametrize('setting, message', [
     ({'parallel.strategy': 'shard_map'}, r"parallel.strategy='shard_map' cannot pipeline \(mesh.pipeline=2\)"),
     ({'model.name': 'tests.custom_models:own_attention_lm'},
-     r"cannot be pipelined \(mesh.pipeline=2\): the launcher pipelines the built-in model.name='llama'"),
+     r"cannot be pipelined \(mesh.pipeline=2\): the launcher cannot see a brought model's layers; to be pipelined "
+     r"its builder takes a pipeline= keyword"),
+    ({'model.name': 'vit', 'model.task': 'classifier'}, r"model.name='vit' cannot be pipelined \(mesh.pipeline=2\): "
+                                                        r"it has no layer stack to split"),
     ({'model.scan_layers': False}, r"model.scan_layers=False unrolls these 8 layers"),
     ({'model.num_experts': 4}, r'does not pipeline mixture-of-experts layers'),
 ])
@@ -197,3 +200,17 @@ def test_launcher_refuses_in_one_line_with_exit_code_2(launcher, tmp_path):
   errors = [line for line in result.stderr.splitlines() if 'train.pipeline_microbatches=2 is fewer' in line]
   assert len(errors) == 1 and 'use at least 4 (0 picks 4)' in errors[0]
   assert not (tmp_path / 'checkpoints').exists()
+
+
+def test_a_brought_model_meeting_the_contract_trains_the_same_pipelined(tmp_path):
+  """tests/pipelined_models.py runs its own stack through trainer.pipeline.run when its builder is given a schedule."""
+  def brought(pipe, data):
+    c = _config(pipe=pipe, data=data, steps=4)
+    c.data.packing, c.model.check_alignment = False, False
+    c.model.name = 'tests.pipelined_models:stack_lm'
+    return c
+  reference = _train(tmp_path / 'whole', brought(1, 8))
+  _assert_same(_train(tmp_path / 'piped', brought(4, 2)), reference, steps=range(1, 5))
+  job = job_lib.build_job(brought(4, 2), jax.devices()[:8])  # It did run the schedule: stages permute activations.
+  assert job.shardings.params['w'].spec[0] == 'pipeline'
+  assert 'collective-permute' in job.compile_train_step().as_text()

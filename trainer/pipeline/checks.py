@@ -1,13 +1,14 @@
 """What can be pipelined, checked before any compile: each refusal is one UserError naming the key and the fix."""
 
 from trainer.errors import UserError
-from trainer.models import layer_scan
+from trainer.models import adapters, layer_scan, registry
 
 # What a model must be for mesh.pipeline > 1: the launcher splits a stack it can see, the built-in Llama's
-# scanned blocks. A brought model's layers are inside its own code.
-CONTRACT = ("the launcher pipelines the built-in model.name='llama' (a stack of identical blocks scanned over a "
-            "leading 'layers' parameter axis); a brought model is pipelined only by calling trainer.pipeline.run "
-            "on its own stack with a (layer params, x, *per-token arrays) -> x function")
+# scanned blocks. A brought model's layers are inside its own code, so it must run them through the schedule itself.
+CONTRACT = ("the launcher cannot see a brought model's layers; to be pipelined its builder takes a pipeline= "
+            "keyword (a trainer.pipeline.Schedule, None without the axis) and runs its model.num_layers stacked "
+            "layers through trainer.pipeline.run(layer_fn, stacked_params, x, per_token_arrays, pipeline, mesh, "
+            "batch_axes), their parameters' leading axis named 'layers'")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -43,13 +44,25 @@ def check_config(config, stages: int | None, batch_devices: int | None = None) -
   _require(name == 'jit', f"parallel.strategy={name!r} cannot pipeline (mesh.pipeline={stages}): the stages pass "
            f"activations inside one GSPMD program; use parallel.strategy='jit', or set mesh.pipeline=1.")
   model = config.model
-  _require(model.name == 'llama', f"model.name={model.name!r} cannot be pipelined (mesh.pipeline={stages}): "
-           f"{CONTRACT}. Set mesh.pipeline=1.")
-  _require(layer_scan.scans(model), f'mesh.pipeline={stages} splits the scanned layer stack, but model.scan_layers='
-           f'{model.scan_layers!r} unrolls these {model.num_layers} layers: set --config.model.scan_layers=True.')
-  _require(not model.get('num_experts', 0), f"mesh.pipeline={stages} does not pipeline mixture-of-experts layers "
-           f"(model.num_experts={model.num_experts}: their routing losses are sown per layer): set mesh.pipeline=1 "
-           f"or model.num_experts=0.")
+  if model.name != 'llama':
+    _require(registry.registered_task(model.name) is None and
+             adapters.takes_keyword(registry.resolve(model.name), 'pipeline'),
+             f"model.name={model.name!r} cannot be pipelined (mesh.pipeline={stages}): "
+             + (CONTRACT if registry.registered_task(model.name) is None else 'it has no layer stack to split')
+             + '. Set mesh.pipeline=1.')
+  _check_layers(config, stages, repeats, micro, batch_devices)
+
+
+def _check_layers(config, stages: int, repeats: int, micro: int, batch_devices: int | None) -> None:
+  """The layers, microbatches and rows of a model that can be pipelined (the Llama's own settings for the Llama)."""
+  model, train = config.model, config.train
+  llama = model.name == 'llama'
+  _require(not llama or layer_scan.scans(model), f'mesh.pipeline={stages} splits the scanned layer stack, but '
+           f'model.scan_layers={model.scan_layers!r} unrolls these {model.num_layers} layers: set '
+           f'--config.model.scan_layers=True.')
+  _require(not llama or not model.get('num_experts', 0), f"mesh.pipeline={stages} does not pipeline "
+           f"mixture-of-experts layers (model.num_experts={model.num_experts}: their routing losses are sown per "
+           f"layer): set mesh.pipeline=1 or model.num_experts=0.")
   context = config.mesh.get('context', 1)
   _require(context == 1, f'mesh.pipeline={stages} with mesh.context={context}: attention across the sequence split '
            f'is not run inside pipeline stages; set one of them to 1.')
