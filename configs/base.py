@@ -42,6 +42,8 @@ def get_config() -> config_dict.ConfigDict:
   c.train.remat_policy = 'none'  # Per-block rematerialization: 'auto' (least recomputation that fits, trainer/memory/remat.py), 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'save_qkv_proj', 'save_attention_and_mlp_hidden'.
   c.train.adam_mu_dtype = 'float32'  # Storage dtype of the first moment (momentum) of adamw, muon, lion and sgd; 'bfloat16' halves it (Adam's second moment stays float32).
   c.train.device_memory_gb = config_dict.placeholder(float)  # GiB one device may use (pre-flight check, remat 'auto'); None = the device's reported limit (CPU reports none).
+  c.train.pipeline_microbatches = 0  # mesh.pipeline > 1: microbatches each step's (accumulation) batch is cut into for the stages; 0 = one per stage.
+  c.train.pipeline_repeats = 1  # mesh.pipeline > 1: layer groups per stage (circular schedule); the bubble is (S-1)/(repeats x microbatches + S-1).
   c.train.grad_accum_steps = 1  # Microbatches per step, run by lax.scan with gradients summed: the same update in less memory.
   c.train.loss_chunks = 1  # > 1: the output head and loss run on this many slices of positions, so the (batch, seq_len, vocab) logits are never held whole (one more head matmul per token); must divide data.seq_len.
   c.train.z_loss_weight = 0.0  # Weight of the z-loss mean(logsumexp(logits)^2), which keeps logits from drifting; 0 disables it (PaLM used 1e-4).
@@ -59,6 +61,7 @@ def get_config() -> config_dict.ConfigDict:
   c.mesh = config_dict.ConfigDict()
   c.mesh.data = -1  # Devices on the data-parallel axis; -1 fills with the devices left over.
   c.mesh.fsdp = 1  # Devices on the fully-sharded data-parallel axis (parameters sharded, batch split).
+  c.mesh.pipeline = 1  # Stages the scanned layers are split into, each passing its activations on (trainer/pipeline/).
   c.mesh.expert = 1  # Devices on the expert axis: MoE expert weights split over it, the batch split over it too.
   c.mesh.context = 1  # Devices each row's tokens are split over (long sequences; attention gathers keys/values across it, docs/context.md).
   c.mesh.tensor = 1  # Devices on the tensor-parallel axis (heads, mlp and vocab split).
@@ -66,6 +69,7 @@ def get_config() -> config_dict.ConfigDict:
   # hosts joined by the slower data-centre network, which should carry only batch-parallel traffic.
   c.mesh.dcn_data = 1  # Slices (or host groups) on the data axis.
   c.mesh.dcn_fsdp = 1  # Slices (or host groups) on the fsdp axis.
+  c.mesh.dcn_pipeline = 1  # Slices (or host groups) on the pipeline axis.
 
   c.parallel = config_dict.ConfigDict()
   c.parallel.strategy = 'jit'  # 'jit' (GSPMD), 'shard_map' (explicit collectives; tensor=1) or 'pmap' (replicated; fsdp=tensor=1).

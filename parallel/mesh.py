@@ -1,7 +1,8 @@
 """The device mesh, built once from `config.mesh` and passed explicitly everywhere.
 
 Axes, outermost first: `data` (pure data parallel), `fsdp` (data parallel with
-parameters sharded), `expert` (MoE experts split; the batch is split over it
+parameters sharded), `pipeline` (the scanned layers split into stages that pass
+activations on, trainer/pipeline/), `expert` (MoE experts split; the batch is split over it
 too, so the non-expert layers use it as data parallelism instead of leaving
 those devices to repeat the same work), `context` (the sequence split: each
 device holds a part of every row's tokens, docs/context.md), `tensor` (heads /
@@ -9,9 +10,10 @@ mlp / vocab split). A size of -1 fills the axis with whatever devices the others
 leave.
 
 Two levels, as in MaxText: `mesh.data/fsdp/tensor` lay out the devices of one
-slice (chips on fast ICI links); `mesh.dcn_data/dcn_fsdp` repeat that layout
-across slices (or groups of hosts) joined by the data-centre network. The final
-axis sizes are products: data = dcn_data * data, fsdp = dcn_fsdp * fsdp.
+slice (chips on fast ICI links); `mesh.dcn_data/dcn_fsdp/dcn_pipeline` repeat that
+layout across slices (or groups of hosts) joined by the data-centre network. The
+final axis sizes are products: data = dcn_data * data, fsdp = dcn_fsdp * fsdp,
+pipeline = dcn_pipeline * pipeline.
 """
 
 import itertools
@@ -25,14 +27,14 @@ from jax.sharding import AxisType, Mesh
 
 from trainer.errors import UserError
 
-AXES = ('data', 'fsdp', 'expert', 'context', 'tensor')
+AXES = ('data', 'fsdp', 'pipeline', 'expert', 'context', 'tensor')
 # Mesh axes the global batch is split over: every device on them sees different examples.
 BATCH_AXES = ('data', 'fsdp', 'expert')
 
 
 def _fitting_shapes(mesh_config, num_devices: int, limit: int = 4) -> list[str]:
   """A few shapes whose product is num_devices, data-parallel first; axes the config leaves at 1 stay 1."""
-  free = [a for a in AXES if a in ('data', 'fsdp', 'tensor') or mesh_config[a] != 1]
+  free = [a for a in AXES if a in ('data', 'fsdp', 'tensor') or mesh_config.get(a, 1) != 1]
   shapes = [s for s in itertools.product(range(1, num_devices + 1), repeat=len(free)) if math.prod(s) == num_devices]
   shapes.sort(key=lambda s: (-s[0], -s[1]))
   return [','.join(f'{a}={n}' for a, n in zip(free, s)) for s in shapes[:limit]]
@@ -70,14 +72,17 @@ def resolve_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
 
 
 def dcn_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
-  """How many slices each axis of AXES spans (dcn_data, dcn_fsdp, then 1s); checked against the device count."""
-  shape = (mesh_config.dcn_data, mesh_config.dcn_fsdp) + (1,) * (len(AXES) - 2)
-  for axis, size in zip(('dcn_data', 'dcn_fsdp'), shape):
+  """How many slices each axis of AXES spans (dcn_data, dcn_fsdp, dcn_pipeline, then 1s); checked against the
+  device count."""
+  # A run's config.json from before the pipeline axis has no dcn_pipeline.
+  shape = (mesh_config.dcn_data, mesh_config.dcn_fsdp, mesh_config.get('dcn_pipeline', 1)) + (1,) * (len(AXES) - 3)
+  for axis, size in zip(('dcn_data', 'dcn_fsdp', 'dcn_pipeline'), shape):
     if not isinstance(size, int) or size < 1:
       raise UserError(f'mesh.{axis}={size!r} must be a positive integer (1 = no split across slices).')
   slices = math.prod(shape)
   if num_devices % slices:
-    raise UserError(f'mesh.dcn_data={shape[0]} x mesh.dcn_fsdp={shape[1]} = {slices} slices does not divide '
+    raise UserError(f'mesh.dcn_data={shape[0]} x mesh.dcn_fsdp={shape[1]} x mesh.dcn_pipeline={shape[2]} = {slices} '
+                    f'slices does not divide '
                     f'the {num_devices} devices; choose DCN sizes whose product divides {num_devices}.')
   return shape
 
@@ -86,13 +91,13 @@ def _host_major(devices: list[jax.Device], ici: tuple[int, ...], dcn: tuple[int,
   """Device grid for the DCN split when devices carry no slice_index: consecutive hosts form a slice."""
   devices = sorted(devices, key=lambda d: (d.process_index, d.id))
   n = len(AXES)
-  grid = np.array(devices, dtype=object).reshape(*dcn, *ici)  # (dcn_d, dcn_f, 1, 1, 1, d, f, e, c, t)
+  grid = np.array(devices, dtype=object).reshape(*dcn, *ici)  # (dcn_d, dcn_f, dcn_p, 1, 1, 1, d, f, p, e, c, t)
   grid = grid.transpose([i for axis in range(n) for i in (axis, n + axis)])  # Each DCN axis just outside its ICI axis.
   return grid.reshape([a * b for a, b in zip(dcn, ici)])
 
 
 def build_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the (data, fsdp, expert, context, tensor) mesh over `devices` (default: all devices of all processes)."""
+  """Builds the (data, fsdp, pipeline, expert, context, tensor) mesh over `devices` (default: all devices of all processes)."""
   devices = list(jax.devices() if devices is None else devices)
   dcn = dcn_shape(mesh_config, len(devices))
   ici = resolve_shape(mesh_config, len(devices) // math.prod(dcn))

@@ -200,7 +200,7 @@ def test_manifest_records_the_run_and_logs_the_changes(saved_2x4, text_dir, capl
   tmp_path = saved_2x4[0]
   config = _config(text_dir, mesh__data=2, mesh__fsdp=4)
   saved = checkpoint.Checkpointer(str(tmp_path), config.ckpt).read_manifest(7)
-  assert saved['mesh'] == {'data': 2, 'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 1} and saved['strategy'] == 'jit'
+  assert saved['mesh'] == {'data': 2, 'fsdp': 4, 'pipeline': 1, 'expert': 1, 'context': 1, 'tensor': 1} and saved['strategy'] == 'jit'
   assert set(saved['versions']) == {'jax', 'jaxlib', 'flax', 'optax', 'orbax.checkpoint', 'grain'}
   assert saved['versions']['jax'] == jax.__version__
   assert '--xla_force_host_platform_device_count=8' in saved['xla_flags']

@@ -22,8 +22,9 @@ GROUPS = 4  # The expert axis: the batch is split into 4 groups of B/4 rows, one
 
 
 def _mesh():
-  """data=1, fsdp=1, expert=4, context=1, tensor=2: experts over 4 devices, each expert's hidden width over 2."""
-  return jax.make_mesh((1, 1, GROUPS, 1, 2), mesh_lib.AXES, axis_types=(AxisType.Auto,) * len(mesh_lib.AXES))
+  """data=1, fsdp=1, pipeline=1, expert=4, context=1, tensor=2: experts over 4 devices, each expert's hidden width
+  over 2."""
+  return jax.make_mesh((1, 1, 1, GROUPS, 1, 2), mesh_lib.AXES, axis_types=(AxisType.Auto,) * len(mesh_lib.AXES))
 
 
 def _config(capacity_factor):

@@ -218,7 +218,7 @@ def test_a_cpu_launch_with_libtpu_installed_prints_only_its_own_line(tmp_path):
                           text=True, timeout=TIMEOUT_S)
   assert result.returncode == 2
   assert result.stderr.splitlines() == [
-      "launch.py: error: mesh {'data': 3, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1} needs 3 devices but 1 "
+      "launch.py: error: mesh {'data': 3, 'fsdp': 1, 'pipeline': 1, 'expert': 1, 'context': 1, 'tensor': 1} needs 3 devices but 1 "
       "are available. Shapes that fit: data=1,fsdp=1,tensor=1 (or set one axis to -1). On CPU, prefix the command "
       "with XLA_FLAGS=--xla_force_host_platform_device_count=3 to run 3 devices."]
 

@@ -37,7 +37,7 @@ def test_loss_falls_and_metrics_are_written(finished_run):
   # tests/test_presets.py), by more than that start's spread.
   assert records[-1]['loss'] < min(records[0]['loss'], math.log(256)) - 0.3
   assert 'eval_loss' in records[-1]
-  assert "Mesh {'data': 8, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1} over 8 devices" in first.stderr
+  assert "Mesh {'data': 8, 'fsdp': 1, 'pipeline': 1, 'expert': 1, 'context': 1, 'tensor': 1} over 8 devices" in first.stderr
   assert 'step 8/8 | loss' in first.stderr
 
 

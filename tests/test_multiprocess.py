@@ -74,7 +74,7 @@ def _lines_of(result: subprocess.CompletedProcess, process: int) -> list[str]:
 def test_two_processes_train_exactly_like_one(runs):
   for process in (0, 1):
     assert any(f'Joined 2 processes as process {process}' in l for l in _lines_of(runs['first'], process))
-  assert "Mesh {'data': 8, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1} over 8 devices (2 processes)" in runs['first'].stderr
+  assert "Mesh {'data': 8, 'fsdp': 1, 'pipeline': 1, 'expert': 1, 'context': 1, 'tensor': 1} over 8 devices (2 processes)" in runs['first'].stderr
   two, one = read_metrics(runs['two']), read_metrics(runs['one'])
   assert [r['step'] for r in two] == [r['step'] for r in one] == list(range(1, 11))
   for a, b in zip(two, one):

@@ -16,7 +16,7 @@ from trainer.errors import UserError
 from trainer.memory import footprint
 
 TINY = '--config=configs/tiny.py'
-FAKE = plan.Plan(mesh_shape={'data': 8, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}, device_kind='cpu', params_bytes=0, opt_state_bytes=0,
+FAKE = plan.Plan(mesh_shape={'data': 8, 'fsdp': 1, 'pipeline': 1, 'expert': 1, 'context': 1, 'tensor': 1}, device_kind='cpu', params_bytes=0, opt_state_bytes=0,
                  argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0, code_bytes=0,
                  flops=flops.StepFlops(1.0, 1.0, 1))
 
@@ -34,8 +34,8 @@ def test_plan_reports_mesh_memory_and_flops_of_the_compiled_step():
   lines = []
   result = plan.run(config, print_fn=lines.append)
   text = '\n'.join(lines)
-  assert result.mesh_shape == {'data': 4, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 1}
-  assert "mesh {'data': 4, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 1} over 8 x cpu" in text
+  assert result.mesh_shape == {'data': 4, 'fsdp': 2, 'pipeline': 1, 'expert': 1, 'context': 1, 'tensor': 1}
+  assert "mesh {'data': 4, 'fsdp': 2, 'pipeline': 1, 'expert': 1, 'context': 1, 'tensor': 1} over 8 x cpu" in text
   assert "Attention: attention kernel xla (model.attention='auto': " in text
   job = job_lib.build_job(config)
   _, totals = sharding.sharding_table(job.abstract, job.shardings)
@@ -82,7 +82,8 @@ def test_plan_over_budget_fails_naming_the_changes_that_fit(monkeypatch):
   assert 'Does not fit: 16.00 GiB per device' in text
   assert '  --config.train.batch_size=8: 8.00 GiB per device' in text
   assert config.train.remat_policy == 'none'  # Candidates are copies; the user's config is untouched.
-  assert len(compiled_configs) == 6  # The plan itself, four single changes, and the changes together.
+  assert '  --config.mesh.pipeline=2 --config.mesh.data=-1: 16.00 GiB per device' in text  # Proposed, alone.
+  assert len(compiled_configs) == 7  # The plan itself, five single changes, and the layout changes together.
 
 
 def test_plan_candidates_that_the_mesh_cannot_take_are_reported_not_raised(monkeypatch):
@@ -109,7 +110,7 @@ def test_a_chunked_loss_is_proposed_where_the_logits_weigh_on_the_budget():
 
 def test_a_larger_expert_axis_is_proposed_for_a_mixture_of_experts():
   config = tiny.get_config()
-  shape = lambda data, expert: {'data': data, 'fsdp': 1, 'expert': expert, 'tensor': 1}
+  shape = lambda data, expert: {'data': data, 'fsdp': 1, 'pipeline': 1, 'expert': expert, 'tensor': 1}
   flags = lambda shape: [f for f, _ in plan._candidates(config, shape, None)]
   assert not any('mesh.expert' in f for f in flags(shape(8, 1)))  # A dense model has no experts to split.
   config.model.num_experts = 8
@@ -121,7 +122,7 @@ def test_a_larger_expert_axis_is_proposed_for_a_mixture_of_experts():
 def test_launcher_plan_needs_no_workdir_and_topology_needs_plan(launcher):
   result = launcher(TINY, '--plan', '--config.model.num_layers=1')
   assert result.returncode == 0, result.stderr[-2000:]
-  assert "Plan: mesh {'data': 8, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}" in result.stdout
+  assert "Plan: mesh {'data': 8, 'fsdp': 1, 'pipeline': 1, 'expert': 1, 'context': 1, 'tensor': 1}" in result.stdout
   assert 'temporaries' in result.stdout and 'FLOPs per step' in result.stdout
   result = launcher(TINY, '--workdir=/tmp/unused', '--topology=v5p:2x2x2')
   assert result.returncode == 2
@@ -135,7 +136,7 @@ def test_topology_compiles_the_real_step_for_a_tpu_slice():
   lines = []
   result = plan.run(config, topology='v5p:2x2x2', print_fn=lines.append)
   text = '\n'.join(lines)
-  assert result.device_kind == 'TPU v5' and result.mesh_shape == {'data': 8, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}
+  assert result.device_kind == 'TPU v5' and result.mesh_shape == {'data': 8, 'fsdp': 1, 'pipeline': 1, 'expert': 1, 'context': 1, 'tensor': 1}
   assert 'compute dtype bfloat16' in text  # 'auto' means bfloat16 on the TPU, not float32 as on this CPU.
   assert result.temp_bytes > 0 and result.alias_bytes >= result.params_bytes + result.opt_state_bytes
   assert 'Fits:' in text and 'of 95.00 GiB per device' in text  # Judged against one v5p chip's HBM.
@@ -200,7 +201,7 @@ def test_compiler_refusal_is_the_same_verdict_with_fixes(monkeypatch):
     job_lib.build_job(config)
     if config.train.batch_size == 16:
       raise plan.Refused(footprint.CompilerRefused(int(124.35 * 2**30), int(95.73 * 2**30), text),
-                         {'data': 8, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1})
+                         {'data': 8, 'fsdp': 1, 'pipeline': 1, 'expert': 1, 'context': 1, 'tensor': 1})
     return dataclasses.replace(FAKE, argument_bytes=int(63.1 * plan.GIB) if config.train.batch_size == 8 else 2**40)
 
   _fake_compiles(monkeypatch, fake_make_plan)
@@ -219,7 +220,7 @@ def test_compiler_refusal_is_the_same_verdict_with_fixes(monkeypatch):
 def test_one_chip_is_singular_and_the_tied_table_is_not_counted():
   config = tiny.get_config()
   config.model.tie_embeddings = True
-  one = dataclasses.replace(FAKE, mesh_shape={'data': 1, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1},
+  one = dataclasses.replace(FAKE, mesh_shape={'data': 1, 'fsdp': 1, 'pipeline': 1, 'expert': 1, 'context': 1, 'tensor': 1},
                             flops=flops.step_flops(config.model, 8, 32))
   text = plan.report(one, config)
   assert 'on 1 chip of each kind' in text
@@ -252,9 +253,9 @@ CUDA_PLUGIN = gpu_targets.cuda_plugin_installed()
 
 @pytest.mark.skipif(not CUDA_PLUGIN, reason="needs jax's CUDA plugin: pip install -r requirements-gpu-plan.txt")
 @pytest.mark.parametrize('topology, flags, mesh', [
-    ('h100:2', (), "{'data': 2, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}"),
+    ('h100:2', (), "{'data': 2, 'fsdp': 1, 'pipeline': 1, 'expert': 1, 'context': 1, 'tensor': 1}"),
     ('h100:8', ('--config.mesh.data=2', '--config.mesh.fsdp=2', '--config.mesh.tensor=2'),
-     "{'data': 2, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 2}"),  # cuDNN's attention partitioned over heads and rows.
+     "{'data': 2, 'fsdp': 2, 'pipeline': 1, 'expert': 1, 'context': 1, 'tensor': 2}"),  # cuDNN's attention partitioned over heads and rows.
 ])
 def test_gpu_topology_compiles_the_real_step_for_h100s_with_cudnn_attention(launcher, topology, flags, mesh):
   result = launcher(TINY, '--plan', f'--topology={topology}', '--config.model.num_layers=1', *flags)

@@ -60,8 +60,9 @@ def test_rules_from_config_are_hashable_tuples_extra_rules_first_mesh_axes_last(
                                      'extra_axis_rules': [['embed', None], ['tensor', 'fsdp']]})
   rules = sharding.rules_from_config(parallel)
   assert rules[:4] == (('embed', None), ('tensor', 'fsdp'), ('batch', ('data', 'fsdp')), ('embed', 'fsdp'))
-  assert rules[-4:] == (('data', 'data'), ('fsdp', 'fsdp'), ('expert', 'expert'), ('context', 'context'))  # 'tensor' is a rule's name already: no identity rule.
-  assert ('joined_kv', 'tensor') in rules[4:-4]  # Between them, public Flax code's names (parallel/vocabularies.py).
+  assert rules[-5:] == (('data', 'data'), ('fsdp', 'fsdp'), ('pipeline', 'pipeline'), ('expert', 'expert'),
+                        ('context', 'context'))  # 'tensor' is a rule's name already: no identity rule.
+  assert ('joined_kv', 'tensor') in rules[4:-5]  # Between them, public Flax code's names (parallel/vocabularies.py).
   # Flax takes the first rule naming an axis: the extra rule overrides the default one.
   assert tuple(nn.logical_to_mesh_axes(('embed', 'batch'), rules)) == (None, ('data', 'fsdp'))
 

@@ -147,7 +147,7 @@ def test_a_custom_loss_method_replaces_the_objective():
     ('tests.custom_models:linen_without_names', r"3 parameter\(s\) have no axis names: .*Dense_0/bias.*"
      r"nn.with_logical_partitioning"),
     ('tests.custom_models:NnxUnknownAxis', r"scale names axis 'logits', which is neither a mesh axis \(data, fsdp, "
-     r"expert, context, tensor\) nor in parallel.logical_axis_rules; map it with --config.parallel.extra_axis_rules="),
+     r"pipeline, expert, context, tensor\) nor in parallel.logical_axis_rules; map it with --config.parallel.extra_axis_rules="),
 ])
 def test_unusable_model_names_what_is_missing(name, message):
   config = _config(name)

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from configs import base as base_config
 from parallel import mesh as mesh_lib
 from parallel import sharding, strategy
-from trainer import guardrails, optimizer, validation
+from trainer import guardrails, optimizer, pipeline, validation
 from trainer import step as step_lib
 from trainer import state as state_lib
 from trainer import task as task_lib
@@ -66,7 +66,7 @@ def build_job(config, devices: Sequence[jax.Device] | None = None) -> Job:
   mesh_lib.check_batch_size(config.train.batch_size, mesh, jax.process_count())
   validation.validate_strategy(config, mesh)
   validation.validate_grad_accum(config, mesh)
-  rules = sharding.rules_from_config(config.parallel)
+  rules = pipeline.layer_rules(sharding.rules_from_config(config.parallel), mesh)
   task = task_lib.build_task(config, mesh, rules)
   sharding.check_divisible(task.model.abstract_boxed, mesh, rules)
   defaults = base_config.get_config().train

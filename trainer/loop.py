@@ -19,7 +19,7 @@ from trainer import checkpoint, compilation_cache, data, flops, guardrails, obje
 from trainer import goodput as goodput_lib
 from trainer import evals as evals_lib
 from trainer import trackers as trackers_lib
-from trainer import expert_load, optimizer, profiling, progress, storage
+from trainer import expert_load, optimizer, pipeline, profiling, progress, storage
 from trainer import job as job_lib
 from trainer import state as state_lib
 from trainer.hf import load as hf_load
@@ -236,6 +236,8 @@ def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
   logging.info('Mesh %s over %d devices (%d processes); model: %s (%s, %s), %s parameters', dict(mesh.shape),
                mesh.size, jax.process_count(), config.model.name, job.task.model.framework, config.model.task,
                f'{num_params:,}' + _active_params(config, num_params))
+  if stages := pipeline.summary(config, dict(mesh.shape)):
+    logging.info('%s', stages)
   table, totals = sharding.sharding_table(job.abstract, job.shardings, job.task.param_notes,
                                           optimizer.decaying_params(job.config.train, job.task.model.abstract_boxed))
   if write:  # The table is a line per parameter: the console gets one line, the file all of them.

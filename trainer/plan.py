@@ -38,7 +38,7 @@ import os
 import jax
 from absl import logging as absl_logging
 
-from trainer import attention, flops, gpu_targets
+from trainer import attention, flops, gpu_targets, pipeline
 from trainer.errors import UserError
 from trainer.memory import footprint
 from trainer.memory import measure, remat
@@ -137,6 +137,7 @@ def report(plan: Plan, config, topology: str | None = None) -> str:
       f'{f" in {config.train.grad_accum_steps} microbatches" if config.train.grad_accum_steps > 1 else ""}; '
       f'remat {config.train.remat_policy}; compute dtype {config.train.compute_dtype}',
       f'Attention: {plan.attention}' if plan.attention else "Attention: the model's own (not a built-in model)",
+      *filter(None, [pipeline.summary(config, plan.mesh_shape)]),
       'Per device (compiled memory analysis):',
       f'  parameters          {_gib(plan.params_bytes)}',
       f'  optimizer state     {_gib(plan.opt_state_bytes)} ({config.train.optimizer})',
@@ -189,6 +190,8 @@ def _candidates(config, mesh_shape: dict[str, int], budget: int | None = None) -
   if per_device_batch % (config.train.grad_accum_steps * 2) == 0:
     out.append({'train.grad_accum_steps': config.train.grad_accum_steps * 2})
   together = {k: v for o in out for k, v in o.items()}  # Every change above: they keep the global batch.
+  if stages := pipeline.candidate(config, mesh_shape):  # Each device holds half the layers (and adds a bubble).
+    out.append(stages)
   if config.train.batch_size % 2 == 0:  # Last: this one changes the training, not only its layout.
     out.append({'train.batch_size': config.train.batch_size // 2})
   if len(together) > 1 and len(out) > 2:

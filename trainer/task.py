@@ -11,7 +11,7 @@ user writes is one class (or a function returning one):
 - its call: `model(inputs)` -> logits for `model.task='lm'`, where logits[t]
   scores targets[t] = inputs[t + 1] (the batch is already shifted: a model
   must not shift again), `model(images)` -> logits for 'classifier'.
-- optional keywords its builder may take: `mesh`, `rules` (under 'jit'),
+- optional keywords its builder may take: `mesh`, `rules`, `pipeline` (under 'jit'; trainer/pipeline/),
   `dtype` (train.compute_dtype; else its float parameters are cast inside the
   step), `param_dtype`, `remat_policy` (else a warning says it does not apply). The loss, metrics and the batch's shapes come from
   the task (trainer/objectives.py); a class that defines
@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 
 from parallel import context as context_lib
 from parallel import param_names, sharding
-from trainer import objectives, precision
+from trainer import objectives, pipeline, precision
 from trainer.errors import UserError
 from trainer.models import adapters, call_convention, registry, sown
 
@@ -167,7 +167,8 @@ def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
   objective = objectives.for_config(config)
   builder = registry.resolve(name)
   under_jit = config.parallel.strategy == 'jit'
-  keywords = {'mesh': mesh if under_jit else None, 'rules': tuple(rules)}
+  keywords = {'mesh': mesh if under_jit else None, 'rules': tuple(rules),
+              'pipeline': pipeline.from_config(config.train, mesh) if under_jit else None}  # Only to builders naming it.
   cast_to = None
   if made_for is None:  # Built-in models read train.* themselves; a brought one gets them as keywords it takes.
     keywords, cast_to = _brought_model_keywords(config, builder, keywords)

@@ -34,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from trainer import attention as attention_lib
+from trainer import pipeline as pipeline_lib
 from trainer.errors import UserError
 from trainer.models import checkpoint_policies, kv_cache, layer_scan, sown
 from trainer.models import moe as moe_lib
@@ -88,6 +89,8 @@ class LlamaConfig:
   moe: moe_lib.MoeConfig | None = None
   moe_interval: int = 1  # Every moe_interval-th block (blocks k-1, 2k-1, ...) is an MoE block.
   shared_expert: bool = False  # MoE blocks also run a dense MLP of moe.expert_mlp_dim on every token.
+  # mesh.pipeline > 1 (trainer/pipeline/): the scanned blocks run as this circular schedule; None = in one scan.
+  pipeline: pipeline_lib.Schedule | None = None
   decode: bool = False  # Attention keeps keys/values in the 'cache' collection (for_decoding); never in training.
 
   @property
@@ -333,7 +336,9 @@ class Llama(nn.Module):
     x_BLD = embed(tokens_BL)
     x_BLD = constrain(x_BLD, ('batch', 'length', 'embed'), cfg)
     block = block_stack(cfg)
-    if cfg.scan_layers:
+    if cfg.scan_layers and cfg.pipeline is not None and not self.is_initializing():
+      x_BLD = _pipelined(cfg, self.variables['params']['layers'], x_BLD, positions_BL, segment_ids)
+    elif cfg.scan_layers:
       every_moe = {} if cfg.scans_groups or cfg.moe is None else {'moe': True}  # A group says which itself.
       x_BLD, _ = block(cfg, name='layers', **every_moe)(x_BLD, positions_BL, segment_ids)
     else:
@@ -347,6 +352,19 @@ class Llama(nn.Module):
     return constrain(logits_BLV, ('batch', 'length', 'vocab'), cfg).astype(jnp.float32)
 
 
+def _pipelined(cfg: LlamaConfig, stacked, x_BLD, positions_BL, segment_ids_BL):
+  """The scanned blocks' output run as cfg.pipeline's stages, over the parameters nn.scan created (same layout)."""
+  block_cfg = dataclasses.replace(cfg, pipeline=None)
+  block = Block(block_cfg, parent=None)  # Unbound: applied to each layer's parameters, not a child of the Llama.
+
+  def layer(params, x, positions, segment_ids):
+    return block.apply({'params': params}, x, positions, segment_ids)[0]
+  batch_axes = next((axes for name, axes in cfg.rules if name == 'batch'), None)
+  policy = REMAT_POLICIES[cfg.remat_policy] if cfg.remat_policy != 'none' else None
+  return pipeline_lib.run(layer, stacked, x_BLD, (positions_BL, segment_ids_BL), cfg.pipeline, cfg.mesh,
+                          batch_axes=batch_axes, remat_policy=policy)
+
+
 def for_decoding(model: Llama) -> Llama:
   """`model` for generation with a KV cache; it takes `model`'s parameters.
 
@@ -355,7 +373,7 @@ def for_decoding(model: Llama) -> Llama:
   `apply({'params': p, 'cache': cache}, tokens_1L, positions=positions_1L, mutable=['cache'])` runs only the new
   tokens, writing their slots and attending to slots up to their positions. No remat: nothing is differentiated.
   """
-  return Llama(dataclasses.replace(model.cfg, decode=True, remat_policy='none'))
+  return Llama(dataclasses.replace(model.cfg, decode=True, remat_policy='none', pipeline=None))
 
 
 ROPE_SCALINGS = ('none', 'llama3')
@@ -420,4 +438,4 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
       remat_policy=config.train.remat_policy, scan_layers=layer_scan.scans(m), attention=m.attention,
       context_scheme=m.get('context_scheme', 'auto'),
       max_segments=config.data.max_documents_per_row if config.data.packing else None, mesh=mesh, rules=tuple(rules),
-      **moe_fields))
+      pipeline=pipeline_lib.from_config(config.train, mesh), **moe_fields))

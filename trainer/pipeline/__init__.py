@@ -1,0 +1,76 @@
+"""Pipeline parallelism: the built-in Llama's scanned layers split into `mesh.pipeline` stages (issue 43).
+
+One entry point for the model, `run_layers`, which runs the layer stack as a circular pipeline
+(trainer/pipeline/schedule.py); `from_config` gives the schedule a config and mesh ask for (None without a
+pipeline axis); `check_config` refuses, in one line, what cannot be pipelined (trainer/pipeline/checks.py);
+`summary` is the line the log and `--plan` print; `candidate` is the pipeline size `--plan` proposes when a model
+does not fit.
+
+Parameters keep the unpipelined layout (one 'layers' axis of num_layers), so a checkpoint restores onto any
+pipeline size, or none; `layer_rules` splits that axis over the pipeline devices.
+"""
+
+from jax.sharding import Mesh
+
+from trainer.errors import UserError
+
+from trainer.pipeline.checks import check_config, stages_of
+from trainer.pipeline.schedule import AXIS, Schedule, run
+
+__all__ = ['AXIS', 'Schedule', 'candidate', 'check_config', 'describe', 'from_config', 'layer_rules', 'run',
+           'stages_of', 'summary']
+
+
+def from_config(train_config, mesh: Mesh | None) -> Schedule | None:
+  """The schedule of `config.train` on `mesh`; None when the mesh has no pipeline axis (or one of size 1)."""
+  stages = mesh.shape.get(AXIS, 1) if mesh is not None else 1
+  if stages == 1:
+    return None
+  microbatches = train_config.get('pipeline_microbatches', 0) or stages
+  return Schedule(stages, microbatches, train_config.get('pipeline_repeats', 1))
+
+
+def layer_rules(rules: tuple, mesh: Mesh) -> tuple:
+  """`rules` with the stacked-layers axis split over the pipeline axis, when the mesh has one (first rule wins).
+
+  Layer l sits on device l // (num_layers / S): stage s's layers when repeats = 1; with repeats > 1 the
+  circular view regroups them inside the step (schedule.py).
+  """
+  if mesh.shape.get(AXIS, 1) == 1:
+    return rules
+  return (('layers', AXIS),) + tuple(rules)
+
+
+def describe(schedule: Schedule, num_layers: int) -> str:
+  """One line: stages, the layers each holds, the bubble."""
+  per = num_layers // (schedule.stages * schedule.repeats)
+  groups = '; '.join(
+      f'stage {s}: ' + ', '.join(f'{(r * schedule.stages + s) * per}-{(r * schedule.stages + s) * per + per - 1}'
+                                 for r in range(schedule.repeats))
+      for s in range(schedule.stages))
+  return (f'pipeline: {schedule.stages} stages x {schedule.repeats} repeat(s) of {per} layer(s), '
+          f'{schedule.microbatches} microbatches, {schedule.iterations} iterations a step, bubble '
+          f'{schedule.bubble_fraction:.1%} = (S-1)/(repeats x microbatches + S-1); layers {groups}')
+
+
+def summary(config, mesh_shape: dict[str, int]) -> str | None:
+  """`describe` for a config on a mesh of `mesh_shape`; None without a pipeline axis."""
+  stages = mesh_shape.get(AXIS, 1)
+  if stages == 1:
+    return None
+  train = config.train
+  schedule = Schedule(stages, train.get('pipeline_microbatches', 0) or stages, train.get('pipeline_repeats', 1))
+  return describe(schedule, config.model.num_layers)
+
+
+def candidate(config, mesh_shape: dict[str, int]) -> dict[str, object] | None:
+  """Twice the pipeline stages, taken from the data axis, where the model and batch allow it; else None."""
+  stages = mesh_shape.get(AXIS, 1) * 2
+  if mesh_shape['data'] % 2:
+    return None
+  batch_devices = mesh_shape['data'] // 2 * mesh_shape['fsdp'] * mesh_shape.get('expert', 1)
+  try:
+    check_config(config, stages, batch_devices)
+  except UserError:
+    return None
+  return {'mesh.pipeline': config.mesh.get('pipeline', 1) * 2, 'mesh.data': -1}
