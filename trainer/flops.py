@@ -42,7 +42,7 @@ import time
 import jax
 from absl import logging
 
-from trainer import attention, traced_flops
+from trainer import attention, pipeline, traced_flops
 from trainer import step as step_lib
 from trainer.models import expert_parallel, moe
 
@@ -129,7 +129,7 @@ def traced_step_flops(task, params, batch_shapes, options=step_lib.StepOptions()
   def grads(p, batch):
     return step_lib.grads_and_metrics(p, batch, task, options)
 
-  with attention.xla_for_counting(), expert_parallel.one_device_for_counting():
+  with attention.xla_for_counting(), expert_parallel.one_device_for_counting(), pipeline.unpipelined_for_counting():
     return traced_flops.count(grads, params, batch_shapes)
 
 

@@ -34,6 +34,7 @@ import importlib.util
 import logging
 import math
 import os
+import re
 
 import jax
 from absl import logging as absl_logging
@@ -51,10 +52,20 @@ HBM_GIB = {'h100': 80, 'h200': 141, 'v4': 32, 'v5e': 16, 'v5p': 95, 'v6e': 32}
 ASSUMED_MFU = 0.5  # The step time printed next to the compute-bound one: the MFU a well-tuned run reaches.
 
 
+def split_slices(topology: str) -> tuple[int, str]:
+  """'2xv5p:2x2x2' (two v5p 2x2x2 slices joined by DCN) -> (2, 'v5p:2x2x2'); a topology without the prefix is one
+  slice."""
+  found = re.fullmatch(r'(\d+)x([a-z]\w*:.*)', topology)
+  return (int(found.group(1)), found.group(2)) if found else (1, topology)
+
+
 def topology_devices(topology: str) -> list[jax.Device]:
-  """The compile-only devices of a TPU slice such as 'v5p:4x4x4' (libtpu) or GPUs such as 'h100:8' (CUDA plugin)."""
+  """The compile-only devices of a TPU slice such as 'v5p:4x4x4' (libtpu), of several slices joined by DCN such as
+  '2xv5p:2x2x2' (the devices carry their slice_index, so mesh.dcn_* axes split across slices), or of GPUs such as
+  'h100:8' (CUDA plugin)."""
   if gpu_targets.is_gpu_topology(topology):
     return gpu_targets.devices(topology)
+  slices, topology = split_slices(topology)
   if importlib.util.find_spec('libtpu') is None:
     raise UserError(f'--topology={topology!r} needs the TPU compiler, an optional extra of about 600 MB: '
                     f'pip install -r requirements-tpu-plan.txt (or run --plan without --topology).')
@@ -65,7 +76,7 @@ def topology_devices(topology: str) -> list[jax.Device]:
   os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
   _describe_host_to_libtpu(topology)
   try:
-    return list(topologies.get_topology_desc(topology, 'tpu').devices)
+    return list(topologies.get_topology_desc(topology, 'tpu', **({'num_slices': slices} if slices > 1 else {})).devices)
   except Exception as e:  # pylint: disable=broad-except  (the TPU plugin raises its own runtime errors)
     text = ' '.join(str(e).split())[:300]
     raise UserError(f'--topology={topology!r} cannot be described ({text}); name a TPU generation and chip '
@@ -127,7 +138,7 @@ def report(plan: Plan, config, topology: str | None = None) -> str:
   """The human-readable plan; `topology` (--topology) names the chips where their device kind is vaguer."""
   devices = math.prod(plan.mesh_shape.values())
   kind = plan.device_kind
-  generation = (topology or '').split(':')[0]
+  generation = split_slices(topology or '')[1].split(':')[0]
   if generation and generation.lower() not in kind.lower().replace(' ', ''):  # libtpu calls a v5p chip 'TPU v5'.
     kind = f'{generation} ({kind})'
   tokens = config.train.batch_size * config.data.seq_len

@@ -15,10 +15,10 @@ from jax.sharding import Mesh
 from trainer.errors import UserError
 
 from trainer.pipeline.checks import check_config, stages_of
-from trainer.pipeline.schedule import AXIS, Schedule, run
+from trainer.pipeline.schedule import AXIS, Schedule, run, unpipelined_for_counting
 
 __all__ = ['AXIS', 'Schedule', 'candidate', 'check_config', 'describe', 'from_config', 'layer_rules', 'run',
-           'stages_of', 'summary']
+           'stages_of', 'summary', 'unpipelined_for_counting']
 
 
 def from_config(train_config, mesh: Mesh | None) -> Schedule | None:

@@ -12,6 +12,8 @@ emits waits in a per-microbatch buffer until the first stage takes it for the ne
 R*M + S - 1 iterations run; S - 1 of them are the bubble.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable
 
@@ -20,6 +22,19 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXIS = 'pipeline'
+_COUNTING = contextvars.ContextVar('pipeline_counting', default=False)
+
+
+@contextlib.contextmanager
+def unpipelined_for_counting():
+  """Within, `run` runs the layers in one plain scan: the same math without the bubble. Every iteration runs all S
+  stages, the bubble's on zeros that are discarded, so a jaxpr of the schedule holds (R*M + S - 1)/(R*M) of the
+  stack's work and trainer/flops.py would count the discarded part as useful (MFU too high)."""
+  token = _COUNTING.set(True)
+  try:
+    yield
+  finally:
+    _COUNTING.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +83,8 @@ def run(layer_fn: Callable, stacked, x_BLD, per_token: tuple, schedule: Schedule
     batch_axes: the mesh axes the batch rows are split over.
     remat_policy: a jax.checkpoint policy for each stage's layer group; None keeps everything.
   """
+  if _COUNTING.get():
+    return jax.lax.scan(lambda x, p: (layer_fn(p, x, *per_token), None), x_BLD, stacked)[0]
   s, m = schedule.stages, schedule.microbatches
   params = _stage_major(stacked, schedule)
 
