@@ -24,8 +24,8 @@ flags.mark_flags_as_required(['config'])  # --workdir too, except with --plan (c
 _PLAN = flags.DEFINE_bool('plan', False, 'Compile the step ahead of time and print its memory and FLOPs; no training.')
 _PLAN_MEMORY_GB = flags.DEFINE_float('plan_memory_gb', None, 'With --plan: fail unless the step fits in this many '
                                      'GiB per device, naming config changes that would fit.')
-_TOPOLOGY = flags.DEFINE_string('topology', None, 'With --plan: compile for a TPU slice such as v5p:4x4x4 '
-                                '(needs requirements-tpu-plan.txt) or for GPUs such as h100:8, 8 H100s on one '
+_TOPOLOGY = flags.DEFINE_string('topology', None, 'With --plan: compile for a TPU slice such as v5p:4x4x4, '
+                                'or several joined by DCN such as 2xv5p:4x4x4 (needs requirements-tpu-plan.txt), or for GPUs such as h100:8, 8 H100s on one '
                                 'host (needs requirements-gpu-plan.txt).')
 # Multi-process runs; see parallel/distributed.py. Unset under SLURM or on a TPU pod, where jax detects them.
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'HOST:PORT of process 0, the same on every process.')
