@@ -84,10 +84,11 @@ def _mesh(pipe, data):
                        devices=jax.devices()[:data * pipe])
 
 
-@pytest.mark.parametrize('schedule', [(2, 2, 1), (4, 4, 2), (4, 8, 1), (2, 4, 4)], ids=str)
+@pytest.mark.parametrize('schedule', [(2, 2, 1), (4, 4, 2), (4, 8, 1), (2, 4, 4), (4, 4, 2, 'no mesh')], ids=str)
 def test_one_steps_gradients_equal_a_plain_layer_stack(schedule):
-  """float32 Llama blocks: the pipelined stack's output and gradients against a Python loop over the layers."""
-  stages, micro, repeats = schedule
+  """float32 Llama blocks: the pipelined stack's output and gradients against a Python loop over the layers
+  (without a mesh the stages run as a vmap on one device)."""
+  stages, micro, repeats = schedule[:3]
   cfg = llama.LlamaConfig(num_layers=LAYERS, d_model=16, num_heads=2, mlp_dim=32, vocab_size=64, num_kv_heads=1)
   block = llama.Block(cfg, parent=None)
   rows, length = 8, 8
@@ -102,7 +103,7 @@ def test_one_steps_gradients_equal_a_plain_layer_stack(schedule):
       y = block.apply({'params': jax.tree.map(lambda p: p[i], params)}, y, positions)[0]
     return jnp.mean(jnp.sin(y) * y)
 
-  mesh = _mesh(stages, 8 // stages)
+  mesh = None if len(schedule) > 3 else _mesh(stages, 8 // stages)
   layer = lambda p, y, pos, seg: block.apply({'params': p}, y, pos, seg)[0]
 
   @jax.jit
@@ -113,16 +114,20 @@ def test_one_steps_gradients_equal_a_plain_layer_stack(schedule):
 
   np.testing.assert_allclose(piped(stacked), plain(stacked), rtol=1e-5)
   got, want = jax.grad(piped)(stacked), jax.grad(plain)(stacked)
+  # atol: float32 noise. The unpipelined stack in one jitted lax.scan differs from this eager loop by up to
+  # 1.16x an atol of 1e-6 x the largest gradient (measured, 2026-11-26); a wrong layer or microbatch is O(1) off.
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=4e-6 * np.abs(w).max())
 
 
-def test_stages_pass_activations_by_collective_permute():
-  """pipeline=4 x data=2, one repeat: one stage's microbatch activations (1 row per device x 32 positions x 32
-  channels) move between stages point to point, and nothing is all-gathered (neither activations nor layers)."""
-  job = job_lib.build_job(_config(pipe=4, data=2, micro=4), jax.devices()[:8])
+@pytest.mark.parametrize('repeats', [1, 2])
+def test_stages_pass_activations_by_collective_permute(repeats):
+  """pipeline=4 x data=2: one stage's microbatch activations (1 row per device x 32 positions x 32 channels) move
+  between stages point to point, and nothing is all-gathered (neither activations nor layers; with 2 repeats the
+  layers regroup to the circular stages by collective-permute)."""
+  job = job_lib.build_job(_config(pipe=4, data=2, micro=4, repeats=repeats), jax.devices()[:8])
   hlo = job.compile_train_step().as_text()
-  assert re.search(r'= f32\[1,1,32,32\]\S* collective-permute(-start)?\(', hlo)
+  assert re.search(r'= f32\[1,32,32\]\S* collective-permute(-start)?\(', hlo)
   assert 'all-gather' not in hlo
   assert job.shardings.params['layers']['attention']['query']['kernel'].spec[0] == 'pipeline'
 
