@@ -88,9 +88,7 @@ def run(layer_fn: Callable, stacked, x_BLD, per_token: tuple, schedule: Schedule
   params = jax.tree.map(lambda leaf: leaf.reshape((r, s, leaf.shape[0] // (r * s)) + leaf.shape[1:]), stacked)
   present = tuple(a is not None for a in per_token)
   tokens = tuple(a for a in per_token if a is not None)
-  # Under shard_map, what differs per stage is marked so (shard_map's varying-axis check); vmap needs no mark.
-  varying = (lambda x: x) if mesh is None else (lambda x: jax.lax.pcast(x, AXIS, to='varying'))
-  body = functools.partial(_stage_program, layer_fn, schedule, present, remat_policy, varying,
+  body = functools.partial(_stage_program, layer_fn, schedule, present, remat_policy,
                            batch_axes if mesh is not None else None)
   if mesh is None:  # Same program, the stage axis a vmap axis; every stage returns the (psummed) same output.
     per_stage = jax.tree.map(lambda leaf: leaf[:, :, None], params)  # Each stage sees [R, 1, P, ...], as below.
@@ -98,14 +96,16 @@ def run(layer_fn: Callable, stacked, x_BLD, per_token: tuple, schedule: Schedule
     return out[0]
   # Only 'pipeline' is manual: every device runs its own stage, and the activations go to the next stage by
   # ppermute (a collective-permute); the batch, fsdp and tensor splits inside a stage stay GSPMD's.
+  # check_vma=False: with it on, a stage's splash attention (its own shard_map, unchecked: the Pallas kernel's
+  # outputs carry no varying-axis types) failed to differentiate for a TPU ("Expected cotangent type
+  # bfloat16[...]{V:pipeline}"); tests/test_pipeline.py's gradients are the same either way (measured).
   stage_spec = jax.tree.map(lambda _: PartitionSpec(None, AXIS), params)
   sharded = jax.shard_map(body, mesh=mesh, in_specs=(stage_spec, PartitionSpec(), PartitionSpec()),
-                          out_specs=PartitionSpec(), axis_names={AXIS})
+                          out_specs=PartitionSpec(), axis_names={AXIS}, check_vma=False)
   return sharded(params, x_BLD, tokens)
 
 
-def _stage_program(layer_fn, schedule: Schedule, present, remat_policy, varying, batch_axes, params, x_BLD,
-                   tokens):
+def _stage_program(layer_fn, schedule: Schedule, present, remat_policy, batch_axes, params, x_BLD, tokens):
   """One stage's part of the schedule (under shard_map or vmap over AXIS): its params [R, 1, P, ...] (the stage's
   layer groups), the whole batch's inputs (every stage holds them; only stage 0 reads them). Returns the stack's
   output, the same on every stage (a psum of stage 0's buffer)."""
@@ -132,7 +132,7 @@ def _stage_program(layer_fn, schedule: Schedule, present, remat_policy, varying,
   token_buffers = tuple(_split_rows(a, m) for a in tokens)
   # buffer[j]: microbatch j's latest state on stage 0: its input, then what the last stage gave it after each
   # repeat (it waits there M - S iterations for stage 0). Only stage 0's buffer is read.
-  buffer = pin(varying(_split_rows(x_BLD, m)), 1)
+  buffer = pin(_split_rows(x_BLD, m), 1)
   ring = [(i, (i + 1) % s) for i in range(s)]
 
   def receive(buffer, incoming, t):
@@ -151,7 +151,7 @@ def _stage_program(layer_fn, schedule: Schedule, present, remat_policy, varying,
     y = group(params, rep, x, *layer_tokens((t - stage) % m))
     return (buffer, pin(jax.lax.ppermute(pin(y), AXIS, ring))), None
 
-  incoming = pin(varying(jnp.zeros(buffer.shape[1:], buffer.dtype)))
+  incoming = pin(jnp.zeros(buffer.shape[1:], buffer.dtype))
   (buffer, incoming), _ = jax.lax.scan(iteration, (buffer, incoming), jnp.arange(schedule.iterations))
   buffer = receive(buffer, incoming, jnp.asarray(schedule.iterations))  # The last microbatch's last repeat.
   return _join_rows(jax.lax.psum(jnp.where(stage == 0, buffer, jnp.zeros_like(buffer)), AXIS))
