@@ -18,6 +18,7 @@ from jax.sharding import AxisType
 from conftest import read_metrics
 from test_context_training import _assert_same, _config as _context_config
 
+from parallel import sharding
 from trainer import job as job_lib
 from trainer import flops, loop, pipeline, plan
 from trainer.errors import UserError
@@ -232,3 +233,16 @@ def test_the_counted_flops_are_the_unpipelined_models_not_the_bubbles():
   with pytest.raises(AssertionError):  # The count without the fallback: the bubble included, so this can fail.
     with mock.patch.object(pipeline, 'unpipelined_for_counting', contextlib.nullcontext):
       assert flops.job_step_flops(piped_job, log=False).flops == pytest.approx(plain, rel=0.05)
+
+
+def test_remat_full_keeps_only_each_stages_inputs():
+  """train.remat_policy='full' inside the stages: the step keeps no layer's MLP hidden activations across the
+  schedule's iterations (with 'none' it keeps them all: 3 iterations x 4 layers x 4 rows x 32 positions x 64)."""
+  def stacked_hidden(policy):
+    config = _config(pipe=2, data=4, micro=2, steps=1)
+    config.train.remat_policy = policy
+    job = job_lib.build_job(config, jax.devices()[:8])
+    text = job.train_step.lower(sharding.with_shardings(job.abstract, job.shardings), job.abstract_batch).as_text()
+    return re.findall(r'tensor<3x4x\d+x32x64xf32>', text)  # (iterations, layers of a stage, rows, L, mlp_dim)
+  assert stacked_hidden('none')
+  assert not stacked_hidden('full')

@@ -366,7 +366,9 @@ def _pipelined(cfg: LlamaConfig, stacked, x_BLD, positions_BL, segment_ids_BL):
     block = Block(inner, parent=None)  # Unbound: applied to each layer's parameters, not a child of the Llama.
     return block.apply({'params': params}, x, positions, segment_ids)[0]
   batch_axes = next((axes for name, axes in cfg.rules if name == 'batch'), None)
-  policy = REMAT_POLICIES[cfg.remat_policy] if cfg.remat_policy != 'none' else None
+  # 'full' is the policy None (jax.checkpoint's default: save nothing), which pipeline.run reads as no remat.
+  policy = None if cfg.remat_policy == 'none' else (REMAT_POLICIES[cfg.remat_policy]
+                                                    or jax.checkpoint_policies.nothing_saveable)
   return pipeline_lib.run(layer, stacked, x_BLD, (positions_BL, segment_ids_BL), cfg.pipeline, cfg.mesh,
                           batch_axes=batch_axes, remat_policy=policy)
 
