@@ -18,6 +18,7 @@ from jax.sharding import AxisType
 from conftest import read_metrics
 from test_context_training import _assert_same, _config as _context_config
 
+from parallel import sharding
 from trainer import job as job_lib
 from trainer import flops, loop, pipeline, plan
 from trainer.errors import UserError
@@ -84,10 +85,11 @@ def _mesh(pipe, data):
                        devices=jax.devices()[:data * pipe])
 
 
-@pytest.mark.parametrize('schedule', [(2, 2, 1), (4, 4, 2), (4, 8, 1), (2, 4, 4)], ids=str)
+@pytest.mark.parametrize('schedule', [(2, 2, 1), (4, 4, 2), (4, 8, 1), (2, 4, 4), (4, 4, 2, 'no mesh')], ids=str)
 def test_one_steps_gradients_equal_a_plain_layer_stack(schedule):
-  """float32 Llama blocks: the pipelined stack's output and gradients against a Python loop over the layers."""
-  stages, micro, repeats = schedule
+  """float32 Llama blocks: the pipelined stack's output and gradients against a Python loop over the layers
+  (without a mesh the stages run as a vmap on one device)."""
+  stages, micro, repeats = schedule[:3]
   cfg = llama.LlamaConfig(num_layers=LAYERS, d_model=16, num_heads=2, mlp_dim=32, vocab_size=64, num_kv_heads=1)
   block = llama.Block(cfg, parent=None)
   rows, length = 8, 8
@@ -102,7 +104,7 @@ def test_one_steps_gradients_equal_a_plain_layer_stack(schedule):
       y = block.apply({'params': jax.tree.map(lambda p: p[i], params)}, y, positions)[0]
     return jnp.mean(jnp.sin(y) * y)
 
-  mesh = _mesh(stages, 8 // stages)
+  mesh = None if len(schedule) > 3 else _mesh(stages, 8 // stages)
   layer = lambda p, y, pos, seg: block.apply({'params': p}, y, pos, seg)[0]
 
   @jax.jit
@@ -113,16 +115,20 @@ def test_one_steps_gradients_equal_a_plain_layer_stack(schedule):
 
   np.testing.assert_allclose(piped(stacked), plain(stacked), rtol=1e-5)
   got, want = jax.grad(piped)(stacked), jax.grad(plain)(stacked)
+  # atol: float32 noise. The unpipelined stack in one jitted lax.scan differs from this eager loop by up to
+  # 1.16x an atol of 1e-6 x the largest gradient (measured, 2026-11-26); a wrong layer or microbatch is O(1) off.
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=4e-6 * np.abs(w).max())
 
 
-def test_stages_pass_activations_by_collective_permute():
-  """pipeline=4 x data=2, one repeat: one stage's microbatch activations (1 row per device x 32 positions x 32
-  channels) move between stages point to point, and nothing is all-gathered (neither activations nor layers)."""
-  job = job_lib.build_job(_config(pipe=4, data=2, micro=4), jax.devices()[:8])
+@pytest.mark.parametrize('repeats', [1, 2])
+def test_stages_pass_activations_by_collective_permute(repeats):
+  """pipeline=4 x data=2: one stage's microbatch activations (1 row per device x 32 positions x 32 channels) move
+  between stages point to point, and nothing is all-gathered (neither activations nor layers; with 2 repeats the
+  layers regroup to the circular stages by collective-permute)."""
+  job = job_lib.build_job(_config(pipe=4, data=2, micro=4, repeats=repeats), jax.devices()[:8])
   hlo = job.compile_train_step().as_text()
-  assert re.search(r'= f32\[1,1,32,32\]\S* collective-permute(-start)?\(', hlo)
+  assert re.search(r'= f32\[1,32,32\]\S* collective-permute(-start)?\(', hlo)
   assert 'all-gather' not in hlo
   assert job.shardings.params['layers']['attention']['query']['kernel'].spec[0] == 'pipeline'
 
@@ -227,3 +233,16 @@ def test_the_counted_flops_are_the_unpipelined_models_not_the_bubbles():
   with pytest.raises(AssertionError):  # The count without the fallback: the bubble included, so this can fail.
     with mock.patch.object(pipeline, 'unpipelined_for_counting', contextlib.nullcontext):
       assert flops.job_step_flops(piped_job, log=False).flops == pytest.approx(plain, rel=0.05)
+
+
+def test_remat_full_keeps_only_each_stages_inputs():
+  """train.remat_policy='full' inside the stages: the step keeps no layer's MLP hidden activations across the
+  schedule's iterations (with 'none' it keeps them all: 3 iterations x 4 layers x 4 rows x 32 positions x 64)."""
+  def stacked_hidden(policy):
+    config = _config(pipe=2, data=4, micro=2, steps=1)
+    config.train.remat_policy = policy
+    job = job_lib.build_job(config, jax.devices()[:8])
+    text = job.train_step.lower(sharding.with_shardings(job.abstract, job.shardings), job.abstract_batch).as_text()
+    return re.findall(r'tensor<3x4x\d+x32x64xf32>', text)  # (iterations, layers of a stage, rows, L, mlp_dim)
+  assert stacked_hidden('none')
+  assert not stacked_hidden('full')

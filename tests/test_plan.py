@@ -363,11 +363,10 @@ def test_a_topology_names_its_slices_with_a_count_in_front(topology, expected):
 
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
                     reason='needs the optional TPU compiler: pip install -r requirements-tpu-plan.txt')
-@pytest.mark.xfail(strict=True, reason='issue 43, open: for a TPU (libtpu 0.0.51) the compiled pipeline all-gathers '
-                   'the stage activations over fsdp and shows no collective-permute of them (the CPU compile does)')
 def test_a_pipeline_across_two_tpu_slices_compiles_with_point_to_point_stage_transfers():
   """Two v5p 2x2x1 slices, the pipeline axis across them (mesh.dcn_pipeline=2), FSDP inside each: the plan
-  compiles, states the stages, and the stages hand activations on by collective-permute, never all-gathered."""
+  compiles, states the stages, and the stages hand one microbatch's activations on point to point (between
+  slices libtpu lowers the collective-permute to a one-to-one DCN send/recv), never all-gathered."""
   config = plan.with_overrides(tiny.get_config(), {
       'model.num_layers': 4, 'mesh.dcn_pipeline': 2, 'mesh.data': 1, 'mesh.fsdp': 4, 'train.batch_size': 8,
       'train.pipeline_microbatches': 2})
@@ -382,5 +381,9 @@ def test_a_pipeline_across_two_tpu_slices_compiles_with_point_to_point_stage_tra
   hlo = job_lib.build_job(config, devices).compile_train_step().as_text()
   d_model, seq = config.model.d_model, config.data.seq_len
   activations = rf'\[[\d,]*{seq},{d_model}\]'
-  assert re.search(activations + r'\S* collective-permute(-start)?\(', hlo)
+  # The rows of one microbatch on one device: batch 8 / 2 microbatches / fsdp 4 = 1 row of (seq, d_model).
+  one_microbatch = rf'bf16\[1,{seq},{d_model}\]'
+  send = re.compile(r'= \(' + one_microbatch + r'\S*, u32\[\]\S*, token\[\]\) send\(')
+  sends = [line for line in hlo.splitlines() if send.search(line)]
+  assert sends and all('_xla_megascale_transfer_type="ONE_TO_ONE"' in line for line in sends)
   assert not re.search(activations + r'\S* all-gather(-start)?\(', hlo)

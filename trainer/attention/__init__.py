@@ -58,9 +58,12 @@ dots_saveable = jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_p
 def platform_of(mesh: Mesh | None = None) -> tuple[str, float | None]:
   """(platform, CUDA compute capability or None) of the devices the call runs on.
 
-  The mesh's devices when given (they may be TPU compile-only devices described on a CPU host: `--topology`);
+  The mesh's devices when given (they may be TPU compile-only devices described on a CPU host: `--topology`), or
+  an abstract mesh's device (a pipeline stage's blocks get the shard_map's abstract mesh);
   inside a per-device strategy's shard_map, the abstract mesh's device; else jax's default backend.
   """
+  if isinstance(mesh, jax.sharding.AbstractMesh):  # Inside a pipeline's shard_map (trainer/pipeline/schedule.py).
+    return mesh.abstract_device.platform, None
   if mesh is not None:
     device = mesh.devices.flat[0]
     capability = getattr(device, 'compute_capability', None)

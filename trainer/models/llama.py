@@ -355,12 +355,20 @@ class Llama(nn.Module):
 def _pipelined(cfg: LlamaConfig, stacked, x_BLD, positions_BL, segment_ids_BL):
   """The scanned blocks' output run as cfg.pipeline's stages, over the parameters nn.scan created (same layout)."""
   block_cfg = dataclasses.replace(cfg, pipeline=None)
-  block = Block(block_cfg, parent=None)  # Unbound: applied to each layer's parameters, not a child of the Llama.
 
   def layer(params, x, positions, segment_ids):
+    # Run inside the schedule's shard_map (pipeline axis manual): the blocks' sharding constraints name the
+    # context's abstract mesh; the concrete mesh, its pipeline axis not manual, is refused there.
+    # (Counting FLOPs, the schedule runs the layers in a plain scan, outside any shard_map: the concrete mesh.)
+    abstract = jax.sharding.get_abstract_mesh()
+    staged = cfg.mesh is not None and pipeline_lib.AXIS in abstract.manual_axes
+    inner = dataclasses.replace(block_cfg, mesh=abstract) if staged else block_cfg
+    block = Block(inner, parent=None)  # Unbound: applied to each layer's parameters, not a child of the Llama.
     return block.apply({'params': params}, x, positions, segment_ids)[0]
   batch_axes = next((axes for name, axes in cfg.rules if name == 'batch'), None)
-  policy = REMAT_POLICIES[cfg.remat_policy] if cfg.remat_policy != 'none' else None
+  # 'full' is the policy None (jax.checkpoint's default: save nothing), which pipeline.run reads as no remat.
+  policy = None if cfg.remat_policy == 'none' else (REMAT_POLICIES[cfg.remat_policy]
+                                                    or jax.checkpoint_policies.nothing_saveable)
   return pipeline_lib.run(layer, stacked, x_BLD, (positions_BL, segment_ids_BL), cfg.pipeline, cfg.mesh,
                           batch_axes=batch_axes, remat_policy=policy)
 

@@ -4,17 +4,24 @@ Shape letters: S stages (mesh.pipeline), R repeats (layer groups per stage), P l
 M microbatches, b rows per microbatch, plus the model's own (L length, D width).
 
 The stacked layer parameters stay in the unpipelined layout ([R*S*P, ...], layer l at index l), so a checkpoint
-is the same at every pipeline size; here they are viewed as [S, R, P, ...]: layer l = (r*S + s)*P + p belongs to
-stage s, repeat r. Microbatch m's repeat r runs on stage s at iteration t = r*M + m + s; every iteration runs all S
-stages at once (vmap over the stage dimension, split over the 'pipeline' mesh axis) and then rolls the stage
-outputs one stage on, which GSPMD lowers to a collective-permute between neighbouring devices. What the last stage
-emits waits in a per-microbatch buffer until the first stage takes it for the next repeat (or the stack ends).
-R*M + S - 1 iterations run; S - 1 of them are the bubble.
+is the same at every pipeline size; here they are viewed as [R, S, P, ...]: layer l = (r*S + s)*P + p belongs to
+stage s, repeat r. Microbatch m's repeat r runs on stage s at iteration t = r*M + m + s.
+
+The loop runs under jax.shard_map with only the 'pipeline' axis manual (the batch, fsdp and tensor splits inside a
+stage stay GSPMD's): each device runs its own stage's layer group on the microbatch it holds, then hands its
+output to the next stage with a ppermute, a point-to-point collective-permute (between TPU slices, a one-to-one
+DCN send/recv). Under GSPMD alone (a vmap over the stage dimension and a jnp.roll, issue 43's first version) the
+CPU compile permuted too, but the libtpu compile all-gathered the microbatch buffer over fsdp instead
+(tests/test_plan.py's two-slice test). Stage 0 keeps a per-microbatch buffer: the inputs (every stage receives the
+batch; only stage 0 reads it), then what the last stage hands round the ring after each repeat, waiting M - S
+iterations for stage 0. After the loop stage 0's buffer holds the stack's output, summed over the stages (psum) so
+every stage returns it. R*M + S - 1 iterations run; S - 1 of them are the bubble.
 """
 
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -52,16 +59,6 @@ class Schedule:
     return (self.stages - 1) / self.iterations
 
 
-def _stage_major(stacked, schedule: Schedule):
-  """[R*S*P, ...] -> [S, R, P, ...] (stage s, repeat r holds layers (r*S + s)*P ... + P - 1)."""
-  s, r = schedule.stages, schedule.repeats
-
-  def view(leaf):
-    per = leaf.shape[0] // (s * r)
-    return jnp.swapaxes(leaf.reshape((r, s, per) + leaf.shape[1:]), 0, 1)
-  return jax.tree.map(view, stacked)
-
-
 def _split_rows(x, m: int):
   """(B, ...) -> (M, B/M, ...), microbatch j holding rows j, j+M, ...: each device's rows stay on it."""
   return jnp.swapaxes(x.reshape((x.shape[0] // m, m) + x.shape[1:]), 0, 1)
@@ -79,60 +76,83 @@ def run(layer_fn: Callable, stacked, x_BLD, per_token: tuple, schedule: Schedule
     layer_fn: one layer, `(params, x_bLD, *per_token_bL) -> x_bLD`.
     stacked: the layers' parameters, every leaf stacked on a leading axis of R*S*P layers.
     per_token: arrays (B, L) every layer also reads (positions, segment ids), or None.
-    mesh: the training mesh (None: no sharding constraints, e.g. a test on one device).
-    batch_axes: the mesh axes the batch rows are split over.
+    mesh: the training mesh (None: the stages run as a vmap on one device, e.g. a test).
+    batch_axes: the mesh axes the batch rows are split over (GSPMD keeps them; only 'pipeline' is manual here).
     remat_policy: a jax.checkpoint policy for each stage's layer group; None keeps everything.
   """
   if _COUNTING.get():
     return jax.lax.scan(lambda x, p: (layer_fn(p, x, *per_token), None), x_BLD, stacked)[0]
-  s, m = schedule.stages, schedule.microbatches
-  params = _stage_major(stacked, schedule)
+  s, r = schedule.stages, schedule.repeats
+  # [R*S*P, ...] -> [R, S, P, ...]: the stage dimension is the one split over 'pipeline' (R = 1: the contiguous
+  # 'layers' split as stored, no movement; R > 1: GSPMD regroups the layers to this circular view each step).
+  params = jax.tree.map(lambda leaf: leaf.reshape((r, s, leaf.shape[0] // (r * s)) + leaf.shape[1:]), stacked)
+  present = tuple(a is not None for a in per_token)
+  tokens = tuple(a for a in per_token if a is not None)
+  body = functools.partial(_stage_program, layer_fn, schedule, present, remat_policy,
+                           batch_axes if mesh is not None else None)
+  if mesh is None:  # Same program, the stage axis a vmap axis; every stage returns the (psummed) same output.
+    per_stage = jax.tree.map(lambda leaf: leaf[:, :, None], params)  # Each stage sees [R, 1, P, ...], as below.
+    out = jax.vmap(body, in_axes=(1, None, None), axis_name=AXIS, axis_size=s)(per_stage, x_BLD, tokens)
+    return out[0]
+  # Only 'pipeline' is manual: every device runs its own stage, and the activations go to the next stage by
+  # ppermute (a collective-permute); the batch, fsdp and tensor splits inside a stage stay GSPMD's.
+  # check_vma=False: with it on, a stage's splash attention (its own shard_map, unchecked: the Pallas kernel's
+  # outputs carry no varying-axis types) failed to differentiate for a TPU ("Expected cotangent type
+  # bfloat16[...]{V:pipeline}"); tests/test_pipeline.py's gradients are the same either way (measured).
+  stage_spec = jax.tree.map(lambda _: PartitionSpec(None, AXIS), params)
+  sharded = jax.shard_map(body, mesh=mesh, in_specs=(stage_spec, PartitionSpec(), PartitionSpec()),
+                          out_specs=PartitionSpec(), axis_names={AXIS}, check_vma=False)
+  return sharded(params, x_BLD, tokens)
 
-  def group(p_RP, r, x, *tokens):  # One stage: its repeat r's P layers.
-    p_P = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, r, 0, keepdims=False), p_RP)
 
-    def one(x, p):
-      return layer_fn(p, x, *tokens), None
-    return jax.lax.scan(one, x, p_P)[0]
+def _stage_program(layer_fn, schedule: Schedule, present, remat_policy, batch_axes, params, x_BLD, tokens):
+  """One stage's part of the schedule (under shard_map or vmap over AXIS): its params [R, 1, P, ...] (the stage's
+  layer groups), the whole batch's inputs (every stage holds them; only stage 0 reads them). Returns the stack's
+  output, the same on every stage (a psum of stage 0's buffer)."""
+
+  def pin(x, rows_dim=0):  # Rows over the batch axes within the stage (GSPMD's part), as outside the pipeline.
+    if batch_axes is None:
+      return x
+    spec = PartitionSpec(*(None,) * rows_dim, batch_axes)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
+  s, m, repeats = schedule.stages, schedule.microbatches, schedule.repeats
+  stage = jax.lax.axis_index(AXIS)
+  params = jax.tree.map(lambda leaf: leaf[:, 0], params)  # [R, P, ...]
+
+  def group(p_RP, rep, x, *toks):  # This stage's repeat `rep`: its P layers.
+    p_P = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, rep, 0, keepdims=False), p_RP)
+    return jax.lax.scan(lambda y, p: (layer_fn(p, y, *toks), None), x, p_P)[0]
   if remat_policy is not None:
     group = jax.checkpoint(group, policy=remat_policy, prevent_cse=False)
-  stages_fn = jax.vmap(group, spmd_axis_name=AXIS if mesh is not None else None)
 
-  def pin(x, *rest):  # Stage dimension over the pipeline axis, rows over the batch axes.
-    if mesh is None:
-      return x
-    spec = PartitionSpec(*rest, batch_axes, *(None,) * (x.ndim - len(rest) - 1))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  def layer_tokens(m_index):  # The per-token arrays of microbatch m_index (read locally, nothing travels).
+    rest = iter(jax.lax.dynamic_index_in_dim(a, m_index, 0, keepdims=False) for a in token_buffers)
+    return tuple(next(rest) if p else None for p in present)
 
-  # What travels between stages: the activations and the per-token arrays of the same microbatch (rolled along
-  # with them, rather than gathered per stage: XLA's SPMD partitioner rejected that gather inside the loop).
-  carried = (x_BLD,) + tuple(a for a in per_token if a is not None)
-  present = [a is not None for a in per_token]
-  buffer = tuple(_split_rows(a, m) for a in carried)  # (M, b, ...) each: every microbatch's latest state.
+  token_buffers = tuple(_split_rows(a, m) for a in tokens)
+  # buffer[j]: microbatch j's latest state on stage 0: its input, then what the last stage gave it after each
+  # repeat (it waits there M - S iterations for stage 0). Only stage 0's buffer is read.
+  buffer = pin(_split_rows(x_BLD, m), 1)
+  ring = [(i, (i + 1) % s) for i in range(s)]
 
-  def stage_args(state):
-    rest = iter(state[1:])
-    return (state[0],) + tuple(next(rest) if p else None for p in present)
+  def receive(buffer, incoming, t):
+    """Stage 0 files what the last stage passed on at iteration t - 1 (microbatch (t - S) % M), when real."""
+    slot = jnp.clip(t - s, 0) % m
+    kept = jax.lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
+    keep = (stage == 0) & (t >= s)
+    return pin(jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, incoming, kept), slot, 0), 1)
 
   def iteration(carry, t):
-    buffer, previous = carry
-    inputs = []
-    for held, prev in zip(buffer, previous):
-      shifted = pin(jnp.roll(prev, 1, axis=0), AXIS)  # Stage s takes what stage s-1 gave last iteration.
-      first = jax.lax.dynamic_index_in_dim(held, t % m, 0, keepdims=False)
-      inputs.append(pin(shifted.at[0].set(first), AXIS))
-    repeat = jnp.clip((t - jnp.arange(s)) // m, 0, schedule.repeats - 1)  # Per stage: the repeat it is on.
-    x = pin(stages_fn(params, repeat, *stage_args(inputs)), AXIS)
-    outputs = (x,) + tuple(inputs[1:])
-    last = t - (s - 1)  # The last stage's pass: written back when it is a real one, not the bubble.
-    valid = (last >= 0) & (last < schedule.repeats * m)
-    slot = jnp.clip(last, 0) % m
+    buffer, incoming = carry
+    buffer = receive(buffer, incoming, t)
+    first = jax.lax.dynamic_index_in_dim(buffer, t % m, 0, keepdims=False)
+    x = pin(jnp.where(stage == 0, first, incoming))
+    rep = jnp.clip((t - stage) // m, 0, repeats - 1)
+    y = group(params, rep, x, *layer_tokens((t - stage) % m))
+    return (buffer, pin(jax.lax.ppermute(pin(y), AXIS, ring))), None
 
-    def write(held, out):
-      kept = jax.lax.dynamic_index_in_dim(held, slot, 0, keepdims=False)
-      return jax.lax.dynamic_update_index_in_dim(held, jnp.where(valid, out[-1], kept), slot, 0)
-    return (tuple(map(write, buffer, outputs)), tuple(outputs)), None
+  incoming = pin(jnp.zeros(buffer.shape[1:], buffer.dtype))
+  (buffer, incoming), _ = jax.lax.scan(iteration, (buffer, incoming), jnp.arange(schedule.iterations))
+  buffer = receive(buffer, incoming, jnp.asarray(schedule.iterations))  # The last microbatch's last repeat.
+  return _join_rows(jax.lax.psum(jnp.where(stage == 0, buffer, jnp.zeros_like(buffer)), AXIS))
 
-  previous = tuple(pin(jnp.zeros((s,) + a.shape[1:], a.dtype), AXIS) for a in buffer)
-  (buffer, _), _ = jax.lax.scan(iteration, (buffer, previous), jnp.arange(schedule.iterations))
-  return _join_rows(buffer[0])
