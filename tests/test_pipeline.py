@@ -235,14 +235,17 @@ def test_the_counted_flops_are_the_unpipelined_models_not_the_bubbles():
       assert flops.job_step_flops(piped_job, log=False).flops == pytest.approx(plain, rel=0.05)
 
 
-def test_remat_full_keeps_only_each_stages_inputs():
-  """train.remat_policy='full' inside the stages: the step keeps no layer's MLP hidden activations across the
-  schedule's iterations (with 'none' it keeps them all: 3 iterations x 4 layers x 4 rows x 32 positions x 64)."""
+def test_remat_full_keeps_only_each_layers_inputs():
+  """train.remat_policy='full' inside the stages: the step keeps no layer's MLP hidden activations, neither across
+  the schedule's iterations (with 'none' it keeps them all: 3 iterations x 4 layers x 4 rows x 32 positions x 64)
+  nor a stage's 4 layers at once while its backward recomputes them (what a remat of the whole stage kept)."""
   def stacked_hidden(policy):
     config = _config(pipe=2, data=4, micro=2, steps=1)
     config.train.remat_policy = policy
     job = job_lib.build_job(config, jax.devices()[:8])
     text = job.train_step.lower(sharding.with_shardings(job.abstract, job.shardings), job.abstract_batch).as_text()
-    return re.findall(r'tensor<3x4x\d+x32x64xf32>', text)  # (iterations, layers of a stage, rows, L, mlp_dim)
-  assert stacked_hidden('none')
-  assert not stacked_hidden('full')
+    return (re.findall(r'tensor<3x4x\d+x32x64xf32>', text),  # (iterations, layers of a stage, rows, L, mlp_dim)
+            re.findall(r'tensor<4x\d+x32x64xf32>', text))  # (layers of a stage, rows, L, mlp_dim)
+  across, within = stacked_hidden('none')
+  assert across and within
+  assert stacked_hidden('full') == ([], [])

@@ -193,7 +193,7 @@ def _candidates(config, mesh_shape: dict[str, int], budget: int | None = None) -
   if chunks:
     out.append({'train.loss_chunks': chunks})
   if data % 2 == 0:
-    out.append({'mesh.fsdp': config.mesh.fsdp * 2, 'mesh.data': -1})
+    out.append(_from_data(config, mesh_shape, 'fsdp'))
   experts, expert = config.model.get('num_experts', 0), mesh_shape.get('expert', 1)
   if experts and data % 2 == 0 and experts % (expert * 2) == 0:  # Each device holds half as many experts.
     out.append({'mesh.expert': config.mesh.expert * 2, 'mesh.data': -1})
@@ -201,13 +201,23 @@ def _candidates(config, mesh_shape: dict[str, int], budget: int | None = None) -
   if per_device_batch % (config.train.grad_accum_steps * 2) == 0:
     out.append({'train.grad_accum_steps': config.train.grad_accum_steps * 2})
   together = {k: v for o in out for k, v in o.items()}  # Every change above: they keep the global batch.
-  if stages := pipeline.candidate(config, mesh_shape):  # Each device holds half the layers (and adds a bubble).
-    out.append(stages)
+  if pipeline.can_double(config, mesh_shape):  # Each device holds half the layers (and adds a bubble).
+    out.append(_from_data(config, mesh_shape, 'pipeline'))
   if config.train.batch_size % 2 == 0:  # Last: this one changes the training, not only its layout.
     out.append({'train.batch_size': config.train.batch_size // 2})
   if len(together) > 1 and len(out) > 2:
     out.append(together)
   return [(' '.join(f'--config.{k}={v}' for k, v in o.items()), o) for o in out]
+
+
+def _from_data(config, mesh_shape: dict[str, int], axis: str) -> dict[str, object]:
+  """Overrides doubling `axis` by halving the data axis: within a slice, or between slices (mesh.dcn_*) where the
+  data axis is split over slices and not within one (two slices with mesh.data=1: an ICI fsdp of twice the slice's
+  chips cannot be built, a dcn_fsdp or dcn_pipeline of 2 can)."""
+  dcn = config.mesh.get('dcn_data', 1)
+  if dcn % 2 == 0 and (mesh_shape['data'] // dcn) % 2:
+    return {f'mesh.dcn_{axis}': config.mesh.get(f'dcn_{axis}', 1) * 2, 'mesh.dcn_data': dcn // 2}
+  return {f'mesh.{axis}': config.mesh.get(axis, 1) * 2, 'mesh.data': -1}
 
 
 def fixes(config, mesh_shape: dict[str, int], budget: int, devices=None, print_fn=print) -> str:

@@ -3,8 +3,8 @@
 One entry point for the model, `run_layers`, which runs the layer stack as a circular pipeline
 (trainer/pipeline/schedule.py); `from_config` gives the schedule a config and mesh ask for (None without a
 pipeline axis); `check_config` refuses, in one line, what cannot be pipelined (trainer/pipeline/checks.py);
-`summary` is the line the log and `--plan` print; `candidate` is the pipeline size `--plan` proposes when a model
-does not fit.
+`summary` is the line the log and `--plan` print; `can_double` says whether `--plan` may propose twice the stages
+when a model does not fit.
 
 Parameters keep the unpipelined layout (one 'layers' axis of num_layers), so a checkpoint restores onto any
 pipeline size, or none; `layer_rules` splits that axis over the pipeline devices.
@@ -17,7 +17,7 @@ from trainer.errors import UserError
 from trainer.pipeline.checks import check_config, stages_of
 from trainer.pipeline.schedule import AXIS, Schedule, run, unpipelined_for_counting
 
-__all__ = ['AXIS', 'Schedule', 'candidate', 'check_config', 'describe', 'from_config', 'layer_rules', 'run',
+__all__ = ['AXIS', 'Schedule', 'can_double', 'check_config', 'describe', 'from_config', 'layer_rules', 'run',
            'stages_of', 'summary', 'unpipelined_for_counting']
 
 
@@ -63,14 +63,13 @@ def summary(config, mesh_shape: dict[str, int]) -> str | None:
   return describe(schedule, config.model.num_layers)
 
 
-def candidate(config, mesh_shape: dict[str, int]) -> dict[str, object] | None:
-  """Twice the pipeline stages, taken from the data axis, where the model and batch allow it; else None."""
-  stages = mesh_shape.get(AXIS, 1) * 2
+def can_double(config, mesh_shape: dict[str, int]) -> bool:
+  """Whether the model and batch allow twice the pipeline stages, taken from the data axis."""
   if mesh_shape['data'] % 2:
-    return None
+    return False
   batch_devices = mesh_shape['data'] // 2 * mesh_shape['fsdp'] * mesh_shape.get('expert', 1)
   try:
-    check_config(config, stages, batch_devices)
+    check_config(config, mesh_shape.get(AXIS, 1) * 2, batch_devices)
   except UserError:
-    return None
-  return {'mesh.pipeline': config.mesh.get('pipeline', 1) * 2, 'mesh.data': -1}
+    return False
+  return True

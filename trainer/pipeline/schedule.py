@@ -78,7 +78,7 @@ def run(layer_fn: Callable, stacked, x_BLD, per_token: tuple, schedule: Schedule
     per_token: arrays (B, L) every layer also reads (positions, segment ids), or None.
     mesh: the training mesh (None: the stages run as a vmap on one device, e.g. a test).
     batch_axes: the mesh axes the batch rows are split over (GSPMD keeps them; only 'pipeline' is manual here).
-    remat_policy: a jax.checkpoint policy for each stage's layer group; None keeps everything.
+    remat_policy: a jax.checkpoint policy for each layer of a stage; None keeps everything.
   """
   if _COUNTING.get():
     return jax.lax.scan(lambda x, p: (layer_fn(p, x, *per_token), None), x_BLD, stacked)[0]
@@ -119,11 +119,14 @@ def _stage_program(layer_fn, schedule: Schedule, present, remat_policy, batch_ax
   stage = jax.lax.axis_index(AXIS)
   params = jax.tree.map(lambda leaf: leaf[:, 0], params)  # [R, P, ...]
 
+  # The policy applies to each layer, as the unpipelined scan applies it: checkpointing the stage's whole group
+  # instead kept every layer's activations of the group at once while its backward recomputed it (an 8B Llama's
+  # stage of 16 layers planned 28.1 GiB of temporaries per chip for a TPU, against 19.1 unpipelined; BENCHMARKS.md).
+  one_layer = layer_fn if remat_policy is None else jax.checkpoint(layer_fn, policy=remat_policy, prevent_cse=False)
+
   def group(p_RP, rep, x, *toks):  # This stage's repeat `rep`: its P layers.
     p_P = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, rep, 0, keepdims=False), p_RP)
-    return jax.lax.scan(lambda y, p: (layer_fn(p, y, *toks), None), x, p_P)[0]
-  if remat_policy is not None:
-    group = jax.checkpoint(group, policy=remat_policy, prevent_cse=False)
+    return jax.lax.scan(lambda y, p: (one_layer(p, y, *toks), None), x, p_P)[0]
 
   def layer_tokens(m_index):  # The per-token arrays of microbatch m_index (read locally, nothing travels).
     rest = iter(jax.lax.dynamic_index_in_dim(a, m_index, 0, keepdims=False) for a in token_buffers)
