@@ -3,7 +3,7 @@ on CPU (XLA; splash in Pallas interpret mode) against a float32 reference, packe
 
 cuDNN cannot run without a GPU: here its choice rules and the conversion of segment ids to its packed layout are
 tested, tests/test_cuda_lowering.py lowers the whole train step to its calls, and its numerics need a GPU
-(scripts/bench_attention.py).
+(benchmarks/bench_attention.py).
 """
 
 import inspect

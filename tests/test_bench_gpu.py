@@ -1,5 +1,5 @@
-"""scripts/bench_gpu.py runs its rows through the launcher's Job, data and loop: --smoke on CPU, in-process;
-scripts/bench_attention.py checks kernels against float32 XLA and catches leaks across documents."""
+"""benchmarks/bench_gpu.py runs its rows through the launcher's Job, data and loop: --smoke on CPU, in-process;
+benchmarks/bench_attention.py checks kernels against float32 XLA and catches leaks across documents."""
 
 import importlib.util
 import tempfile
@@ -12,7 +12,7 @@ from conftest import REPO
 
 @pytest.fixture(scope='module')
 def bench():
-  spec = importlib.util.spec_from_file_location('bench_gpu', REPO / 'scripts' / 'bench_gpu.py')
+  spec = importlib.util.spec_from_file_location('bench_gpu', REPO / 'benchmarks' / 'bench_gpu.py')
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -63,7 +63,7 @@ def test_every_row_builds_its_config_and_attention_is_passed(bench):
 
 
 def test_attention_bench_checks_numerics_and_catches_a_kernel_that_leaks_across_documents(capsys):
-  spec = importlib.util.spec_from_file_location('bench_attention', REPO / 'scripts' / 'bench_attention.py')
+  spec = importlib.util.spec_from_file_location('bench_attention', REPO / 'benchmarks' / 'bench_attention.py')
   bench_attention = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(bench_attention)
   ids = bench_attention.documents(3, 64, 4)
@@ -80,7 +80,7 @@ def test_attention_bench_checks_numerics_and_catches_a_kernel_that_leaks_across_
 
 
 def _acceptance():
-  spec = importlib.util.spec_from_file_location('bench_gpu_acceptance', REPO / 'scripts' / 'bench_gpu_acceptance.py')
+  spec = importlib.util.spec_from_file_location('bench_gpu_acceptance', REPO / 'benchmarks' / 'bench_gpu_acceptance.py')
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

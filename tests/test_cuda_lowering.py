@@ -5,7 +5,7 @@ version and the device for its compute capability first. `cuda_host` answers tho
 (cuDNN 9.10, compute capability 9.0) and makes trainer/attention see a GPU mesh. jax.export then lowers the step
 for the 'cuda' platform: the StableHLO an H100 would compile, with nothing compiled or run. What this proves is what
 the model hands the kernel (dtypes, layouts, GQA, segment tables, remat, the backward) and that no (L, L) scores
-are left anywhere in the step; numerics and speed need the GPU (scripts/bench_attention.py, scripts/bench_gpu.py).
+are left anywhere in the step; numerics and speed need the GPU (benchmarks/bench_attention.py, benchmarks/bench_gpu.py).
 Compiling it for an H100 without one needs jax's CUDA plugin: plan mode does that (tests/test_plan.py, skipped
 without requirements-gpu-plan.txt).
 """
@@ -23,7 +23,7 @@ from parallel import sharding
 from trainer import attention
 from trainer import job as job_lib
 
-sys.path.insert(0, str(REPO / 'scripts'))
+sys.path.insert(0, str(REPO / 'benchmarks'))
 import bench_gpu  # noqa: E402
 
 FORWARD, BACKWARD = '__cudnn$fmhaSoftmax', '__cudnn$fmhaSoftmaxBackward'
@@ -147,7 +147,7 @@ def test_remat_policies_that_save_attention_keep_the_cudnn_forward(cuda_host, po
 @pytest.mark.parametrize('row', ['gpt2_b64', 'gpt2_b32_packed', 'llama_b16_dots_with_no_batch_dims_saveable',
                                  'vit_b256'])
 def test_the_gpu_benchmark_rows_lower_to_cudnn_with_no_scores(cuda_host, row):
-  """The presets at the shapes scripts/bench_gpu.py times on an H100: every attention on cuDNN, no (L, L) tensor."""
+  """The presets at the shapes benchmarks/bench_gpu.py times on an H100: every attention on cuDNN, no (L, L) tensor."""
   config = bench_gpu.row_config(row, attention=None, smoke=False)
   config.train.compute_dtype = 'bfloat16'  # What 'auto' gives on a GPU.
   if config.train.remat_policy == 'auto':  # Resolved by compiling candidates, which needs the GPU.

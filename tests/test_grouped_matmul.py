@@ -91,7 +91,7 @@ def test_compiled_for_an_h100_the_kernel_runs_the_active_flops_and_the_guard_fir
   import sys
   from conftest import REPO
   done = subprocess.run(
-      [sys.executable, str(REPO / 'scripts' / 'bench_expert_kernel.py'), '--config=configs/tiny.py',
+      [sys.executable, str(REPO / 'benchmarks' / 'bench_expert_kernel.py'), '--config=configs/tiny.py',
        '--override=model.num_experts=4', '--override=model.experts_per_token=2', '--override=model.expert_mlp_dim=64',
        '--override=model.num_layers=1'], capture_output=True, text=True, timeout=900, cwd=REPO,
       env={k: v for k, v in __import__('os').environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')})

@@ -1,4 +1,4 @@
-"""Hugging Face import: the tiny fixtures (scripts/make_hf_fixtures.py) imported give transformers' own logits.
+"""Hugging Face import: the tiny fixtures (tests/fixtures/make_hf_fixtures.py) imported give transformers' own logits.
 
 Golden logits were computed by transformers in float32 on tests/fixtures/hf/input_ids.npy; here the built-in
 Llama, configured from each config.json and loaded from its safetensors, must reproduce them within 1e-4, on one

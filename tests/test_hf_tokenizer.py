@@ -1,5 +1,5 @@
 """scripts/prepare_data.py --tokenizer with a Hugging Face tokenizer.json (tests/fixtures/hf/tokenizer, a tiny BPE
-trained by scripts/make_hf_fixtures.py): BOS/EOS per document as its tokenizer_config.json says, the files kept with
+trained by tests/fixtures/make_hf_fixtures.py): BOS/EOS per document as its tokenizer_config.json says, the files kept with
 the data, and a vocabulary larger than the model's refused in one line."""
 
 import json

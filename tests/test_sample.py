@@ -205,7 +205,7 @@ def test_the_kv_cache_is_for_the_builtin_llama_only_and_not_for_capacity_mode_mo
 
 
 # Chat and end tokens on a Hugging Face model: tests/fixtures/hf/chat.json holds what transformers does
-# (scripts/make_hf_fixtures.py): apply_chat_template's ids and generate()'s greedy ids, stopped at an end id.
+# (tests/fixtures/make_hf_fixtures.py): apply_chat_template's ids and generate()'s greedy ids, stopped at an end id.
 HF = REPO / 'tests' / 'fixtures' / 'hf'
 
 

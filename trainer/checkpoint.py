@@ -420,7 +420,7 @@ def _detach_on_cpu(state):
 
   A CPU array is already host memory, and Orbax's async save reads it in place:
   the train step, which donates the state, then waits for the whole write (a
-  1 GB state held the next step for ~17 s in scripts/bench_checkpoint.py). On
+  1 GB state held the next step for ~17 s in benchmarks/bench_checkpoint.py). On
   GPU/TPU Orbax copies to host before save() returns, so no copy is made there.
   """
   if jax.default_backend() != 'cpu':

@@ -12,7 +12,7 @@ fusions and cuBLAS in graphs, where they cut launch overhead. In the pinned jaxl
 CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN, CONDITIONAL and DYNAMIC_SLICE_FUSION, and `-CUDNN` leaves the other six
 (tests/test_gpu_env.py reads them back from XLA's dumped debug options). With `-CUDNN` and the
 device feed held until the first step completes (trainer/data), 0 of 14 fresh launches crashed on an H100 (jax
-0.11.2, 2026-11-26, scripts/bench_gpu_acceptance.py; BENCHMARKS.md, issue 38); which of the two removed the crash
+0.11.2, 2026-11-26, benchmarks/bench_gpu_acceptance.py; BENCHMARKS.md, issue 38); which of the two removed the crash
 is not separated, so both stay.
 """
 

@@ -20,7 +20,7 @@ so causality and packed documents are exact however the row was reordered.
 Why 'auto' takes the all-gather where splash runs its blocks and the ring elsewhere, measured side by side
 (BENCHMARKS.md "Long sequences"): with XLA blocks the all-gather computes the full (l, L) scores, the masked half
 included, and keeps them for the backward pass; the ring computes the visible half and keeps none.
-- CPU step time (`python scripts/bench_context.py --steps=3 --seq_len=1024`: 2 shared, loaded cores, 8 fake
+- CPU step time (`python benchmarks/bench_context.py --steps=3 --seq_len=1024`: 2 shared, loaded cores, 8 fake
   devices, the default LM at batch 8 x 1024, float32, 3 alternating rounds; two runs): ring / all-gather 0.56 and
   0.72 at context 2, 0.63 and 0.73 at context 4.
 - Per-chip temporaries planned for v5p:2x2x4 (libtpu 0.0.51, XLA blocks for both, tests/test_context_plan.py's

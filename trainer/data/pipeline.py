@@ -56,7 +56,7 @@ def to_iterator(ds: grain.MapDataset, data_config) -> Iterator[dict[str, np.ndar
     if not flags.FLAGS.is_parsed():  # Grain's workers read its absl flags; outside absl.app (tests, notebooks)
       flags.FLAGS.mark_as_parsed()  # take their defaults instead of failing.
     # Workers already read ahead into their own buffers: `prefetch` sizes those. A prefetch thread on
-    # top only added GIL contention with the train loop (scripts/bench_data.py: wait share up 5-20x).
+    # top only added GIL contention with the train loop (benchmarks/bench_data.py: wait share up 5-20x).
     it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=data_config.worker_count,
                                                            per_worker_buffer_size=max(1, data_config.prefetch)))
   elif data_config.prefetch:
@@ -154,6 +154,6 @@ def warn_if_stalled(step: int, summary: dict[str, float]) -> bool:
   logging.log_every_n_seconds(
       logging.WARNING, 'step %d: waiting for input took %.0f%% of the step time (%.1f ms of %.1f ms); the pipeline '
       'is too slow: raise data.worker_count (worker processes), data.prefetch (batches read ahead) or '
-      'data.num_threads (read threads). See scripts/bench_data.py.', 300, step, 100 * share,
+      'data.num_threads (read threads). See benchmarks/bench_data.py.', 300, step, 100 * share,
       1e3 * summary['data_wait_s'], 1e3 * summary['step_time_s'])
   return True

@@ -8,7 +8,7 @@ one read and closed after it, so the mapped pages a read touches (for a column s
 row-major matrix, every page of its rows) leave the process's resident memory with the read.
 
 Measured against the hand-written reader this replaced (plain file reads in 32 MiB chunks;
-scripts/bench_hf_import.py's 1B import, 2 processes x 4 CPU devices, 2026-11-25, BENCHMARKS.md):
+benchmarks/bench_hf_import.py's 1B import, 2 processes x 4 CPU devices, 2026-11-25, BENCHMARKS.md):
 peak RSS 3.10-3.31 GB a process against 2.93-2.94 GB (the mapped pages of the read in flight),
 import 11-21 s against 36-43 s. safe_open's `backend='pread'` reads a whole tensor to slice
 it: 2.97 GB but 56 s, hence the default (mmap).

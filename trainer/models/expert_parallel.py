@@ -15,7 +15,7 @@ the compiled train step of tests/test_expert_dispatch.py (tiny Llama, 8 experts 
 CPU devices): before this module 3 all-to-alls, none a token exchange (GSPMD's resharding of (1, 1, 32, 2, 16)
 slices of the combine's output and its gradient), 21 all-reduces and 31 all-gathers; with it 5 all-to-alls (the
 forward's rows, their expert ids and the results back; the backward's transposes of the two float ones), 15
-all-reduces and 16 all-gathers (scripts/bench_expert_dispatch.py prints the counts, BENCHMARKS.md "MoE dispatch").
+all-reduces and 16 all-gathers (benchmarks/bench_expert_dispatch.py prints the counts, BENCHMARKS.md "MoE dispatch").
 
 Static shapes, and what they cost. XLA:CPU has no `ragged_all_to_all` ("HLO opcode `ragged-all-to-all` is not
 supported by XLA:CPU ThunkEmitter", jax 0.10.2), so the exchange is the fixed-size `all_to_all`:

@@ -21,7 +21,7 @@ Dispatch:
   contract whose fast lowerings are owned upstream (TPU; cuDNN, hipBLASLt and Triton
   grouped GEMMs on GPUs), so the layer gets them without a kernel of its own. Where a
   backend has none, XLA pads each group to all tokens and runs a dense batched dot:
-  measured on this CPU (scripts/bench_moe.py, BENCHMARKS.md "MoE dispatch"), forward
+  measured on this CPU (benchmarks/bench_moe.py, BENCHMARKS.md "MoE dispatch"), forward
   and backward take 7.0x a loop of plain matmuls over each expert's tokens (the same
   active FLOPs), more than running every expert on every token (4.9x), while the
   capacity mode below takes 1.14x at factor 1.0 and 1.26x at 1.25. So on CPU the capacity

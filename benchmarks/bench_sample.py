@@ -1,7 +1,7 @@
 """Decoding speed of scripts/sample.py for BENCHMARKS.md: the built-in Llama with its KV cache against the whole
 window run for every token, side by side.
 
-  python scripts/bench_sample.py [--seq_len=256] [--num_tokens=200] [--num_layers=4] [--d_model=256]
+  python benchmarks/bench_sample.py [--seq_len=256] [--num_tokens=200] [--num_layers=4] [--d_model=256]
       [--num_heads=4] [--mlp_dim=1024] [--rounds=5]
 
 A byte-level Llama (configs/tiny.py with these sizes) gets random float32 parameters; each round generates

@@ -1,4 +1,4 @@
-"""The hand-written train step the benchmarks hold the launcher's against (scripts/bench_step.py, bench_gpu.py).
+"""The hand-written train step the benchmarks hold the launcher's against (benchmarks/bench_step.py, bench_gpu.py).
 
 What one would write without the launcher, on the launcher's own model: cross entropy, `jax.value_and_grad`,
 the job's optax update, params and optimizer state donated, the job's shardings. No metrics, guard or loop.

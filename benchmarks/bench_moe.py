@@ -1,6 +1,6 @@
 """MoE dispatch figures for BENCHMARKS.md: the MoE layer's forward and backward, timed side by side.
 
-  python scripts/bench_moe.py [--tokens=4096] [--d_model=512] [--experts=8] [--top_k=2] [--expert_mlp_dim=1024]
+  python benchmarks/bench_moe.py [--tokens=4096] [--d_model=512] [--experts=8] [--top_k=2] [--expert_mlp_dim=1024]
       [--rounds=15]
 
 Each round times, once each and in turn (so load on a shared machine hits all

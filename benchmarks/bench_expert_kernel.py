@@ -1,6 +1,6 @@
 """The experts' grouped matmul on NVIDIA GPUs, before and after, compiled for an H100 on this machine (no GPU needed).
 
-  python scripts/bench_expert_kernel.py [--config=configs/moe_1b.py] [--batch_size=8] [--topology=h100:1]
+  python benchmarks/bench_expert_kernel.py [--config=configs/moe_1b.py] [--batch_size=8] [--topology=h100:1]
       [--override=SECTION.KEY=VALUE ...]
 
 Needs requirements-gpu-plan.txt (jax's CUDA plugin). For each kernel (jax.lax.ragged_dot, XLA's GPU lowering:

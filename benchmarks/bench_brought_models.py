@@ -1,7 +1,7 @@
 """What the brought-model checks cost at launch: the strategy trace and the alignment probe, per test model.
 
 Run from the repository root (8 fake CPU devices, as the tests use):
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench_brought_models.py
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_brought_models.py
 Prints a markdown table: model, framework, glue lines, job build without / with the trace check, probe seconds.
 A second trace of the same jitted step hits jax's trace cache, so the check's cost is the difference of two builds.
 """

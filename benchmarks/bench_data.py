@@ -1,6 +1,6 @@
 """Is the input pipeline fast enough? Pipeline batches/s alone vs the batches/s the train step consumes.
 
-  python scripts/bench_data.py [--config=configs/default.py] [--batches=200] [--run_steps=100] [--set=data.source=...]
+  python benchmarks/bench_data.py [--config=configs/default.py] [--batches=200] [--run_steps=100] [--set=data.source=...]
 
 For each data.worker_count in --workers and data.prefetch in --prefetch:
   pipeline_batches_per_s  next() + assembling the global jax.Array, nothing else running

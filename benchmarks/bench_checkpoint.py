@@ -1,6 +1,6 @@
 """How much a checkpoint costs the step loop: blocked time, total save time, restore time, step time after.
 
-  python scripts/bench_checkpoint.py [--sizes 10,100,1000] [--steps 5] [--sync] [--workdir_root=gs://BUCKET/PREFIX]
+  python benchmarks/bench_checkpoint.py [--sizes 10,100,1000] [--steps 5] [--sync] [--workdir_root=gs://BUCKET/PREFIX]
 
 For each target state size (MB of params + Adam moments, float32) it builds
 the default LM scaled to that size (batch 8 x 16 tokens, so steps stay short),

@@ -1,6 +1,6 @@
 """Downstream-eval scoring throughput against the train step's, on the same model and mesh, for BENCHMARKS.md.
 
-  python scripts/bench_evals.py [--config=configs/default.py] [--devices=8] [--questions=256] [--choices=4]
+  python benchmarks/bench_evals.py [--config=configs/default.py] [--devices=8] [--questions=256] [--choices=4]
       [--rounds=5] [--steps_per_round=5]
 
 Builds the config's Job (no data, no workdir), then alternates rounds of (a) `--steps_per_round` compiled train steps

@@ -1,6 +1,6 @@
 """What the supervisor costs: a healthy run's step time with and without it, and the time a restart takes.
 
-  python scripts/bench_supervisor.py [--config=configs/tiny.py] [--rounds=3] [--processes=1]
+  python benchmarks/bench_supervisor.py [--config=configs/tiny.py] [--rounds=3] [--processes=1]
       [--override=train.steps=60 ...]
 
 Runs launch.py alternately with --max_restarts=0 (training in the launched process)

@@ -1,7 +1,7 @@
 """Largest relative drift of loss and grad_norm over 30 steps, per optimizer and strategy, against jit on (2, 2, 2).
 
 The yardstick behind tests/test_optimizers.py::test_strategies_agree (BENCHMARKS.md, issue 37). Run from the
-repository root: .venv/bin/python scripts/bench_strategy_drift.py
+repository root: .venv/bin/python benchmarks/bench_strategy_drift.py
 """
 import sys
 sys.path.insert(0, 'tests'); sys.path.insert(0, '.')

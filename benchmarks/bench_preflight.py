@@ -1,6 +1,6 @@
 """How long an over-budget launch takes to be refused, against a plain compile of the same step (issue 14).
 
-  python scripts/bench_preflight.py [--config=configs/tiny.py] [--rounds=3] [--memory_gb=0.001]
+  python benchmarks/bench_preflight.py [--config=configs/tiny.py] [--rounds=3] [--memory_gb=0.001]
 
 In one process, alternating rounds, on one CPU device (float32): a fresh Job's
 `compile_train_step()`; the pre-flight check up to its verdict (the compile plus

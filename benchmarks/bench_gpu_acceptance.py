@@ -1,20 +1,20 @@
 """One GPU acceptance command (issue 38): crashes over fresh launches of the default job, then the GPU rows.
 
-  python scripts/bench_gpu_acceptance.py --out=$OUT [--launches=5] [--budget_s=480] [--rows=moe_b8,gpt2_b64]
-  python scripts/bench_gpu_acceptance.py --out=/tmp/acc --smoke      # CPU: configs/tiny.py, shrunk rows, seconds
+  python benchmarks/bench_gpu_acceptance.py --out=$OUT [--launches=5] [--budget_s=480] [--rows=moe_b8,gpt2_b64]
+  python benchmarks/bench_gpu_acceptance.py --out=/tmp/acc --smoke      # CPU: configs/tiny.py, shrunk rows, seconds
 
 1. `launch.py --config=configs/default.py --max_restarts=0` `--launches` times, each a fresh process and workdir
    (under the system's temporary folder, removed after): exit codes, the last stderr line of each failure, and
    tokens/s from its metrics. A launch counts as a crash when it exits non-zero or by a signal (the measurement
    of 2026-11-26 saw 2 capture failures and 1 segmentation fault in 4).
-2. scripts/bench_gpu.py's rows, each in its own process: gpt2_b64, llama_b16_auto and their hand-written minimal
+2. benchmarks/bench_gpu.py's rows, each in its own process: gpt2_b64, llama_b16_auto and their hand-written minimal
    loops (gpt2_b64_minimal, llama_b16_auto_minimal), gpt2_b32_packed, moe_b4, moe_b8, moe_b8_capacity. A row that
    fails (out of memory) is recorded with its last line and the others go on; rows left when the time budget is
    spent are recorded as not run. --rows picks and orders them (--launches=0 skips part 1), so a short lease
    measures what matters first.
 
 Every child gets the XLA flags launch.py sets on NVIDIA GPUs (trainer/gpu_env.py): the rows build the Job in
-scripts/bench_gpu.py, not through launch.py, and must measure the same flags.
+benchmarks/bench_gpu.py, not through launch.py, and must measure the same flags.
 
 Writes OUT/acceptance.json (everything above, with the versions of python, jax, jaxlib and flax and the device)
 and OUT/acceptance.log (each child's whole output, in order). Runs on the device image's stack (jax 0.11.2 with
@@ -94,14 +94,14 @@ def launches(count: int, config: str, overrides: list[str], log: Log, deadline: 
 
 
 def rows(names: tuple[str, ...], log: Log, deadline: float, smoke: bool, steps: int, warmup: int) -> list[dict]:
-  """scripts/bench_gpu.py's rows, each in its own process (its peak memory its own; a failure ends only it)."""
+  """benchmarks/bench_gpu.py's rows, each in its own process (its peak memory its own; a failure ends only it)."""
   results = []
   for name in names:
     left = deadline - time.monotonic()
     if left < 20:
       results.append({'row': name, 'error': 'not run: the time budget was spent'})
       continue
-    command = [sys.executable, str(REPO / 'scripts' / 'bench_gpu.py'), f'--steps={steps}', f'--warmup={warmup}']
+    command = [sys.executable, str(REPO / 'benchmarks' / 'bench_gpu.py'), f'--steps={steps}', f'--warmup={warmup}']
     command += ['--smoke', f'--rows={name}'] if smoke else ['--one_row', name]
     done = _run(command, left)
     log.add(f'row {name} (exit {done.returncode})', done.stdout + done.stderr)

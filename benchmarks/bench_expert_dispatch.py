@@ -1,6 +1,6 @@
 """Expert-parallel dispatch figures for BENCHMARKS.md: the compiled MoE train step at mesh.expert=N on 8 fake CPU devices.
 
-  python scripts/bench_expert_dispatch.py [--root=.] [--expert=4] [--fsdp=2] [--steps=10] [--capacity_factor=0]
+  python benchmarks/bench_expert_dispatch.py [--root=.] [--expert=4] [--fsdp=2] [--steps=10] [--capacity_factor=0]
 
 Imports the launcher from `--root` (point it at an export of another commit, e.g. `git archive int | tar -x -C
 /tmp/old`, to compare dispatches side by side in alternating processes), builds the tiny preset with 8 experts,

@@ -1,7 +1,7 @@
 """One supervised launch of configs/tiny.py per bad setting given (each a quoted string of flags); prints the exit code,
 the time, the count of stderr lines and tracebacks, and the last line (BENCHMARKS.md, issue 39).
 
-  .venv/bin/python scripts/bench_fault_sweep.py "--max_restarts=-1" "--workdir=gs://tb/run"
+  .venv/bin/python benchmarks/bench_fault_sweep.py "--max_restarts=-1" "--workdir=gs://tb/run"
 """
 import subprocess, sys, os, time
 import pathlib

@@ -1,6 +1,6 @@
 """FLOPs per train step counted from the traced step against the Llama's analytic counts, and the trace's cost.
 
-  python scripts/bench_flops.py [--presets=tiny,gpt2_124m,llama_1b,vit_base] [--repeats=3]
+  python benchmarks/bench_flops.py [--presets=tiny,gpt2_124m,llama_1b,vit_base] [--repeats=3]
 
 Per preset (configs/<preset>.py on synthetic data, float32, train.remat_policy 'auto' read as 'full' since
 resolving it compiles): the traced count (trainer/flops.py), the analytic 'matmul' count with causal attention

@@ -1,6 +1,6 @@
 """Parallelism figures for BENCHMARKS.md, on 8 fake CPU devices.
 
-  python scripts/bench_parallel.py [--config=configs/default.py] [--steps=30]
+  python benchmarks/bench_parallel.py [--config=configs/default.py] [--steps=30]
 
 1. For DP, FSDP, TP and a 2x2x2 mix: the all-reduce / all-gather / reduce-scatter
    ops in the compiled train step, and per-device parameter and optimizer bytes.
@@ -18,15 +18,14 @@ import importlib.util  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
 from parallel import sharding  # noqa: E402
 from trainer import job as job_lib  # noqa: E402
 
@@ -80,24 +79,7 @@ def strategy_times(base_config, steps: int, rounds: int = 3) -> dict[str, float]
              for k in ('inputs', 'targets')}
     batch = {k: jax.device_put(v, job.batch_shardings[k]) for k, v in local.items()}
     runners[strategy] = [compiled, state, batch]
-  return alternating_medians(runners, steps, rounds)
-
-
-def alternating_medians(runners: dict, steps: int, rounds: int) -> dict:
-  """Median seconds per step of each `[compiled, state, batch]` runner, the runners taking turns each round so
-  that drift in the machine's load hits all alike; two warm-up steps per round are not timed."""
-  times = {name: [] for name in runners}
-  for _ in range(rounds):
-    for name, runner in runners.items():
-      compiled, state, batch = runner
-      for i in range(steps + 2):
-        start = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        if i >= 2:
-          times[name].append(time.perf_counter() - start)
-      runner[1] = state
-  return {name: statistics.median(t) for name, t in times.items()}
+  return timing.alternating_medians(runners, steps, rounds)
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Figures for BENCHMARKS.md "Long sequences": what splitting rows over `mesh.context` costs and balances.
 
-  python scripts/bench_context.py [--steps=10] [--seq_len=1024] [--schemes=all-gather,ring]
+  python benchmarks/bench_context.py [--steps=10] [--seq_len=1024] [--schemes=all-gather,ring]
 
 1. CPU step time with each row split over context = 2 and 4 devices against whole rows (context = 1), at the same
    global shape (batch 8 x seq_len on 8 fake devices: data = 8 / context), side by side in alternating rounds, for
@@ -27,8 +27,7 @@ import numpy as np  # noqa: E402
 
 from configs import default  # noqa: E402
 from parallel import context as context_lib  # noqa: E402
-from trainer import job as job_lib  # noqa: E402
-from scripts import bench_parallel  # noqa: E402
+from benchmarks import timing  # noqa: E402
 
 
 def _runner(context: int, seq_len: int, scheme: str = 'auto'):
@@ -40,13 +39,7 @@ def _runner(context: int, seq_len: int, scheme: str = 'auto'):
   config.data.seq_len = seq_len
   config.model.num_heads, config.model.num_kv_heads = 4, 2
   config.mesh.data, config.mesh.fsdp, config.mesh.context, config.mesh.tensor = 8 // context, 1, context, 1
-  job = job_lib.build_job(config)
-  compiled = job.compile_train_step()
-  state = job.init_state(0)
-  rng = np.random.default_rng(0)
-  batch = {k: jax.device_put(rng.integers(0, 256, job.abstract_batch[k].shape, dtype=np.int32), job.batch_shardings[k])
-           for k in ('inputs', 'targets')}
-  return [compiled, state, batch]
+  return timing.runner(config)
 
 
 def step_times(seq_len: int, steps: int, schemes=('all-gather', 'ring'),
@@ -54,7 +47,7 @@ def step_times(seq_len: int, steps: int, schemes=('all-gather', 'ring'),
   """Median step time per (context size, scheme); rounds alternate runners so drift hits all alike."""
   runners = {(1, '-'): _runner(1, seq_len)}
   runners.update({(c, s): _runner(c, seq_len, s) for c in (2, 4) for s in schemes})
-  return bench_parallel.alternating_medians(runners, steps, rounds)
+  return timing.alternating_medians(runners, steps, rounds)
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Host memory of a Hugging Face import: each process's peak RSS against the checkpoint's bytes.
 
-  python scripts/bench_hf_import.py --model=/tmp/llama1b [--num_processes=2] [--devices_per_process=4]
+  python benchmarks/bench_hf_import.py --model=/tmp/llama1b [--num_processes=2] [--devices_per_process=4]
 
 Writes (once; kept for reruns, never committed) a randomly drawn float32 Llama of Llama 3.2 1B's shape
 (configs/llama_1b.py: 1.24B parameters, tied embeddings, 4.9 GB) as sharded safetensors plus its config.json,

@@ -1,7 +1,7 @@
 """Attention kernels alone, as trainer/attention runs them: numerics against float32 XLA, document leaks, fwd+bwd time.
 
-  python scripts/bench_attention.py                     # every kernel this platform runs (GPU: xla, cudnn)
-  python scripts/bench_attention.py --cases=gpt2 --batch=2 --seq_len=256 --kernels=xla   # CPU, seconds
+  python benchmarks/bench_attention.py                     # every kernel this platform runs (GPU: xla, cudnn)
+  python benchmarks/bench_attention.py --cases=gpt2 --batch=2 --seq_len=256 --kernels=xla   # CPU, seconds
 
 Cases (causal self-attention at the presets' head shapes): gpt2 (12 query and 12 kv heads of 64, as
 configs/gpt2_124m.py), llama (32 query heads sharing 8 kv heads of 64, as configs/llama_1b.py), each unpacked and
@@ -33,7 +33,7 @@ from configs import base  # noqa: E402
 from trainer import attention  # noqa: E402
 from trainer.attention import xla  # noqa: E402
 
-# Case -> (batch, sequence length, query heads, kv heads, head dim), the bench rows' shapes (scripts/bench_gpu.py).
+# Case -> (batch, sequence length, query heads, kv heads, head dim), the bench rows' shapes (benchmarks/bench_gpu.py).
 CASES = {'gpt2': (32, 1024, 12, 12, 64), 'llama': (16, 2048, 32, 8, 64)}
 PLATFORM_KERNELS = {'gpu': ('xla', 'cudnn'), 'tpu': ('xla', 'splash'), 'cpu': ('xla',)}
 

@@ -1,8 +1,8 @@
 """Launches configs/tiny.py, sends a signal N seconds after start (t=N) or after a stderr line matching a pattern
 (PATTERN@DELAY), and prints the exit code, the time from the signal to the exit and the stderr (BENCHMARKS.md, issue 39).
 
-  .venv/bin/python scripts/bench_fault_signal.py SIGTERM t=1
-  .venv/bin/python scripts/bench_fault_signal.py SIGINT 'Data: @1'
+  .venv/bin/python benchmarks/bench_fault_signal.py SIGTERM t=1
+  .venv/bin/python benchmarks/bench_fault_signal.py SIGINT 'Data: @1'
 """
 import os, re, signal, subprocess, sys, time, threading
 import pathlib

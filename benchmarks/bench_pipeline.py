@@ -1,6 +1,6 @@
 """Figures for BENCHMARKS.md "Pipeline stages": CPU step time of mesh.pipeline = 4 against pipeline = 1.
 
-  python scripts/bench_pipeline.py [--steps=5] [--rounds=3] [--seq_len=128] [--num_layers=8]
+  python benchmarks/bench_pipeline.py [--steps=5] [--rounds=3] [--seq_len=128] [--num_layers=8]
 
 The default job (d_model 128) deepened to --num_layers, batch 8 on 8 fake CPU devices: data = 8 (pipeline = 1)
 against pipeline = 4 x data = 2 with 4 microbatches and 1 or 2 repeats, side by side in alternating rounds. The
@@ -21,12 +21,10 @@ import sys  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from configs import default  # noqa: E402
-from trainer import job as job_lib  # noqa: E402
 from trainer import pipeline  # noqa: E402
-from scripts import bench_parallel  # noqa: E402
+from benchmarks import timing  # noqa: E402
 
 
 def _runner(stages: int, repeats: int, seq_len: int, num_layers: int):
@@ -38,13 +36,7 @@ def _runner(stages: int, repeats: int, seq_len: int, num_layers: int):
   config.model.num_layers, config.model.scan_layers = num_layers, True
   config.mesh.data, config.mesh.fsdp, config.mesh.pipeline = 8 // stages, 1, stages
   config.train.pipeline_microbatches, config.train.pipeline_repeats = (4 if stages > 1 else 0), repeats
-  job = job_lib.build_job(config)
-  compiled = job.compile_train_step()
-  state = job.init_state(0)
-  rng = np.random.default_rng(0)
-  batch = {k: jax.device_put(rng.integers(0, 256, job.abstract_batch[k].shape, dtype=np.int32), job.batch_shardings[k])
-           for k in ('inputs', 'targets')}
-  return [compiled, state, batch]
+  return timing.runner(config)
 
 
 def main() -> None:
@@ -56,7 +48,7 @@ def main() -> None:
   args = parser.parse_args()
   shapes = ((1, 1), (4, 1), (4, 2))
   runners = {s: _runner(*s, args.seq_len, args.num_layers) for s in shapes}
-  medians = bench_parallel.alternating_medians(runners, args.steps, args.rounds)
+  medians = timing.alternating_medians(runners, args.steps, args.rounds)
   print(f'| mesh (batch 8 x {args.seq_len}, {args.num_layers} layers) | repeats | microbatches | bubble | '
         f'median step (ms) | vs pipeline=1 |')
   print('|---|---|---|---|---|---|')

@@ -1,7 +1,7 @@
 """Times the default job (or another preset) end to end and reports how much it learned and how long it waited.
 
-  python scripts/bench_default_job.py [--config=configs/default.py] [--workdir=/tmp/bench_default]
-  python scripts/bench_default_job.py --compare_tree=/tmp/old_tree --rounds=2 \
+  python benchmarks/bench_default_job.py [--config=configs/default.py] [--workdir=/tmp/bench_default]
+  python benchmarks/bench_default_job.py --compare_tree=/tmp/old_tree --rounds=2 \
       --override=train.steps=100 --override=log.every_steps=1
 
 Runs `launch.py` in a fresh workdir as a user would (wall time includes start-up,

@@ -1,6 +1,6 @@
 """Train-step figures for BENCHMARKS.md, on this machine's CPU (8 fake devices).
 
-  python scripts/bench_step.py [--config=configs/default.py] [--rounds=10] [--steps_per_round=5]
+  python benchmarks/bench_step.py [--config=configs/default.py] [--rounds=10] [--steps_per_round=5]
       [--parts=speed,host,remat,depth,cache,chunks] [--devices=1,8] [--override=model.scan_layers=True]
       [--loss_chunks=8]
 
@@ -47,7 +47,7 @@ from trainer import job as job_lib  # noqa: E402
 from trainer import data, goodput, guardrails, loop, preemption, profiling  # noqa: E402
 from trainer.metrics import MetricsWriter  # noqa: E402
 from trainer.models import llama  # noqa: E402
-from scripts import minimal_step  # noqa: E402
+from benchmarks import minimal_step  # noqa: E402
 
 
 class _NoCheckpoints:

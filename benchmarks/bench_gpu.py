@@ -1,7 +1,7 @@
 """The GPU rows of BENCHMARKS.md in one invocation, measured through the launcher's own Job, data and loop.
 
-  python scripts/bench_gpu.py [--rows=ROW,ROW] [--steps=20] [--warmup=3] [--attention=cudnn] [--logs=DIR]
-  python scripts/bench_gpu.py --smoke --rows=gpt2_b32,vit_b256   # CPU: tiny shrunk rows, seconds
+  python benchmarks/bench_gpu.py [--rows=ROW,ROW] [--steps=20] [--warmup=3] [--attention=cudnn] [--logs=DIR]
+  python benchmarks/bench_gpu.py --smoke --rows=gpt2_b32,vit_b256   # CPU: tiny shrunk rows, seconds
 
 Rows: gpt2_b32, gpt2_b64 (configs/gpt2_124m.py at batch 32 / 64 x 1024, synthetic tokens);
 gpt2_b32_text and gpt2_b32_packed (the same on the stdlib's text, windows vs documents packed with
@@ -10,7 +10,7 @@ train.remat_policy, llama_b16_auto included); vit_b256 (configs/vit_base.py at b
 gpt2_b64_chunked and llama_b16_full_chunked (the same with train.loss_chunks=8); moe_b4, moe_b8 and
 moe_b8_capacity (configs/moe_1b.py, synthetic, dropless or capacity 1.25; no reference). References:
 <row>_minimal for each synthetic-token row (gpt2_b64_minimal, llama_b16_full_minimal, ...): the same model,
-optimizer and shapes in a hand-written jit step on one resident batch (scripts/minimal_step.py), timed in the
+optimizer and shapes in a hand-written jit step on one resident batch (benchmarks/minimal_step.py), timed in the
 same run, so the launcher's cost over a minimal loop is a ratio of two rows measured side by side.
 
 Each row builds the real Job (trainer/job.py) and inputs (trainer/data: the device feed, the pooled synthetic
@@ -145,14 +145,14 @@ def measure(name: str, steps: int, warmup: int, attention: str | None, smoke: bo
 
 
 def measure_minimal(name: str, steps: int, warmup: int, attention: str | None, smoke: bool) -> dict:
-  """A row's model, optimizer and shapes in scripts/minimal_step.py's hand-written step, as a reference.
+  """A row's model, optimizer and shapes in benchmarks/minimal_step.py's hand-written step, as a reference.
 
   One batch of random tokens stays on the devices; no loop, metrics, guard or input pipeline. The launcher's row
   over this one is what the launcher costs on that hardware, measured in the same run.
   """
   import jax
   import numpy as np
-  from scripts import minimal_step
+  from benchmarks import minimal_step
   from trainer import flops
   from trainer import job as job_lib
   from trainer.memory import remat

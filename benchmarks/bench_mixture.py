@@ -1,7 +1,7 @@
 """Measures data preparation and mixtures: prepare_data.py's tokens/s by worker count on a Parquet corpus, and the
 loader's rows/s for a three-source mixture against one source of the same rows (a ratio, measured side by side).
 
-  python scripts/bench_mixture.py --megabytes=50 --workers=1,2 [--tokenizer=tests/fixtures/hf/tokenizer]
+  python benchmarks/bench_mixture.py --megabytes=50 --workers=1,2 [--tokenizer=tests/fixtures/hf/tokenizer]
 
 The corpus is synthetic English-like text (words drawn from a fixed list) written as Parquet files with a `text`
 column under --scratch; each prepare_data.py run is a fresh subprocess, timed end to end (reading, tokenizing,

@@ -4,7 +4,7 @@ Runs `launch.py` once with a trace window and every step logged, then compares t
 median step time inside the window with the steps outside it (step 1 left out),
 and reports the trace's write-out time and size and the run's goodput.
 
-  python scripts/bench_profiling.py [--config=configs/default.py] [--steps=60] [--start=21] [--num=10]
+  python benchmarks/bench_profiling.py [--config=configs/default.py] [--steps=60] [--start=21] [--num=10]
 """
 
 import argparse

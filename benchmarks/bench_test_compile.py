@@ -1,6 +1,6 @@
 """What tests/conftest.py's XLA flag (--xla_backend_optimization_level=0) changes, for BENCHMARKS.md.
 
-  python scripts/bench_test_compile.py [--rounds=3] [--steps=5]
+  python benchmarks/bench_test_compile.py [--rounds=3] [--steps=5]
 
 In fresh processes on 8 fake CPU devices, alternating the default level and 0 round by round: the tiny
 config's train step, its compile time, its memory analysis (which must not change: tests assert on it),

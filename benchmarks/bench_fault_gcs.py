@@ -2,7 +2,7 @@
 prints the exit code, the time from the kill to the exit, and the count of stderr lines and tracebacks (BENCHMARKS.md,
 issue 39).
 
-  .venv/bin/python scripts/bench_fault_gcs.py
+  .venv/bin/python benchmarks/bench_fault_gcs.py
 """
 import json, os, signal, subprocess, sys, time, threading, urllib.request, re
 import pathlib
