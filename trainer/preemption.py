@@ -91,19 +91,19 @@ class PreemptionWatch:
     else:
       self._on_signal(signum, frame)
 
-  def reached(self, step: int, last: bool = False) -> bool:
-    """Whether to save at `step` and stop. `last`: no check follows; a later signal is answered after the save."""
+  def reached(self, step: int) -> bool:
     if self._jax_service:
-      if not self._use_jax:  # A rollback re-entered the loop after its last step took SIGTERM back.
+      if not self._use_jax:  # A rollback re-entered the loop after its last step's check took SIGTERM back.
         self._hand_back_to_jax()
-      if multihost_utils.reached_preemption_sync_point(step):
-        return True
-      if last and threading.current_thread() is threading.main_thread():
-        sigterm_handoff.take_back(self._on_signal)  # No sync point is asked after this one.
-        self._use_jax = False
-      return False
+      return multihost_utils.reached_preemption_sync_point(step)
     self._answered = self._flag.is_set()
     return self._answered
+
+  def done_checking(self) -> None:
+    """The loop's last step was checked: a stop signal from now on is answered after the final eval and save."""
+    if self._use_jax and threading.current_thread() is threading.main_thread():
+      sigterm_handoff.take_back(self._on_signal)  # No sync point is asked after this one.
+      self._use_jax = False
 
   def _hand_back_to_jax(self) -> None:
     sigterm_handoff.hand_to_jax()
