@@ -6,18 +6,20 @@ each process saved before exiting 0 about 20 s later. Inside the loop jax's sync
 process to one save step. The signal goes to each process's launch.py supervisor, which forwards it, as a
 scheduler's or a user's `kill` would. A `sitecustomize` hook holds the compile (or the final eval) open in each
 training process and prints a marker, so the signal lands after the join and before the loop (or after its last
-check) by construction, on any machine.
+check) by construction, on any machine. A one-process check shows the handoff itself: after jax's join a SIGTERM
+reaches the launcher's handler, inside the loop jax's sync point, after the loop the final handler.
 """
 
 import os
 import pathlib
 import re
 import signal
+import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, launcher_env, make_text_dir, watch_command
+from conftest import REPO, free_port, launcher_env, make_text_dir, watch_command
 
 TIMEOUT_S = 400  # A hang guard only.
 
@@ -166,3 +168,39 @@ def test_sigterm_inside_the_loop_still_saves_every_process_at_one_step(text_dir,
   assert saved[0] == saved[1] >= 3, saved
   assert [p.name for p in (workdir / 'checkpoints').iterdir()] == [str(saved[0])]
   assert 'Traceback' not in result.stderr and 'interrupted' not in result.stderr
+
+
+HANDOFF = r'''
+import os, signal, sys, time
+import jax
+from jax.experimental import multihost_utils
+from trainer import sigterm_handoff
+
+saw = []
+signal.signal(signal.SIGTERM, lambda signum, frame: saw.append('launcher'))
+jax.distributed.initialize(f'127.0.0.1:{sys.argv[1]}', 1, 0)  # Starts jax's preemption service, which takes SIGTERM.
+sigterm_handoff.hold_back()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+print('held back:', saw)
+sigterm_handoff.hand_to_jax()
+os.kill(os.getpid(), signal.SIGTERM)
+step, deadline = 0, time.monotonic() + 120
+while not multihost_utils.reached_preemption_sync_point(step) and time.monotonic() < deadline:
+  step += 1
+  time.sleep(0.05)
+print('in the loop: sync point', time.monotonic() < deadline, saw)
+sigterm_handoff.take_back(lambda signum, frame: saw.append('final'))
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+print('taken back:', saw)
+'''
+
+
+def test_the_handoff_moves_sigterm_between_the_launcher_and_jaxs_sync_point():
+  result = subprocess.run([sys.executable, '-c', HANDOFF, str(free_port())], cwd=REPO, env=launcher_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.splitlines() == ["held back: ['launcher']",
+                                        "in the loop: sync point True ['launcher']",
+                                        "taken back: ['launcher', 'final']"], result.stdout + result.stderr[-3000:]
