@@ -92,8 +92,8 @@ def hook_dir(tmp_path_factory):
   return folder
 
 
-def _held_launch(workdir, text_dir, hook_dir, where, *extra):
-  """A 2-process launch with `where` held in both training processes; SIGTERM to both supervisors once both hold."""
+def _held_launch(workdir, text_dir, hook_dir, where, *extra, sig=signal.SIGTERM):
+  """A 2-process launch with `where` held in both training processes; `sig` to both supervisors once both hold."""
   held, sent = set(), []
 
   def on_line(proc, line):
@@ -103,7 +103,7 @@ def _held_launch(workdir, text_dir, hook_dir, where, *extra):
     if held == {'0', '1'} and not sent:
       sent.append(line)
       for pid in _supervisors(proc.pid):
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, sig)
 
   env = launcher_env(TEST_HOLD=where, PYTHONPATH=os.pathsep.join([str(hook_dir), str(REPO)]))
   result = _launch_local(workdir, text_dir, on_line, env, *extra)
@@ -111,7 +111,7 @@ def _held_launch(workdir, text_dir, hook_dir, where, *extra):
   return result
 
 
-def _one_line_each(result) -> list[str]:
+def _one_line_each(result, code: int = 143) -> list[str]:
   """Each process's own line (what is not a log record, a marker or launch_local's), asserted to be one."""
   ours = []
   for process in (0, 1):
@@ -120,7 +120,7 @@ def _one_line_each(result) -> list[str]:
     assert len(lines) == 1, lines
     ours.append(lines[0])
   # Each ended on its own (launch_local stopped neither).
-  assert result.stderr.splitlines()[-1] == 'launch_local.py: error: process 0 exited with code 143.', result.stderr
+  assert result.stderr.splitlines()[-1] == f'launch_local.py: error: process 0 exited with code {code}.', result.stderr
   for noise in ('Traceback', 'Fatal Python error', 'Aborted'):
     assert noise not in result.stderr, result.stderr[-3000:]
   return ours
@@ -136,13 +136,16 @@ def test_sigterm_while_both_processes_compile_ends_each_in_one_line_with_143(tex
   assert not list(workdir.glob('checkpoints/*'))
 
 
-def test_sigterm_during_the_final_eval_of_both_processes_says_what_was_kept(text_dir, hook_dir, tmp_path):
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_stop_signal_during_the_final_eval_of_both_processes_says_what_was_kept(text_dir, hook_dir, tmp_path, sig):
   workdir = tmp_path / 'run'
   result = _held_launch(workdir, text_dir, hook_dir, 'final_eval', '--config.train.steps=4',
-                        '--config.ckpt.every_steps=2')
-  assert result.returncode == 143, result.stderr[-3000:]
-  for line in _one_line_each(result):
-    assert 'during the final eval or save, which finished: the newest checkpoint is step 4' in line, line
+                        '--config.ckpt.every_steps=2', sig=sig)
+  assert result.returncode == 128 + sig, result.stderr[-3000:]
+  for line in _one_line_each(result, 128 + sig):
+    assert line.endswith(f'launch.py: interrupted: {sig.name} received outside the step loop (while starting, '
+                         f'compiling or closing): stopped. It came during the final eval or save, which finished: the '
+                         f'newest checkpoint is step 4 in {workdir}/checkpoints.'), line
   assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir()) == [2, 4]
 
 
