@@ -207,3 +207,32 @@ def test_the_handoff_moves_sigterm_between_the_launcher_and_jaxs_sync_point():
   assert result.stdout.splitlines() == ["held back: ['launcher']",
                                         "in the loop: sync point True ['launcher']",
                                         "taken back: ['launcher', 'final']"], result.stdout + result.stderr[-3000:]
+
+
+REENTRY = r'''
+import os, signal, sys, time
+import jax
+from trainer import preemption, startup_signals, sigterm_handoff
+
+startup_signals.install_early()
+jax.distributed.initialize(f'127.0.0.1:{sys.argv[1]}', 1, 0)
+sigterm_handoff.hold_back()
+watch = preemption.PreemptionWatch()
+print('step 1:', watch.reached(1))
+watch.done_checking()  # The last step was checked; a rollback then re-enters the loop.
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+step, deadline = 1, time.monotonic() + 120
+while not watch.reached(step) and time.monotonic() < deadline:
+  step += 1
+  time.sleep(0.05)
+print('re-entered: sync point', time.monotonic() < deadline, watch.unanswered())
+watch.close()
+'''
+
+
+def test_a_signal_between_the_last_check_and_a_rollback_goes_to_jaxs_sync_point():
+  result = subprocess.run([sys.executable, '-c', REENTRY, str(free_port())], cwd=REPO, env=launcher_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.splitlines() == ['step 1: False', 're-entered: sync point True None'], result.stdout
