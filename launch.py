@@ -178,7 +178,7 @@ def main(argv):
   from parallel import distributed, platforms, watchdog  # After flag parsing, so --help does not wait for jax.
   if not _TOPOLOGY.value:  # No TPU asked for: libtpu's start-up lines stay off a machine without one.
     platforms.skip_absent_tpu()
-  from trainer import console, loop, preemption
+  from trainer import console, loop, preemption, sigterm_handoff
   from trainer.safety import disk, lock
   console.quiet_library_info()
   if not _PLAN.value:
@@ -192,6 +192,7 @@ def main(argv):
       plan.run(config, _PLAN_MEMORY_GB.value, _TOPOLOGY.value)
       return
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _TIMEOUT.value)
+    sigterm_handoff.hold_back()  # jax's preemption service took SIGTERM: the loop hands it back (issue 39).
     held = lock.acquire_for_run(_WORKDIR.value)  # Before --start_over moves anything, and before compiling.
     loop.run(config, _WORKDIR.value, start_over=_START_OVER.value)
   except UserError as e:

@@ -170,6 +170,76 @@ def test_under_slurm_a_killed_member_restarts_and_the_group_resumes_together(tmp
   assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
 
 
+# gcloud for a TPU pod slice of FAKE_WORKERS workers on one host: `ssh --worker=all` runs the command once per worker,
+# each its own process with its own home (FAKE_HOMES/wN, where `scp --recurse` copies the repo), and with what jax's
+# TPU detection reads from a pod's environment (TPU_WORKER_HOSTNAMES, TPU_WORKER_ID, MEGASCALE_*, as on GKE; else it
+# asks the metadata server; JAX_FORCE_TPU_INIT stands in for the TPU chips this host lacks). The install is skipped: each worker's ~/jax-launch-venv is this venv. A fake curl answers the
+# script's metadata query for the worker number.
+_FAKE_GCLOUD = r"""#!/usr/bin/env bash
+set -uo pipefail
+verb=$4 worker='' command=''
+for arg in "$@"; do
+  case $arg in --worker=*) worker=${arg#*=} ;; --command=*) command=${arg#*=} ;; esac
+done
+case $verb in
+  describe) [[ $* == *acceleratorType* ]] && echo "$FAKE_TPU_TYPE" || echo '127.0.0.1;127.0.0.1' ;;
+  scp)
+    if [[ $5 == --recurse ]]; then
+      for ((w = 0; w < FAKE_WORKERS; w++)); do cp -r "$6" "$FAKE_HOMES/w$w/"; done
+    else
+      cp "$FAKE_HOMES/w$worker/${5#*:}" "$6/"
+    fi ;;
+  ssh)
+    [[ $command == *'pip install'* ]] && exit 0
+    hosts=$(printf 'localhost,%.0s' $(seq "$FAKE_WORKERS")); pids=()
+    for ((w = 0; w < FAKE_WORKERS; w++)); do
+      HOME=$FAKE_HOMES/w$w TPU_WORKER_ID=$w TPU_WORKER_HOSTNAMES=${hosts%,} JAX_FORCE_TPU_INIT=1 \
+        MEGASCALE_COORDINATOR_ADDRESS=localhost MEGASCALE_NUM_SLICES=1 MEGASCALE_SLICE_ID=0 bash -c "$command" >"$FAKE_HOMES/w$w.out" 2>&1 &
+      pids+=($!)
+    done
+    rc=0
+    for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+    exit "$rc" ;;
+esac
+"""
+
+
+def test_on_a_tpu_pod_a_killed_member_restarts_and_the_group_resumes_together(tmp_path):
+  (tmp_path / 'text').mkdir()
+  text_dir = make_text_dir(tmp_path / 'text')
+  workdir, homes, bin_dir = tmp_path / 'run', tmp_path / 'homes', tmp_path / 'bin'
+  bin_dir.mkdir()
+  for name, body in (('gcloud', _FAKE_GCLOUD), ('curl', '#!/usr/bin/env bash\necho "$TPU_WORKER_ID"\n')):
+    (bin_dir / name).write_text(body)
+    (bin_dir / name).chmod(0o755)
+  for w in range(2):
+    (homes / f'w{w}').mkdir(parents=True)
+    (homes / f'w{w}' / 'jax-launch-venv').symlink_to(pathlib.Path(sys.prefix))
+  env = {**launcher_env(JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=4'),
+         'PATH': f'{bin_dir}{os.pathsep}{os.environ["PATH"]}', 'FAKE_WORKERS': '2', 'FAKE_HOMES': str(homes),
+         'FAKE_TPU_TYPE': 'v4-16', 'TMPDIR': str(tmp_path), 'JAX_COORDINATOR_PORT': str(free_port()),
+         'LAUNCH_TEST_FAULT': 'kill@7,process=1,attempt=1'}
+  result = subprocess.run(
+      ['bash', str(REPO / 'scripts' / 'launch_tpu_pod.sh'), '--name=pod', '--zone=us-east5-a',
+       '--accelerator_type=v4-16', '--config=configs/tiny.py', f'--workdir={workdir}', f'--log_dir={tmp_path / "logs"}',
+       f'--config.train.steps={STEPS}', '--config.ckpt.every_steps=5', '--config.ckpt.async_save=False',
+       '--config.log.every_steps=1', f'--config.data.text_dir={text_dir}', '--max_restarts=2',
+       '--restart_backoff_s=1'], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)  # A hang guard.
+  logs = [(tmp_path / 'logs' / f'worker-{w}' / f'worker-{w}.log').read_text() for w in range(2)]
+  assert result.returncode == 0, result.stderr[-2000:] + logs[0][-3000:] + logs[1][-3000:]
+  for w in range(2):  # jax's TPU detection joined them, each attempt.
+    assert logs[w].count(f'Joined 2 processes as process {w} (TPU pod, detected)') == 2, logs[w][-3000:]
+  assert 'launch.py: restarting: attempt 1 ended with killed by SIGKILL (exit -9)' in logs[1], logs[1][-3000:]
+  said = [l for l in logs[0].splitlines() if l.startswith('launch.py: error:')]
+  assert len(said) == 1 and said[0].startswith('launch.py: error: process 1 of 2 was lost'), logs[0][-3000:]
+  assert all('Traceback' not in log for log in logs), logs[0][-3000:] + logs[1][-3000:]
+  records = [json.loads(l) for l in (workdir / 'attempts.jsonl').read_text().splitlines()]
+  assert [(r['cause'], r['exit_code'], r['retried']) for r in records] == [('lost peer', 75, True),
+                                                                           ('finished', 0, False)], records
+  assert records[1]['resumed_step'] == 5, records
+  assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
+
+
 def test_a_join_that_times_out_after_check_in_is_one_line_and_retried(monkeypatch):
   def timed_out(*args, **kwargs):
     raise RuntimeError('DEADLINE_EXCEEDED: Barrier timed out.\nId: PjRT_Client_Connect\nAdditional GRPC error...')

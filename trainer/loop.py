@@ -297,6 +297,8 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     t_side = time.perf_counter()
     noticed = run.notices.reached(step)
     preempted = preempt.reached(step) or noticed
+    if step == total:
+      preempt.done_checking()  # A stop signal in the final eval or save is answered after it (multi-process too).
     # Saved before it is evaluated: an eval that fails must not cost the steps trained (ckpt.close waits for it).
     if step % config.ckpt.every_steps == 0 or step == total or preempted:
       guard.check(step, metrics)  # Metrics come a step late; a state is checked before it is ever saved.

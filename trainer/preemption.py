@@ -6,6 +6,8 @@ Two ways to learn of it:
   others on one step at which all of them save;
   `multihost_utils.reached_preemption_sync_point(step)` turns True there, on
   every process at once (it must be asked at every step, which the loop does);
+  outside the step loop (start-up, compile, and after the last step's check: the
+  final eval and save) the launcher holds SIGTERM instead (trainer/sigterm_handoff.py);
 - a single process: a Python SIGTERM handler sets a flag, read at the next step.
 Either way the loop finishes the step in flight, saves it with the data
 position, waits for the write, and returns; a relaunch resumes from that step.
@@ -27,6 +29,8 @@ import threading
 import jax
 from jax.experimental import multihost_utils
 
+from trainer import sigterm_handoff
+
 
 INTERRUPTED_EXIT_CODE = 130
 _interrupted = threading.Event()  # Set once a Ctrl-C was honoured by saving; read by launch.py.
@@ -46,13 +50,18 @@ class PreemptionWatch:
     self._signum = None
     self._answered = False  # The loop saved for it; False with a signal set: it came during the final eval or save.
     self._previous = None
-    # With jax.distributed up, jax's preemption service (on by default) owns SIGTERM and syncs the processes.
-    self._use_jax = jax.distributed.is_initialized() and jax.config.jax_enable_preemption_service
+    # With jax.distributed up, jax's preemption service (on by default) owns SIGTERM in the loop and syncs the
+    # processes; `_use_jax` turns False once the last step's check took SIGTERM back for the final eval and save.
+    self._jax_service = jax.distributed.is_initialized() and jax.config.jax_enable_preemption_service
+    self._use_jax = self._jax_service
     self._previous_int = None
     _interrupted.clear()
     self._previous_hup = None
     if threading.current_thread() is threading.main_thread():
-      if not self._use_jax:
+      if self._use_jax:
+        self._previous = signal.getsignal(signal.SIGTERM)  # The launcher's handler (Python's view), for close().
+        sigterm_handoff.hand_to_jax()
+      else:
         self._previous = signal.signal(signal.SIGTERM, self._on_signal)
       self._previous_hup = signal.signal(signal.SIGHUP, self._on_hangup)
       self._previous_int = signal.signal(signal.SIGINT, self._on_interrupt)
@@ -83,10 +92,25 @@ class PreemptionWatch:
       self._on_signal(signum, frame)
 
   def reached(self, step: int) -> bool:
-    if self._use_jax:
+    if self._jax_service:
+      if not self._use_jax:  # A rollback re-entered the loop after its last step's check took SIGTERM back.
+        self._hand_back_to_jax()
       return multihost_utils.reached_preemption_sync_point(step)
     self._answered = self._flag.is_set()
     return self._answered
+
+  def done_checking(self) -> None:
+    """The loop's last step was checked: a stop signal from now on is answered after the final eval and save."""
+    if self._use_jax and threading.current_thread() is threading.main_thread():
+      sigterm_handoff.take_back(self._on_signal)  # No sync point is asked after this one.
+      self._use_jax = False
+
+  def _hand_back_to_jax(self) -> None:
+    sigterm_handoff.hand_to_jax()
+    self._use_jax = True
+    if self._flag.is_set():  # It came between: jax's service agrees on a step for it with the other processes.
+      self._flag.clear()
+      os.kill(os.getpid(), signal.SIGTERM)
 
   def unanswered(self) -> int | None:
     """The stop signal that came after the last step's check (during the final eval or save), if one did."""
@@ -97,7 +121,10 @@ class PreemptionWatch:
 
   def close(self) -> None:
     if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+      if self._jax_service:
+        sigterm_handoff.take_back(self._previous)  # Out of the loop: the launcher's handler again, over jax's.
+      else:
+        signal.signal(signal.SIGTERM, self._previous)
       self._previous = None
     if self._previous_int is not None:
       signal.signal(signal.SIGINT, self._previous_int)
