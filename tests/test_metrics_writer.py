@@ -18,6 +18,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from configs import tiny
 from trainer import goodput as goodput_lib
 from trainer import metrics, progress
+from trainer.trackers import hparams
 from trainer.errors import UserError
 
 GIB = 2**30
@@ -95,7 +96,7 @@ def test_other_processes_write_nothing(tmp_path):
 
 def test_hparams_are_the_flat_config_in_plugin_types():
   config = tiny.get_config()
-  flat = metrics.flat_hparams(config.to_dict())
+  flat = hparams.flat(config.to_dict())
   assert flat['train.steps'] == 8 and flat['ckpt.async_save'] is True
   assert flat['train.learning_rate'] == config.train.learning_rate
   assert flat['data.text_dir'] == 'None'

@@ -27,6 +27,7 @@ from tensorboardX import summary as tb_summary
 from trainer import goodput as goodput_lib
 from trainer import progress, storage
 from trainer import trackers as trackers_lib
+from trainer.trackers import hparams
 
 _GIB = 2**30
 # Events tensorboardX may hold for its writer thread in a bucket: ~20 scalars per logged step, many steps per upload.
@@ -48,20 +49,6 @@ def device_memory_scalars(memory_stats: Sequence[dict[str, Any] | None]) -> dict
   if any('bytes_limit' in s for s in stats):
     scalars['device_memory_limit_gib'] = min(s['bytes_limit'] for s in stats if 'bytes_limit' in s) / _GIB
   return scalars
-
-
-def flat_hparams(config_dict: dict[str, Any], prefix: str = '') -> dict[str, bool | int | float | str]:
-  """The config as dotted keys with the value types TensorBoard's HParams plugin accepts."""
-  flat = {}
-  for key, value in config_dict.items():
-    name = f'{prefix}{key}'
-    if isinstance(value, dict):
-      flat.update(flat_hparams(value, name + '.'))
-    elif isinstance(value, (bool, int, float, str)):
-      flat[name] = value
-    else:  # None, tuples (axis rules): as text.
-      flat[name] = str(value)
-  return flat
 
 
 def _tag(key: str) -> str:
@@ -170,7 +157,7 @@ class MetricsWriter:
     if self._trackers is not None:
       self._trackers.start(config.to_dict(), str(config))
     metrics = {'train/loss': 0.0, 'eval/loss': 0.0}  # Declared only: the plugin reads these runs' scalars.
-    for event in tb_summary.hparams(flat_hparams(config.to_dict()), metrics):
+    for event in tb_summary.hparams(hparams.flat(config.to_dict()), metrics):
       self._tb.file_writer.add_summary(event)
     self._tb.flush()
 

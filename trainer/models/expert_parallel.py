@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from parallel import mesh as mesh_lib
-from trainer.models import moe  # Circular on purpose: moe picks this dispatch, which reuses moe's local math.
+from trainer.models import expert_math
 
 AXIS = 'expert'
 TENSOR = 'tensor'  # The axis an expert's hidden width is split over in the shard_map (the default 'expert_mlp' rule).
@@ -82,7 +82,7 @@ def _local_dropless(rows_RD, ids_R, gate_EDF, up_EDF, down_EFD, local_experts: i
   """The received rows through their local experts, sorted by expert for the grouped matmuls, in received order."""
   order_R = jnp.argsort(ids_R, stable=True)  # Empty places (id E/N) sort last, outside every group.
   group_sizes_E = jnp.sum(jax.nn.one_hot(ids_R, local_experts, dtype=jnp.int32), axis=0)
-  out_RD = moe.swiglu_ragged(rows_RD[order_R], gate_EDF, up_EDF, down_EFD, group_sizes_E)
+  out_RD = expert_math.swiglu_ragged(rows_RD[order_R], gate_EDF, up_EDF, down_EFD, group_sizes_E)
   out_RD = jnp.where((ids_R[order_R] < local_experts)[:, None], out_RD, 0)  # Rows outside the groups: zero.
   return out_RD[jnp.argsort(order_R)]
 
@@ -107,8 +107,8 @@ def _with_capacity(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, cap
   N = jax.lax.axis_size(AXIS)
   local = gate_EDF.shape[0]
   E = N * local
-  C = moe.capacity_of(capacity_factor, T, K, E)
-  slot_TK, kept_TK = moe.capacity_slots(experts_TK, E, C)
+  C = expert_math.capacity_of(capacity_factor, T, K, E)
+  slot_TK, kept_TK = expert_math.capacity_slots(experts_TK, E, C)
   slot_TK = jnp.where(kept_TK, slot_TK, C)  # Out of range: the scatter drops it, the gather fills 0.
   x_TKD = jnp.broadcast_to(x_TD[:, None, :], (T, K, x_TD.shape[-1]))
   buffer_ECD = jnp.zeros((E, C, x_TD.shape[-1]), x_TD.dtype).at[experts_TK, slot_TK].set(x_TKD, mode='drop')

@@ -10,6 +10,7 @@ the goodput table as goodput.txt.
 import os
 
 from trainer import storage
+from trainer.trackers import hparams
 
 _PARAMS_PER_CALL = 100  # MLflow's log_batch limit on parameters.
 _PARAM_CHARS = 6000  # MLflow's limit on a parameter's value.
@@ -28,7 +29,6 @@ class MlflowTracker:
     from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
-    from trainer import metrics
     uri = tracking_uri(settings, workdir)
     if '://' not in uri or uri.startswith('file:'):
       os.environ.setdefault('MLFLOW_ALLOW_FILE_STORE', 'true')
@@ -37,7 +37,7 @@ class MlflowTracker:
     experiment = client.get_experiment_by_name(name)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
     self._run_id = client.create_run(experiment_id, run_name=run_name).info.run_id
-    params = [Param(k, str(v)[:_PARAM_CHARS]) for k, v in metrics.flat_hparams(config_dict).items()]
+    params = [Param(k, str(v)[:_PARAM_CHARS]) for k, v in hparams.flat(config_dict).items()]
     for i in range(0, len(params), _PARAMS_PER_CALL):
       client.log_batch(self._run_id, params=params[i:i + _PARAMS_PER_CALL])
     client.log_text(self._run_id, config_text, 'config.txt')
