@@ -60,8 +60,10 @@ def _patch(name, module):
 
 class _Finder(importlib.abc.MetaPathFinder):
   def find_spec(self, name, path, target=None):
-    # The child imports numpy (through jax); the supervisor, which imports no jax, its own module.
-    if _where == 'import' and name in ('numpy', 'trainer.supervision.supervisor') and 'trainer.startup_signals' in sys.modules:
+    # The child imports numpy (through jax); the supervisor, which imports no jax, its own module. One of the two:
+    # held in the supervisor too, the child would only start once the supervisor's hold ran out.
+    held = {'import': 'numpy', 'supervisor_import': 'trainer.supervision.supervisor'}.get(_where)
+    if name == held and 'trainer.startup_signals' in sys.modules:
       _marker(f'import of {name}')
       _hold(60)  # Inside the import machinery, where a raised exception became an ImportError.
     if name not in ('trainer.memory.preflight', 'trainer.supervision.faults', 'trainer.loop'):
@@ -139,7 +141,7 @@ def test_a_stop_signal_while_the_child_still_imports_ends_in_one_line(text_dir, 
 
 
 def test_a_stop_signal_while_the_supervisor_itself_imports_ends_in_one_line(text_dir, hook_dir, tmp_path):
-  result = _launch(tmp_path, text_dir, hook_dir, 'import', signal.SIGTERM, False)
+  result = _launch(tmp_path, text_dir, hook_dir, 'supervisor_import', signal.SIGTERM, False)
   _assert_one_clean_line(result, signal.SIGTERM)
   assert not (tmp_path / 'attempts.jsonl').exists()  # No attempt was started, so none is recorded.
 
