@@ -3,9 +3,11 @@
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 
 # The suite compiles a few hundred small steps on a 2-core CPU. With LLVM at -O0 the tiny step compiles in a third to
 # a half less time and runs about a quarter slower, and its memory analysis is the same bytes, so footprint and
@@ -29,21 +31,30 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
-# jax's persistent compilation cache, one folder per test process (an xdist worker), used by that process and by
-# every launcher subprocess it starts: identical programs compile once (a tiny launch's 17 s of CPU drops to 9 s,
-# and an in-process run repeating an earlier test's step loads it). Tests that count or time compilations give
-# their runs a folder of their own (train.compilation_cache_dir), as tests/test_step_compile.py does. Not shared
-# between workers: jax writes an entry in place, and a process reading it half-written warns on stderr.
-CACHE_ENV: dict[str, str] = {}
+# jax's persistent compilation cache, one folder for the whole session: both xdist workers and every launcher
+# subprocess they start read and write it, so a program any of them compiled loads everywhere else (a tiny launch's
+# 9 s of CPU drops to under 5 s). A size limit turns on jax's file lock around each read and write, so no process
+# reads an entry another is still writing. Tests that count or time compilations give their runs a folder of their
+# own (train.compilation_cache_dir), as tests/test_step_compile.py does. The controller makes the folder before the
+# workers start; they inherit the variable.
+if 'TEST_JAX_CACHE_DIR' not in os.environ:
+  os.environ['TEST_JAX_CACHE_DIR'] = tempfile.mkdtemp(prefix='jax-test-cache-')
+CACHE_ENV: dict[str, str] = {
+    'JAX_COMPILATION_CACHE_DIR': os.environ['TEST_JAX_CACHE_DIR'], 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+    'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0', 'JAX_COMPILATION_CACHE_MAX_SIZE': str(16 << 30)}
 
 
 @pytest.fixture(scope='session', autouse=True)
-def compile_cache(tmp_path_factory):
+def compile_cache():
+  import jax
   from trainer import compilation_cache
-  cache_dir = str(tmp_path_factory.mktemp('jax_compilation_cache'))
-  CACHE_ENV.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
-  compilation_cache.enable(cache_dir)
+  jax.config.update('jax_compilation_cache_max_size', int(CACHE_ENV['JAX_COMPILATION_CACHE_MAX_SIZE']))
+  compilation_cache.enable(CACHE_ENV['JAX_COMPILATION_CACHE_DIR'])
+
+
+def pytest_sessionfinish(session):
+  if not hasattr(session.config, 'workerinput'):  # The controller (or a run without xdist), after every worker.
+    shutil.rmtree(os.environ['TEST_JAX_CACHE_DIR'], ignore_errors=True)
 
 
 def xla_flags(device_count: int) -> str:
