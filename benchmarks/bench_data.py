@@ -100,9 +100,8 @@ def main() -> None:
   from absl import flags
   flags.FLAGS.mark_as_parsed()
   from trainer import job as job_lib
-  from trainer.memory import remat
-  config, _ = remat.resolve(load_config(args.config, args.set), log_fn=print)  # A preset's 'auto', as a launch does.
-  job = job_lib.build_job(config)
+  job = job_lib.build_job(load_config(args.config, args.set), log_fn=print)  # A preset's 'auto', as a launch does.
+  config = job.config
   steps_per_s = step_rate(config, job, args.steps)
   rows = []
   for workers in map(int, args.workers.split(',')):

@@ -23,7 +23,7 @@ from trainer import expert_load, optimizer, pipeline, profiling, progress, stora
 from trainer import job as job_lib
 from trainer import state as state_lib
 from trainer.hf import load as hf_load
-from trainer.memory import preflight, remat, runtime_oom
+from trainer.memory import preflight, runtime_oom
 from trainer.models import contract, moe
 from trainer.supervision import attempt, faults, hang, notices, stragglers
 from trainer.metrics import MetricsWriter
@@ -103,9 +103,9 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
 def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangWatch) -> None:
   compilation_cache.enable(config.train.compilation_cache_dir)
   config = hf_load.configure(config)  # model.init_from: config.json's model keys (weights come at init_state).
-  # 'auto' becomes a concrete policy before the Job exists; a resumed run reads its earlier choice back.
-  config, memory_choice = remat.resolve(config, devices, workdir=None if start_over else workdir)
-  job = job_lib.build_job(config, devices)
+  # Building the Job makes remat 'auto' a concrete policy; a resumed run reads its earlier choice back.
+  job = job_lib.build_job(config, devices, workdir=None if start_over else workdir)
+  config = job.config
   profiling.check_config(config.profile)
   progress.check_mode(config.log.progress_bar)
   mesh, abstract, shardings = job.mesh, job.abstract, job.shardings
@@ -120,7 +120,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   logging.info('Data: %s (read in %.1fs)', inputs.description, time.perf_counter() - t_data)
   downstream = evals_lib.build(config.eval, job, workdir) if 'eval' in config else None  # Task files checked now.
   trackers = trackers_lib.build(config.log, workdir, enabled=process_index == 0)  # log.trackers checked now.
-  manifest = {**checkpoint.run_manifest(config, abstract, mesh), 'memory': memory_choice.record()}
+  manifest = {**checkpoint.run_manifest(config, abstract, mesh), 'memory': job.memory.record()}
   # Before compiling: a foreign or unreadable workdir should fail in seconds, not minutes. (Only damaged steps are
   # moved aside here, and kept; intact checkpoints are only read.)
   ckpt = None if start_over else checkpoint.Checkpointer(workdir, config.ckpt)
