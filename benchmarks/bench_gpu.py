@@ -107,7 +107,8 @@ def measure(name: str, steps: int, warmup: int, attention: str | None, smoke: bo
   devices = jax.devices()[:1] if smoke else None  # Smoke: compiles in seconds.
   job = job_lib.build_job(config, devices, log_fn=print)  # The presets' remat 'auto', chosen as a launch does.
   config = job.config
-  inputs = data.build(config, job.batch_shardings, jax.process_index(), jax.process_count())
+  inputs = data.build(config.data, data.Needs.of(config.model, config.train), job.batch_shardings, jax.process_index(),
+                      jax.process_count())
   feed = data.DeviceFeed(inputs.train, job.batch_shardings, jax.process_count())
   workdir = tempfile.mkdtemp(prefix=f'bench_gpu_{name}_')
   compiled, newest = job.compile_train_step(), {}
@@ -188,7 +189,8 @@ def _row(name: str, job, compiled, *, per_s: float, step_s: float, rates: dict, 
   from trainer.memory import footprint
 
   stats = jax.devices()[0].memory_stats() or {}
-  choice = attention_lib.check_config(job.config, job.mesh)
+  config = job.config
+  choice = attention_lib.check_config(config.model, config.data, config.train.compute_dtype, job.mesh)
   return {'row': name, 'devices': job.mesh.size, 'device': jax.devices()[0].device_kind,
           'attention': choice.kernel if choice else None,
           'per_s': per_s, 'unit': job.task.objective.unit, 'step_ms': 1e3 * step_s,

@@ -90,8 +90,8 @@ def test_relaunch_keeps_the_choice_without_compiling_candidates(trained, monkeyp
   assert 'as chosen when this run started' in choice.summary
   assert resolved.train.remat_policy == first['remat_policy']
   changed = plan.with_overrides(config, {'data.seq_len': 64})  # A memory-relevant change: chosen afresh.
-  assert remat.fingerprint(changed, jax.devices()[:1], footprint.device_limit(changed, jax.devices()[:1])) != \
-      first['fingerprint']
+  limit = footprint.device_limit(changed.train.device_memory_gb, jax.devices()[:1])
+  assert remat.fingerprint(changed, jax.devices()[:1], limit) != first['fingerprint']
 
 
 def test_auto_raises_grad_accum_when_no_policy_fits_the_batch(trained):
@@ -153,13 +153,10 @@ def test_limit_comes_from_the_setting_else_the_devices_reported_bytes_limit():
     def memory_stats(self):
       return {'bytes_limit': self.limit}
 
-  config = tiny.get_config()
-  limit = footprint.device_limit(config, [Gpu(80 * GIB), Gpu(79 * GIB)])
+  limit = footprint.device_limit(None, [Gpu(80 * GIB), Gpu(79 * GIB)])  # train.device_memory_gb unset.
   assert limit.bytes == 79 * GIB and 'reported bytes_limit' in limit.source  # The smallest local device.
-  config.train.device_memory_gb = 40
-  assert footprint.device_limit(config, [Gpu(80 * GIB)]).bytes == 40 * GIB  # The setting holds memory back.
-  config.train.device_memory_gb = None
-  assert footprint.device_limit(config, jax.devices()[:1]).bytes is None  # The CPU reports none.
+  assert footprint.device_limit(40, [Gpu(80 * GIB)]).bytes == 40 * GIB  # The setting holds memory back.
+  assert footprint.device_limit(None, jax.devices()[:1]).bytes is None  # The CPU reports none.
   assert footprint.verdict(97 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Fits with little margin')
   assert footprint.verdict(90 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Fits: 90.00 GiB of 100.00 GiB')
   assert footprint.verdict(101 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Does not fit: 101.00 GiB')

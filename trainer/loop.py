@@ -114,7 +114,8 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
 
   logging.info('Reading the data ...')  # Listing and packing a text folder takes seconds; say what is under way.
   t_data = time.perf_counter()
-  inputs = data.build(config, job.batch_shardings, process_index, process_count)
+  needs = data.Needs.of(config.model, config.train)  # The few model and train settings the input side reads.
+  inputs = data.build(config.data, needs, job.batch_shardings, process_index, process_count)
   # Global batches reach the devices while the step before them runs; checkpointed by what steps consumed.
   train_iter, eval_set = data.DeviceFeed(inputs.train, job.batch_shardings, process_count), inputs.eval_batches
   logging.info('Data: %s (read in %.1fs)', inputs.description, time.perf_counter() - t_data)
@@ -195,7 +196,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
       examples_per_epoch=getattr(inputs.train, 'examples_per_epoch', None),
       notices=notice, stragglers=stragglers.StragglerWatch(process_index, process_count, config.train.straggler_warn_fraction),
       idle_experts=expert_load.IdleExperts(config.log.get('idle_expert_steps', 0)), downstream=downstream,
-      sources=data.accounting(config, inputs))
+      sources=data.accounting(config.data, needs, inputs))
   try:
     while True:
       try:
@@ -205,7 +206,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
         latest, state = guard.roll_back(rollback, ckpt, sharding.with_shardings(abstract, shardings), train_iter)
   except Exception as e:
     profiler.on_error(e)  # Out of memory: saves the device memory profile while the arrays are still alive.
-    raise runtime_oom.explain(e, compiled_step, config, list(mesh.devices.flat)) or e  # OOM: one line, exit 2.
+    raise runtime_oom.explain(e, compiled_step, config.train, list(mesh.devices.flat)) or e  # OOM: one line, exit 2.
   finally:
     train_iter.close()
     profiler.close()
@@ -236,7 +237,7 @@ def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
   logging.info('Mesh %s over %d devices (%d processes); model: %s (%s, %s), %s parameters', dict(mesh.shape),
                mesh.size, jax.process_count(), config.model.name, job.task.model.framework, config.model.task,
                f'{num_params:,}' + _active_params(config, num_params))
-  if stages := pipeline.summary(config, dict(mesh.shape)):
+  if stages := pipeline.summary(config.model, config.train, dict(mesh.shape)):
     logging.info('%s', stages)
   table, totals = sharding.sharding_table(job.abstract, job.shardings, job.task.param_notes,
                                           optimizer.decaying_params(job.config.train, job.task.model.abstract_boxed))

@@ -165,7 +165,7 @@ def report(plan: Plan, config, topology: str | None = None) -> str:
       f'{f" in {config.train.grad_accum_steps} microbatches" if config.train.grad_accum_steps > 1 else ""}; '
       f'remat {config.train.remat_policy}; compute dtype {config.train.compute_dtype}',
       f'Attention: {plan.attention}' if plan.attention else "Attention: the model's own (not a built-in model)",
-      *filter(None, [pipeline.summary(config, plan.mesh_shape)]),
+      *filter(None, [pipeline.summary(config.model, config.train, plan.mesh_shape)]),
       'Per device (compiled memory analysis):',
       f'  parameters          {_gib(plan.params_bytes)}',
       f'  optimizer state     {_gib(plan.opt_state_bytes)} ({config.train.optimizer})',
@@ -266,7 +266,7 @@ def _limit(config, memory_gb: float | None, devices) -> footprint.Limit:
   chip = flops.accelerator_name(devices[0]) if devices else None
   if chip in HBM_GIB and config.train.device_memory_gb is None:
     return footprint.Limit(HBM_GIB[chip] * GIB, f'the HBM of one {chip} chip')
-  return footprint.device_limit(config, devices or jax.devices())
+  return footprint.device_limit(config.train.device_memory_gb, devices or jax.devices())
 
 
 def run(config, memory_gb: float | None = None, topology: str | None = None, print_fn=print) -> Plan | None:
@@ -302,7 +302,8 @@ def _run(config, memory_gb, topology, print_fn) -> Plan | None:
     devices = topology_devices(topology)
     if config.train.compute_dtype == 'auto':  # 'auto' looks at this machine's backend; the target is a TPU or GPU.
       config = with_overrides(config, {'train.compute_dtype': 'bfloat16'})
-    call = attention.config_call(config, jax.sharding.Mesh(devices[:1], ('device',)))
+    call = attention.config_call(config.model, config.data, config.train.compute_dtype,
+                                 jax.sharding.Mesh(devices[:1], ('device',)))
     if devices[0].platform == 'gpu' and call and attention.choose(call, config.model.attention).kernel == 'cudnn':
       gpu_targets.check_traceable(call)
   limit = _limit(config, memory_gb, devices)

@@ -59,7 +59,7 @@ def validate_config(config) -> None:
   notices.check_config(config.train)
   _warn_if_warmup_exceeds_steps(config.train)
   layer_scan.check(config.model)
-  pipeline.check_config(config, pipeline.stages_of(config))
+  pipeline.check_config(config, pipeline.stages_of(config.mesh))
   _require(0 <= config.data.eval_percent < 100, f'data.eval_percent={config.data.eval_percent} must be in [0, 100).')
 
 

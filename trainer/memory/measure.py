@@ -74,11 +74,12 @@ def plan_of(job) -> Plan:
       flops=(flops.step_flops(config.model, config.train.batch_size, config.data.seq_len)
              if config.model.name == 'llama' else None),
       traced=flops.job_step_flops(job, log=False),  # report() prints it, once, not once per candidate.
-      attention=_attention(config, job.mesh))
+      attention=_attention(config.model, config.data, config.train.compute_dtype, job.mesh))
 
 
-def _attention(config, mesh) -> str | None:
-  choice = attention.check_config(config, mesh)  # For the mesh's platform: a --topology plan names TPU kernels.
+def _attention(model, data, compute_dtype: str, mesh) -> str | None:
+  # For the mesh's platform: a --topology plan names TPU kernels.
+  choice = attention.check_config(model, data, compute_dtype, mesh)
   return choice.describe() if choice else None
 
 

@@ -133,7 +133,8 @@ def _with(config, policy: str, accum: int, chunks: int | None = None):
 
 
 def resolve(config, devices: Sequence[jax.Device] | None = None, limit: footprint.Limit | None = None,
-            workdir: str | None = None, log_fn: Callable[[str], None] = logging.info, measure_fn: Measure | None = None):
+            workdir: str | None = None, log_fn: Callable[[str], None] = logging.info,
+            measure_fn: Measure | None = None):
   """(config with 'auto' replaced by a concrete policy and accumulation, Choice); other configs pass unchanged.
 
   `measure_fn(candidate_config, devices)` compiles a candidate (trainer/job.py passes its own); only a search
@@ -143,7 +144,7 @@ def resolve(config, devices: Sequence[jax.Device] | None = None, limit: footprin
   if t.remat_policy != 'auto':
     return config, Choice(t.remat_policy, t.grad_accum_steps, None, '')
   devices = list(devices or jax.devices())
-  limit = limit or footprint.device_limit(config, devices)
+  limit = limit or footprint.device_limit(t.device_memory_gb, devices)
   order = policies(config.model.name)
   key = fingerprint(config, devices, limit)
   if order is None or limit.bytes is None:
