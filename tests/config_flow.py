@@ -40,9 +40,15 @@ class Flow:
   direct: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   held: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   modules: set = dataclasses.field(default_factory=set)  # Repository paths, for the report only.
+  callers: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(set))  # Of each direct taker.
 
   def functions(self) -> set[str]:
     return set(self.direct) | set(self.held)
+
+
+def _name(module: str, code) -> str:
+  stem = pathlib.Path(module).stem
+  return f'{pathlib.Path(module).parent.name if stem == "__init__" else stem}.{code.co_qualname}'
 
 
 def trace(fn, *args, **kwargs) -> Flow:
@@ -71,11 +77,13 @@ def trace(fn, *args, **kwargs) -> Flow:
     values = [frame.f_locals.get(name) for name in code.co_varnames[:count]]
     spread = [v for v in values if isinstance(v, (tuple, dict))]
     values += [x for v in spread for x in (v.values() if isinstance(v, dict) else v)]
-    stem = pathlib.Path(module).stem
-    name = f'{pathlib.Path(module).parent.name if stem == "__init__" else stem}.{code.co_qualname}'
+    name = _name(module, code)
     if any(_is_whole(v) for v in values):
       flow.direct[name] += 1
       flow.modules.add(module)
+      caller = frame.f_back
+      if caller is not None and own(caller.f_code):
+        flow.callers[name].add(_name(own(caller.f_code), caller.f_code))
     elif any(_holds_whole(v) for v in values):
       flow.held[name] += 1
       flow.modules.add(module)
@@ -111,7 +119,7 @@ def _report(title: str, flow: Flow) -> None:
         f'{len(flow.direct)} functions / {sum(flow.direct.values())} calls take it directly, '
         f'{len(flow.held)} functions / {sum(flow.held.values())} calls inside a Job or RunContext')
   for name, n in sorted(flow.direct.items()):
-    print(f'  direct {n:4d} {name}')
+    print(f'  direct {n:4d} {name}  (from {", ".join(sorted(flow.callers[name])) or "the caller"})')
   for name, n in sorted(flow.held.items()):
     print(f'  held   {n:4d} {name}')
 
