@@ -42,7 +42,8 @@ def load_config(path: str, overrides: list[str]):
 def pipeline_rate(config, job, batches: int) -> float:
   import jax
   from trainer import data
-  inputs = data.build(config, job.batch_shardings, jax.process_index(), jax.process_count())
+  inputs = data.build(config.data, data.Needs.of(config.model, config.train), job.batch_shardings, jax.process_index(),
+                      jax.process_count())
   for _ in range(5):  # Start threads and workers, fill the buffers.
     data.to_global(next(inputs.train), job.batch_shardings, 1)
   start = time.perf_counter()
@@ -57,7 +58,7 @@ def pipeline_rate(config, job, batches: int) -> float:
 def step_rate(config, job, steps: int) -> float:
   import jax
   from trainer import data
-  inputs = data.build(config, job.batch_shardings, 0, 1)
+  inputs = data.build(config.data, data.Needs.of(config.model, config.train), job.batch_shardings, 0, 1)
   batch = data.to_global(next(inputs.train), job.batch_shardings, 1)
   compiled, state = job.compile_train_step(), job.init_state(config.train.seed)
   for _ in range(3):
@@ -100,9 +101,8 @@ def main() -> None:
   from absl import flags
   flags.FLAGS.mark_as_parsed()
   from trainer import job as job_lib
-  from trainer.memory import remat
-  config, _ = remat.resolve(load_config(args.config, args.set), log_fn=print)  # A preset's 'auto', as a launch does.
-  job = job_lib.build_job(config)
+  job = job_lib.build_job(load_config(args.config, args.set), log_fn=print)  # A preset's 'auto', as a launch does.
+  config = job.config
   steps_per_s = step_rate(config, job, args.steps)
   rows = []
   for workers in map(int, args.workers.split(',')):

@@ -101,14 +101,14 @@ def measure(name: str, steps: int, warmup: int, attention: str | None, smoke: bo
   import jax
   from trainer import data, flops, goodput, guardrails, loop, preemption, profiling
   from trainer import job as job_lib
-  from trainer.memory import remat
   from trainer.metrics import MetricsWriter
 
   config = row_config(name, attention, smoke)
   devices = jax.devices()[:1] if smoke else None  # Smoke: compiles in seconds.
-  config, _ = remat.resolve(config, devices, log_fn=print)  # The presets' remat 'auto', chosen as a launch does.
-  job = job_lib.build_job(config, devices)
-  inputs = data.build(config, job.batch_shardings, jax.process_index(), jax.process_count())
+  job = job_lib.build_job(config, devices, log_fn=print)  # The presets' remat 'auto', chosen as a launch does.
+  config = job.config
+  inputs = data.build(config.data, data.Needs.of(config.model, config.train), job.batch_shardings, jax.process_index(),
+                      jax.process_count())
   feed = data.DeviceFeed(inputs.train, job.batch_shardings, jax.process_count())
   workdir = tempfile.mkdtemp(prefix=f'bench_gpu_{name}_')
   compiled, newest = job.compile_train_step(), {}
@@ -155,12 +155,11 @@ def measure_minimal(name: str, steps: int, warmup: int, attention: str | None, s
   from benchmarks import minimal_step
   from trainer import flops
   from trainer import job as job_lib
-  from trainer.memory import remat
 
   config = row_config(REFERENCES[name], attention, smoke)
   devices = jax.devices()[:1] if smoke else None
-  config, _ = remat.resolve(config, devices, log_fn=print)  # The same policy the launcher's row runs.
-  job = job_lib.build_job(config, devices)
+  job = job_lib.build_job(config, devices, log_fn=print)  # The same policy the launcher's row runs.
+  config = job.config
   tokens = np.random.default_rng(0).integers(0, config.model.vocab_size,
                                              (config.train.batch_size, config.data.seq_len + 1), dtype=np.int32)
   batch = jax.device_put({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}, job.batch_shardings)
@@ -190,7 +189,8 @@ def _row(name: str, job, compiled, *, per_s: float, step_s: float, rates: dict, 
   from trainer.memory import footprint
 
   stats = jax.devices()[0].memory_stats() or {}
-  choice = attention_lib.check_config(job.config, job.mesh)
+  config = job.config
+  choice = attention_lib.check_config(config.model, config.data, config.train.compute_dtype, job.mesh)
   return {'row': name, 'devices': job.mesh.size, 'device': jax.devices()[0].device_kind,
           'attention': choice.kernel if choice else None,
           'per_s': per_s, 'unit': job.task.objective.unit, 'step_ms': 1e3 * step_s,

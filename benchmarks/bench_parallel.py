@@ -49,9 +49,8 @@ def _job(config, shape, num_devices, strategy='jit'):
   config = config.copy_and_resolve_references()
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = shape
   config.parallel.strategy = strategy
-  from trainer.memory import remat
-  config, _ = remat.resolve(config, jax.devices()[:num_devices], log_fn=print)  # A preset's 'auto', as a launch does.
-  return config, job_lib.build_job(config, jax.devices()[:num_devices])
+  job = job_lib.build_job(config, jax.devices()[:num_devices], log_fn=print)  # A preset's 'auto', as a launch does.
+  return job.config, job
 
 
 def collectives_table(base_config) -> list[dict]:

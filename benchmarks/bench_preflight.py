@@ -47,7 +47,8 @@ def main():
 
   def verdict():
     job = job_lib.build_job(config, devices)
-    footprint.verdict(footprint.compiled_bytes(job.compile_train_step()), footprint.device_limit(config, devices))
+    limit = footprint.device_limit(config.train.device_memory_gb, devices)
+    footprint.verdict(footprint.compiled_bytes(job.compile_train_step()), limit)
 
   def refusal():
     try:

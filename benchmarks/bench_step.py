@@ -83,8 +83,8 @@ def _quiet(config, num_devices: int):
   config.train.eval_every_steps = 0
   config.ckpt.every_steps = 10**9
   config.log.every_steps = 10**9
-  from trainer.memory import remat
-  return remat.resolve(config, jax.devices()[:num_devices], log_fn=print)[0]  # A preset's 'auto', as a launch does.
+  # A preset's 'auto', chosen by building the Job as a launch does.
+  return job_lib.build_job(config, jax.devices()[:num_devices], log_fn=print).config
 
 
 def _host_batches(config, count=4):

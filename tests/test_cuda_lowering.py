@@ -154,7 +154,7 @@ def test_the_gpu_benchmark_rows_lower_to_cudnn_with_no_scores(cuda_host, row):
     config.train.remat_policy = 'none'
   module = cuda_module(config)
   assert custom_calls(module, FORWARD) and custom_calls(module, BACKWARD)
-  call = attention.config_call(config)
+  call = attention.config_call(config.model, config.data, config.train.compute_dtype)
   assert scores(module, call.seq_len, call.q_shape[2], call.kv_shape[2]) == []
 
 

@@ -101,4 +101,4 @@ def test_too_little_text_for_one_batch(tmp_path):
   config.data.text_dir, config.train.batch_size = str(tmp_path), 64
   with pytest.raises(UserError, match=r'the train split \(1 train files .* makes 3 examples, fewer than one global '
                                       r'batch \(train.batch_size=64\); add data, or lower data.seq_len'):
-    data.build(config, None, 0, 1)
+    data.build(config.data, data.Needs.of(config.model, config.train), None, 0, 1)

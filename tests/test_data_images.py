@@ -23,10 +23,12 @@ def _classifier(**data_overrides):
 def _sharding(config):
   """The per-key batch shardings the Job gives a classifier's images and labels."""
   rules = sharding.rules_from_config(config.parallel)
-  return job.batch_shardings(mesh_lib.build_mesh(config.mesh), rules, objectives.for_config(config).batch_shapes())
+  objective = objectives.for_config(config.model, config.data, config.train)
+  return job.batch_shardings(mesh_lib.build_mesh(config.mesh), rules, objective.batch_shapes())
 
 
-def _error(config, load=lambda config: data.build(config, None, 0, 1)) -> str:
+def _error(config, load=lambda config: data.build(config.data, data.Needs.of(config.model, config.train), None, 0,
+                                                  1)) -> str:
   with pytest.raises(UserError) as e:
     load(config)
   return str(e.value)
@@ -59,7 +61,7 @@ def test_synthetic_images_carry_their_class_in_both_splits():
 
 def test_classifier_with_synthetic_source_builds_image_batches():
   config = _classifier(source='synthetic')
-  inputs = data.build(config, _sharding(config), 0, 1)
+  inputs = data.build(config.data, data.Needs.of(config.model, config.train), _sharding(config), 0, 1)
   batch = next(inputs.train)
   assert set(batch) == {'images', 'labels'}
   assert batch['images'].shape == (8, 32, 32, 3) and batch['images'].dtype == np.float32
@@ -77,7 +79,7 @@ def test_uint8_npz_images_are_scaled_to_float32_in_unit_range(tmp_path):
   images[:, 0, 0, 0] = np.arange(100)  # The row index, to check each label stays with its image.
   np.savez(tmp_path / 'set.npz', images=images, labels=np.arange(100) % 10)
   config = _classifier(source='arrays', path=str(tmp_path / 'set.npz'), eval_percent=20)
-  inputs = data.build(config, _sharding(config), 0, 1)
+  inputs = data.build(config.data, data.Needs.of(config.model, config.train), _sharding(config), 0, 1)
   batch = next(inputs.train)
   assert batch['images'].dtype == np.float32 and batch['images'].shape == (8, 32, 32, 3)
   assert 0.0 <= batch['images'].min() and batch['images'].max() <= 1.0

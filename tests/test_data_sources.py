@@ -147,7 +147,8 @@ def test_synthetic_tokens_have_the_configured_shape_and_repeat_exactly():
 # ---- bad input: one UserError naming the file and the fix ------------------------------------------------
 
 
-def _shards_error(config, load=lambda config: data.build(config, None, 0, 1)) -> str:
+def _shards_error(config, load=lambda config: data.build(config.data, data.Needs.of(config.model, config.train), None,
+                                                         0, 1)) -> str:
   with pytest.raises(UserError) as e:
     load(config)
   return str(e.value)

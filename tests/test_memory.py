@@ -36,7 +36,7 @@ def _config(text_dir, **train):
 
 def _need(config, policy, accum=1):
   return remat.step_bytes(plan.with_overrides(config, {'train.remat_policy': policy, 'train.grad_accum_steps': accum}),
-                          jax.devices()[:1])[0]
+                          jax.devices()[:1], plan.total_or_refused)[0]
 
 
 def _tree_digest(root: pathlib.Path) -> dict[str, str]:
@@ -90,14 +90,14 @@ def test_relaunch_keeps_the_choice_without_compiling_candidates(trained, monkeyp
   assert 'as chosen when this run started' in choice.summary
   assert resolved.train.remat_policy == first['remat_policy']
   changed = plan.with_overrides(config, {'data.seq_len': 64})  # A memory-relevant change: chosen afresh.
-  assert remat.fingerprint(changed, jax.devices()[:1], footprint.device_limit(changed, jax.devices()[:1])) != \
-      first['fingerprint']
+  limit = footprint.device_limit(changed.train.device_memory_gb, jax.devices()[:1])
+  assert remat.fingerprint(changed, jax.devices()[:1], limit) != first['fingerprint']
 
 
 def test_auto_raises_grad_accum_when_no_policy_fits_the_batch(trained):
   _, config, _, (full, _) = trained
   config = plan.with_overrides(config, {'train.device_memory_gb': full / GIB})  # Under 'full' with the margin.
-  resolved, choice = remat.resolve(config, jax.devices()[:1])
+  resolved, choice = remat.resolve(config, jax.devices()[:1], measure_fn=plan.total_or_refused)
   assert resolved.train.grad_accum_steps == choice.grad_accum_steps == 2
   assert choice.needed_bytes <= full * (1 - footprint.MARGIN)
   # 'full' at one microbatch (the least memory it has, with the loss in slices where that is tried) did not fit.
@@ -111,9 +111,12 @@ def test_auto_without_a_known_limit_is_none_and_says_why(tmp_path):
   assert 'train.device_memory_gb is unset' in choice.summary
   config.model.name = 'tests.custom_models:MlpLM'  # A brought model whose builder takes no remat_policy.
   assert "takes no remat policy" in remat.resolve(config, jax.devices()[:1])[1].summary
-  with pytest.raises(UserError, match="remat_policy='auto' is chosen by compiling candidates"):
-    from trainer import job as job_lib
-    job_lib.build_job(_config(tmp_path))
+  from trainer import job as job_lib
+  job = job_lib.build_job(_config(tmp_path), jax.devices()[:1])  # Building the Job makes the choice.
+  assert job.config.train.remat_policy == 'none' and job.memory.summary == choice.summary
+  with pytest.raises(UserError, match="remat_policy='auto' is chosen by compiling candidates when the Job is built"):
+    from trainer import validation
+    validation.validate_config(_config(tmp_path))
 
 
 def test_over_budget_launch_exits_2_with_fixes_and_leaves_the_workdir_untouched(trained):
@@ -150,13 +153,10 @@ def test_limit_comes_from_the_setting_else_the_devices_reported_bytes_limit():
     def memory_stats(self):
       return {'bytes_limit': self.limit}
 
-  config = tiny.get_config()
-  limit = footprint.device_limit(config, [Gpu(80 * GIB), Gpu(79 * GIB)])
+  limit = footprint.device_limit(None, [Gpu(80 * GIB), Gpu(79 * GIB)])  # train.device_memory_gb unset.
   assert limit.bytes == 79 * GIB and 'reported bytes_limit' in limit.source  # The smallest local device.
-  config.train.device_memory_gb = 40
-  assert footprint.device_limit(config, [Gpu(80 * GIB)]).bytes == 40 * GIB  # The setting holds memory back.
-  config.train.device_memory_gb = None
-  assert footprint.device_limit(config, jax.devices()[:1]).bytes is None  # The CPU reports none.
+  assert footprint.device_limit(40, [Gpu(80 * GIB)]).bytes == 40 * GIB  # The setting holds memory back.
+  assert footprint.device_limit(None, jax.devices()[:1]).bytes is None  # The CPU reports none.
   assert footprint.verdict(97 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Fits with little margin')
   assert footprint.verdict(90 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Fits: 90.00 GiB of 100.00 GiB')
   assert footprint.verdict(101 * GIB, footprint.Limit(100 * GIB, 'x')).startswith('Does not fit: 101.00 GiB')
@@ -169,12 +169,13 @@ def test_auto_takes_a_chunked_loss_when_it_lets_a_faster_policy_fit(tmp_path):
   config.data.source = 'synthetic'
   one = jax.devices()[:1]
   need = lambda policy, chunks: remat.step_bytes(plan.with_overrides(config, {
-      'train.remat_policy': policy, 'train.grad_accum_steps': 1, 'train.loss_chunks': chunks}), one)[0]
+      'train.remat_policy': policy, 'train.grad_accum_steps': 1, 'train.loss_chunks': chunks}), one,
+      plan.total_or_refused)[0]
   chunks = 8  # What measure.loss_chunks_worth_trying offers for seq_len 128.
   none_whole, none_sliced = need('none', 1), need('none', chunks)
   assert none_sliced < 0.8 * none_whole  # The premise: the logits are a large share of the step.
   config.train.device_memory_gb = (none_sliced / (1 - footprint.MARGIN) + 1024) / GIB
-  resolved, choice = remat.resolve(config, one, log_fn=lambda line: None)
+  resolved, choice = remat.resolve(config, one, log_fn=lambda line: None, measure_fn=plan.total_or_refused)
   assert (choice.remat_policy, choice.loss_chunks) == ('none', chunks), choice
   assert resolved.train.loss_chunks == chunks and resolved.train.remat_policy == 'none'
   assert f"'none' with grad_accum_steps=1 and train.loss_chunks={chunks} (the logits in slices)" in choice.summary

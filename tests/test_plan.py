@@ -23,10 +23,9 @@ FAKE = plan.Plan(mesh_shape={'data': 8, 'fsdp': 1, 'pipeline': 1, 'expert': 1, '
 
 
 def _fake_compiles(monkeypatch, make_plan):
-  """Plan mode compiles through trainer/memory/measure.py (its fixes too): both names see the fake."""
+  """Plan mode measures every Job it builds (its fixes too) through trainer/memory/measure.py: the fake sees each."""
   from trainer.memory import measure
-  monkeypatch.setattr(plan, 'make_plan', make_plan)
-  monkeypatch.setattr(measure, 'make_plan', make_plan)
+  monkeypatch.setattr(measure, 'plan_of', lambda job: make_plan(job.config))
 
 
 def test_plan_reports_mesh_memory_and_flops_of_the_compiled_step():

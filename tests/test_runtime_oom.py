@@ -65,8 +65,8 @@ def test_an_oom_at_step_two_ends_in_one_line_naming_need_approval_and_fix(tmp_pa
 
 def test_other_errors_are_left_alone():
   config = tiny.get_config()
-  assert runtime_oom.explain(ValueError('a bug'), None, config, jax.devices()) is None
-  assert runtime_oom.explain(UserError('RESOURCE_EXHAUSTED: disk full'), None, config, jax.devices()) is None
+  assert runtime_oom.explain(ValueError('a bug'), None, config.train, jax.devices()) is None
+  assert runtime_oom.explain(UserError('RESOURCE_EXHAUSTED: disk full'), None, config.train, jax.devices()) is None
 
 
 GIB = 2**30

@@ -76,7 +76,7 @@ def run_manifest(config, abstract, mesh) -> dict[str, Any]:
       'mesh': dict(mesh.shape),
       'device_count': mesh.size,
       'strategy': config.parallel.strategy,
-      'attention': _attention_entry(config, mesh),
+      'attention': _attention_entry(config.model, config.data, config.train.compute_dtype, mesh),
       'process_count': jax.process_count(),
       'versions': {m.__name__: m.__version__ for m in (jax, jaxlib, flax, optax, ocp, grain_lib)},
       'xla_flags': os.environ.get('XLA_FLAGS', ''),
@@ -86,11 +86,11 @@ def run_manifest(config, abstract, mesh) -> dict[str, Any]:
   }
 
 
-def _attention_entry(config, mesh) -> dict[str, str]:
+def _attention_entry(model, data, compute_dtype: str, mesh) -> dict[str, str]:
   """model.attention and, for the built-in models, the kernel it runs on this mesh and why."""
-  choice = attention.check_config(config, mesh)
+  choice = attention.check_config(model, data, compute_dtype, mesh)
   if choice is None:
-    return {'setting': config.model.attention, 'kernel': 'chosen per call by the model'}
+    return {'setting': model.attention, 'kernel': 'chosen per call by the model'}
   return {'setting': choice.setting, 'kernel': choice.kernel, 'reason': choice.reason}
 
 

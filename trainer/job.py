@@ -1,7 +1,10 @@
 """Everything a config compiles to before data or state exist: mesh, model, optimizer, shardings, steps.
 
-Built once per run by trainer/loop.py; scripts (benchmarks, tools) build the
-same Job, so what they measure is exactly what the launcher runs.
+Built once per run by trainer/loop.py (and --plan by trainer/plan.py); scripts
+(benchmarks, tools) build the same Job, so what they measure is exactly what the
+launcher runs. Building it first makes the memory choice (`train.remat_policy=
+'auto'`, trainer/memory/remat.py), so the Job carries the settings it was built
+with and the choice that made them.
 """
 
 import dataclasses
@@ -21,6 +24,7 @@ from trainer import step as step_lib
 from trainer import state as state_lib
 from trainer import task as task_lib
 from trainer.hf import load as hf_load
+from trainer.memory import footprint, measure, remat
 from trainer.models import contract, registry
 
 
@@ -36,6 +40,7 @@ class Job:
   abstract_batch: dict[str, jax.ShapeDtypeStruct]
   train_step: Any  # Partitioned by the strategy; `.lower(state, batch).compile()`.
   eval_step: Any
+  memory: remat.Choice | None = None  # What train.remat_policy resolved to ('auto' or not), for the run manifest.
 
   @property
   def brought_model(self) -> bool:
@@ -59,8 +64,31 @@ def batch_shardings(mesh: Mesh, rules, shapes: dict[str, jax.ShapeDtypeStruct]) 
   return {k: sharding.named_sharding(mesh, rules, ('batch',) + (None,) * (len(s.shape) - 1)) for k, s in shapes.items()}
 
 
-def build_job(config, devices: Sequence[jax.Device] | None = None) -> Job:
-  """Validates the config against the devices (default: all of every process) and builds the Job."""
+def build_job(config, devices: Sequence[jax.Device] | None = None, *, workdir: str | None = None,
+              limit: footprint.Limit | None = None, log_fn=logging.info) -> Job:
+  """Resolves the memory choice, validates the config against the devices (default: all of every process) and builds
+  the Job; `job.config` is the config as resolved (no 'auto' remat policy).
+
+  `workdir`: a resumed run's earlier 'auto' choice is read back from its newest checkpoint instead of being
+  searched for again. `limit`: the memory 'auto' fits in (default: the devices', footprint.device_limit).
+  `log_fn` says the choice, once.
+  """
+  config, choice = remat.resolve(config, devices, limit=limit, workdir=workdir, log_fn=log_fn,
+                                 measure_fn=_candidate_bytes)
+  return dataclasses.replace(_assemble(config, devices), memory=choice)
+
+
+def _candidate_bytes(config, devices: Sequence[jax.Device]) -> tuple[int, measure.Refused | None]:
+  """A remat 'auto' candidate's per-device bytes, built as the run would build it and compiled; or the compiler's
+  lower bound and its refusal."""
+  try:
+    return measure.plan_of(_assemble(config, devices)).total_bytes, None
+  except measure.Refused as e:
+    return e.needed_bytes, e
+
+
+def _assemble(config, devices: Sequence[jax.Device] | None) -> Job:
+  """The Job of a config whose memory choice is made."""
   validation.validate_config(config)
   mesh = mesh_lib.build_mesh(config.mesh, devices)
   mesh_lib.check_batch_size(config.train.batch_size, mesh, jax.process_count())

@@ -23,7 +23,7 @@ from trainer import expert_load, optimizer, pipeline, profiling, progress, stora
 from trainer import job as job_lib
 from trainer import state as state_lib
 from trainer.hf import load as hf_load
-from trainer.memory import preflight, remat, runtime_oom
+from trainer.memory import preflight, runtime_oom
 from trainer.models import contract, moe
 from trainer.supervision import attempt, faults, hang, notices, stragglers
 from trainer.metrics import MetricsWriter
@@ -103,9 +103,9 @@ def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start
 def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangWatch) -> None:
   compilation_cache.enable(config.train.compilation_cache_dir)
   config = hf_load.configure(config)  # model.init_from: config.json's model keys (weights come at init_state).
-  # 'auto' becomes a concrete policy before the Job exists; a resumed run reads its earlier choice back.
-  config, memory_choice = remat.resolve(config, devices, workdir=None if start_over else workdir)
-  job = job_lib.build_job(config, devices)
+  # Building the Job makes remat 'auto' a concrete policy; a resumed run reads its earlier choice back.
+  job = job_lib.build_job(config, devices, workdir=None if start_over else workdir)
+  config = job.config
   profiling.check_config(config.profile)
   progress.check_mode(config.log.progress_bar)
   mesh, abstract, shardings = job.mesh, job.abstract, job.shardings
@@ -114,13 +114,14 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
 
   logging.info('Reading the data ...')  # Listing and packing a text folder takes seconds; say what is under way.
   t_data = time.perf_counter()
-  inputs = data.build(config, job.batch_shardings, process_index, process_count)
+  needs = data.Needs.of(config.model, config.train)  # The few model and train settings the input side reads.
+  inputs = data.build(config.data, needs, job.batch_shardings, process_index, process_count)
   # Global batches reach the devices while the step before them runs; checkpointed by what steps consumed.
   train_iter, eval_set = data.DeviceFeed(inputs.train, job.batch_shardings, process_count), inputs.eval_batches
   logging.info('Data: %s (read in %.1fs)', inputs.description, time.perf_counter() - t_data)
   downstream = evals_lib.build(config.eval, job, workdir) if 'eval' in config else None  # Task files checked now.
   trackers = trackers_lib.build(config.log, workdir, enabled=process_index == 0)  # log.trackers checked now.
-  manifest = {**checkpoint.run_manifest(config, abstract, mesh), 'memory': memory_choice.record()}
+  manifest = {**checkpoint.run_manifest(config, abstract, mesh), 'memory': job.memory.record()}
   # Before compiling: a foreign or unreadable workdir should fail in seconds, not minutes. (Only damaged steps are
   # moved aside here, and kept; intact checkpoints are only read.)
   ckpt = None if start_over else checkpoint.Checkpointer(workdir, config.ckpt)
@@ -195,7 +196,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
       examples_per_epoch=getattr(inputs.train, 'examples_per_epoch', None),
       notices=notice, stragglers=stragglers.StragglerWatch(process_index, process_count, config.train.straggler_warn_fraction),
       idle_experts=expert_load.IdleExperts(config.log.get('idle_expert_steps', 0)), downstream=downstream,
-      sources=data.accounting(config, inputs))
+      sources=data.accounting(config.data, needs, inputs))
   try:
     while True:
       try:
@@ -205,7 +206,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
         latest, state = guard.roll_back(rollback, ckpt, sharding.with_shardings(abstract, shardings), train_iter)
   except Exception as e:
     profiler.on_error(e)  # Out of memory: saves the device memory profile while the arrays are still alive.
-    raise runtime_oom.explain(e, compiled_step, config, list(mesh.devices.flat)) or e  # OOM: one line, exit 2.
+    raise runtime_oom.explain(e, compiled_step, config.train, list(mesh.devices.flat)) or e  # OOM: one line, exit 2.
   finally:
     train_iter.close()
     profiler.close()
@@ -236,7 +237,7 @@ def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
   logging.info('Mesh %s over %d devices (%d processes); model: %s (%s, %s), %s parameters', dict(mesh.shape),
                mesh.size, jax.process_count(), config.model.name, job.task.model.framework, config.model.task,
                f'{num_params:,}' + _active_params(config, num_params))
-  if stages := pipeline.summary(config, dict(mesh.shape)):
+  if stages := pipeline.summary(config.model, config.train, dict(mesh.shape)):
     logging.info('%s', stages)
   table, totals = sharding.sharding_table(job.abstract, job.shardings, job.task.param_notes,
                                           optimizer.decaying_params(job.config.train, job.task.model.abstract_boxed))

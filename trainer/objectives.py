@@ -99,13 +99,13 @@ class LanguageModeling:
   unit: ClassVar[str] = 'tokens'  # Throughput is reported as tokens_per_s.
 
   @classmethod
-  def from_config(cls, config) -> 'LanguageModeling':
-    return cls(config.train.batch_size, config.data.seq_len, data.batch_keys(config.data),
-               float(config.train.z_loss_weight), config.train.get('loss_chunks', 1),  # A run from before the key: 1.
+  def from_config(cls, model, data_config, train) -> 'LanguageModeling':
+    return cls(train.batch_size, data_config.seq_len, data.batch_keys(data_config),
+               float(train.z_loss_weight), train.get('loss_chunks', 1),  # A run from before the key: 1.
                # Fed the targets, a model that shifts them right itself sees [pad, targets[0..L-2]] = inputs but for
                # the first token, so its logits[t] still score targets[t].
-               'targets' if config.model.get('unshifted_inputs', False) else 'inputs',
-               data.mixture_names(config.data))
+               'targets' if model.get('unshifted_inputs', False) else 'inputs',
+               data.mixture_names(data_config))
 
   @property
   def units_per_step(self) -> int:
@@ -159,8 +159,9 @@ class Classification:
   unit: ClassVar[str] = 'images'  # Throughput is reported as images_per_s.
 
   @classmethod
-  def from_config(cls, config) -> 'Classification':
-    return cls(config.train.batch_size, tuple(config.data.image_shape))
+  def from_config(cls, model, data_config, train) -> 'Classification':
+    del model  # Read by the language objective only.
+    return cls(train.batch_size, tuple(data_config.image_shape))
 
   @property
   def units_per_step(self) -> int:
@@ -189,10 +190,11 @@ class Classification:
 Objective = LanguageModeling | Classification
 
 
-def for_config(config) -> Objective:
-  if config.model.task not in TASKS:
-    raise UserError(f'model.task={config.model.task!r}: choose one of {TASKS}.')
-  return (LanguageModeling if config.model.task == 'lm' else Classification).from_config(config)
+def for_config(model, data_config, train) -> Objective:
+  """The objective of config.model.task, from config.model, config.data and config.train."""
+  if model.task not in TASKS:
+    raise UserError(f'model.task={model.task!r}: choose one of {TASKS}.')
+  return (LanguageModeling if model.task == 'lm' else Classification).from_config(model, data_config, train)
 
 
 def example_inputs(objective: Objective) -> tuple[tuple, dict]:

@@ -18,7 +18,7 @@ else what a run's pre-flight check would use (trainer/memory/footprint.py):
 fit fails with the config changes that would make it fit, each of them compiled
 and measured the same way; the TPU compiler refusing a step outright
 (CompileTimeHbmOom) is the same verdict. `train.remat_policy='auto'` is resolved
-first, as the run would resolve it (trainer/memory/remat.py).
+as the Job is built, as the run resolves it (trainer/job.py, trainer/memory/remat.py).
 
 launch.py sets TF_CPP_MIN_LOG_LEVEL=3 for --plan before jax loads: XLA's
 slow-operation alarms ('Constant folding an instruction is taking > 1s',
@@ -40,16 +40,33 @@ import jax
 from absl import logging as absl_logging
 
 from trainer import attention, flops, gpu_targets, pipeline
+from trainer import job as job_lib
 from trainer.errors import UserError
 from trainer.memory import footprint
 from trainer.memory import measure, remat
-from trainer.memory.measure import Plan, Refused, make_plan, total_or_refused, with_overrides  # noqa: F401  (API)
+from trainer.memory.measure import Plan, Refused, with_overrides  # noqa: F401  (API)
 from trainer.hf import load as hf_load
 
 GIB = footprint.GIB
 # HBM per chip in GiB, for --topology runs without --plan_memory_gb.
 HBM_GIB = {'h100': 80, 'h200': 141, 'v4': 32, 'v5e': 16, 'v5p': 95, 'v6e': 32}
 ASSUMED_MFU = 0.5  # The step time printed next to the compute-bound one: the MFU a well-tuned run reaches.
+
+
+def make_plan(config, devices=None) -> Plan:
+  """Builds the Job on `devices` (default: this machine's), compiles its train step and measures it.
+
+  Raises Refused when the compiler itself finds that the step cannot fit.
+  """
+  return measure.plan_of(job_lib.build_job(config, devices))
+
+
+def total_or_refused(config, devices) -> tuple[int, Refused | None]:
+  """Per-device bytes of `config`'s compiled step, or (the compiler's lower bound, the refusal)."""
+  try:
+    return make_plan(config, devices).total_bytes, None
+  except Refused as e:
+    return e.needed_bytes, e
 
 
 def split_slices(topology: str) -> tuple[int, str]:
@@ -148,7 +165,7 @@ def report(plan: Plan, config, topology: str | None = None) -> str:
       f'{f" in {config.train.grad_accum_steps} microbatches" if config.train.grad_accum_steps > 1 else ""}; '
       f'remat {config.train.remat_policy}; compute dtype {config.train.compute_dtype}',
       f'Attention: {plan.attention}' if plan.attention else "Attention: the model's own (not a built-in model)",
-      *filter(None, [pipeline.summary(config, plan.mesh_shape)]),
+      *filter(None, [pipeline.summary(config.model, config.train, plan.mesh_shape)]),
       'Per device (compiled memory analysis):',
       f'  parameters          {_gib(plan.params_bytes)}',
       f'  optimizer state     {_gib(plan.opt_state_bytes)} ({config.train.optimizer})',
@@ -249,7 +266,7 @@ def _limit(config, memory_gb: float | None, devices) -> footprint.Limit:
   chip = flops.accelerator_name(devices[0]) if devices else None
   if chip in HBM_GIB and config.train.device_memory_gb is None:
     return footprint.Limit(HBM_GIB[chip] * GIB, f'the HBM of one {chip} chip')
-  return footprint.device_limit(config, devices or jax.devices())
+  return footprint.device_limit(config.train.device_memory_gb, devices or jax.devices())
 
 
 def run(config, memory_gb: float | None = None, topology: str | None = None, print_fn=print) -> Plan | None:
@@ -285,13 +302,15 @@ def _run(config, memory_gb, topology, print_fn) -> Plan | None:
     devices = topology_devices(topology)
     if config.train.compute_dtype == 'auto':  # 'auto' looks at this machine's backend; the target is a TPU or GPU.
       config = with_overrides(config, {'train.compute_dtype': 'bfloat16'})
-    call = attention.config_call(config, jax.sharding.Mesh(devices[:1], ('device',)))
+    call = attention.config_call(config.model, config.data, config.train.compute_dtype,
+                                 jax.sharding.Mesh(devices[:1], ('device',)))
     if devices[0].platform == 'gpu' and call and attention.choose(call, config.model.attention).kernel == 'cudnn':
       gpu_targets.check_traceable(call)
   limit = _limit(config, memory_gb, devices)
-  config, choice = remat.resolve(config, devices, limit=limit, log_fn=print_fn)  # Says its choice, once.
+  job = job_lib.build_job(config, devices, limit=limit, log_fn=print_fn)  # remat 'auto' says its choice, once.
+  config = job.config  # As resolved: the report and the fixes start from what was built.
   try:
-    plan = make_plan(config, devices)
+    plan = measure.plan_of(job)
   except Refused as e:
     print_fn(f'The compiler refused the step: {e}')
     needed, mesh_shape, plan = e.needed_bytes, e.mesh_shape, None

@@ -164,7 +164,7 @@ def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
   if made_for is not None and made_for != config.model.task:
     raise UserError(f"model.name={name!r} is a {made_for!r} model but model.task={config.model.task!r}; "
                     f"set --config.model.task={made_for}.")
-  objective = objectives.for_config(config)
+  objective = objectives.for_config(config.model, config.data, config.train)
   builder = registry.resolve(name)
   under_jit = config.parallel.strategy == 'jit'
   keywords = {'mesh': mesh if under_jit else None, 'rules': tuple(rules),

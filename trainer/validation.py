@@ -48,11 +48,10 @@ def validate_config(config) -> None:
            f'train.compute_dtype={config.train.compute_dtype!r}: choose auto, float32 or bfloat16.')
   _require(config.train.param_dtype in DTYPES,
            f'train.param_dtype={config.train.param_dtype!r}: choose float32 or bfloat16.')
-  # The policy names themselves are the model's to check; 'auto' must be resolved before any Job is built.
+  # The policy names themselves are the model's to check; 'auto' is resolved by building the Job.
   _require(config.train.remat_policy != 'auto',
-           "train.remat_policy='auto' is chosen by compiling candidates: launch.py and --plan resolve it before "
-           "building the job; a script building a Job itself calls trainer.memory.remat.resolve(config) first, "
-           "or names a policy.")
+           "train.remat_policy='auto' is chosen by compiling candidates when the Job is built: validate the config "
+           "of trainer.job.build_job(config).config, or name a policy.")
   gb = config.train.device_memory_gb
   _require(gb is None or (isinstance(gb, (int, float)) and not isinstance(gb, bool) and gb > 0),
            f'train.device_memory_gb={gb!r} must be a number of GiB > 0, or None for the device\'s own limit.')
@@ -60,7 +59,7 @@ def validate_config(config) -> None:
   notices.check_config(config.train)
   _warn_if_warmup_exceeds_steps(config.train)
   layer_scan.check(config.model)
-  pipeline.check_config(config, pipeline.stages_of(config))
+  pipeline.check_config(config, pipeline.stages_of(config.mesh))
   _require(0 <= config.data.eval_percent < 100, f'data.eval_percent={config.data.eval_percent} must be in [0, 100).')
 
 

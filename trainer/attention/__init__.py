@@ -149,36 +149,36 @@ def context_choice(mesh: Mesh, setting: str, scheme_setting: str, seq_len: int,
                 f'(model.context_scheme={scheme_setting!r}): {why}'), scheme
 
 
-def config_call(config, mesh: Mesh | None = None) -> Call | None:
-  """The attention call of a built-in model ('llama', 'vit') under `config`; None for other models."""
-  m = config.model
+def config_call(m, data, dtype_name: str, mesh: Mesh | None = None) -> Call | None:
+  """The attention call of a built-in model ('llama', 'vit') under config.model `m`, config.data `data` and
+  train.compute_dtype `dtype_name`; None for other models."""
   platform, capability = platform_of(mesh)
-  dtype = _config_dtype(config, platform)
+  dtype = _config_dtype(dtype_name, platform)
   if m.name == 'llama':
-    head_dim, kv_heads, seq_len = m.d_model // m.num_heads, m.num_kv_heads or m.num_heads, config.data.seq_len
+    head_dim, kv_heads, seq_len = m.d_model // m.num_heads, m.num_kv_heads or m.num_heads, data.seq_len
     return Call(platform, dtype, (1, seq_len, m.num_heads, head_dim), (1, seq_len, kv_heads, head_dim),
-                causal=True, packed=bool(config.data.packing), gpu_capability=capability)
+                causal=True, packed=bool(data.packing), gpu_capability=capability)
   if m.name == 'vit':
-    height, width, _ = config.data.image_shape
+    height, width, _ = data.image_shape
     shape = (1, (height // m.patch_size) * (width // m.patch_size), m.num_heads, m.d_model // m.num_heads)
     return Call(platform, dtype, shape, shape, causal=False, packed=False, gpu_capability=capability)
   return None
 
 
-def _config_dtype(config, platform: str) -> str:
+def _config_dtype(name: str, platform: str) -> str:
   """The compute dtype's name; 'auto' read for the mesh's platform (bfloat16 off CPU), not this host's."""
-  name = config.train.compute_dtype
   if name == 'auto':
     return 'float32' if platform == 'cpu' else 'bfloat16'
   return np.dtype(compute_dtype(name)).name
 
 
-def check_config(config, mesh: Mesh | None = None) -> Choice | None:
-  """The kernel a built-in model will run under `config`; UserError now if a named one cannot run it."""
-  call = config_call(config, mesh)
-  scheme = config.model.get('context_scheme', 'auto')
+def check_config(m, data, dtype_name: str, mesh: Mesh | None = None) -> Choice | None:
+  """The kernel a built-in model will run (config.model `m`, config.data `data`, train.compute_dtype `dtype_name`);
+  UserError now if a named one cannot run it."""
+  call = config_call(m, data, dtype_name, mesh)
+  scheme = m.get('context_scheme', 'auto')
   if scheme not in context.SCHEMES:  # Also without the split: a typo should not wait for mesh.context > 1.
     raise UserError(f'model.context_scheme={scheme!r} is not a scheme; choose one of {context.SCHEMES}.')
   if call is not None and mesh is not None and mesh.shape.get(context.context_lib.AXIS, 1) > 1:
-    return context_choice(mesh, config.model.attention, scheme, call.seq_len, call.head_dim)[0]
-  return None if call is None else choose(call, config.model.attention)
+    return context_choice(mesh, m.attention, scheme, call.seq_len, call.head_dim)[0]
+  return None if call is None else choose(call, m.attention)

@@ -1,4 +1,5 @@
-"""The input side of a run, built with one call: `build(config, batch_shardings, process_index, process_count)`.
+"""The input side of a run, built with one call: `build(config.data, needs, batch_shardings, process_index,
+process_count)`, where `needs` (a `Needs`) is the little the input side reads of the model and train settings.
 
 Sources (`data.source`):
   'text'          byte-level text files (trainer/data/text.py), the default job;
@@ -69,12 +70,33 @@ def mixture_names(data_config) -> tuple[str, ...]:
   return tuple(pathlib.Path(folder).name for folder in mixture.parse(data_config)[0])
 
 
-def check_task(config) -> None:
+@dataclasses.dataclass(frozen=True)
+class Needs:
+  """What the input side reads besides config.data: a few model and train settings, taken once (`Needs.of`)."""
+  task: str  # model.task: an 'lm' reads tokens, a 'classifier' images and labels.
+  model_name: str  # model.name, for the message when the task and the source disagree.
+  vocab_size: int  # model.vocab_size: synthetic tokens, and the bound a prepared folder's vocabulary must fit in.
+  num_classes: int | None  # model.num_classes: a classifier's labels.
+  pretrained: bool  # model.init_from is set: a vocabulary too large is fixed by its tokenizer, not model.vocab_size.
+  batch_size: int  # train.batch_size, the global batch.
+  seed: int  # train.seed: shuffling and synthetic draws.
+  steps: int  # train.steps: a mixture's staged weights are described over the run.
+  eval_batches: int  # train.eval_batches.
+
+  @classmethod
+  def of(cls, model, train) -> 'Needs':
+    """From config.model and config.train."""
+    return cls(task=model.task, model_name=model.name, vocab_size=model.vocab_size,
+               num_classes=model.get('num_classes'), pretrained=bool(model.get('init_from')),
+               batch_size=train.batch_size, seed=train.seed, steps=train.steps, eval_batches=train.eval_batches)
+
+
+def check_task(d, needs: Needs) -> None:
   """The data source fits model.task: tokens for an 'lm', images and labels for a 'classifier'."""
-  d, task = config.data, config.model.task
+  task = needs.task
   if task == 'lm' and d.source == 'arrays':
     raise UserError(f"data.source='arrays' gives images and labels for classification, but model.task='lm': "
-                    f"model.name={config.model.name!r} is a language model; use data.source='text', 'array_record' "
+                    f"model.name={needs.model_name!r} is a language model; use data.source='text', 'array_record' "
                     f"or 'synthetic', or set model.task='classifier' with an image model.")
   if task == 'classifier':
     if d.source not in CLASSIFIER_SOURCES:
@@ -102,30 +124,34 @@ class Sources:
 
 
 def load_sources(config) -> Sources:
+  """`read_sources` of a whole config (tools and tests)."""
+  return read_sources(config.data, Needs.of(config.model, config.train))
+
+
+def read_sources(d, needs: Needs) -> Sources:
   """Reads or opens the configured source and cuts it into train and eval examples; checks it before training."""
-  d = config.data
   check_config(d)
   if d.source == 'arrays':
     loaded = arrays.load_arrays(d)
-    arrays.check_arrays(loaded, d.image_shape, config.model.num_classes, d.path)
+    arrays.check_arrays(loaded, d.image_shape, needs.num_classes, d.path)
     n = len(loaded['labels'])
     train = arrays.ArrayExamples(loaded, arrays.split_rows(n, d.eval_percent, 'train'))
     eval_ = arrays.ArrayExamples(loaded, arrays.split_rows(n, d.eval_percent, 'eval'))
     shape = 'x'.join(map(str, loaded['images'].shape[1:]))
     return Sources(train, eval_ if len(eval_) else None,
                    f'{len(train)} train / {len(eval_)} held-out images ({shape}) with labels from {d.path}')
-  if d.source == 'synthetic' and config.model.task == 'classifier':
-    shape, classes, seed = tuple(d.image_shape), config.model.num_classes, config.train.seed
+  if d.source == 'synthetic' and needs.task == 'classifier':
+    shape, classes, seed = tuple(d.image_shape), needs.num_classes, needs.seed
     return Sources(arrays.SyntheticImages(shape, classes, seed, template_seed=seed),
                    arrays.SyntheticImages(shape, classes, seed + 1, template_seed=seed, num_examples=1 << 16),
                    f"synthetic images ({'x'.join(map(str, shape))}, {classes} classes: class templates plus noise)")
   if d.source == 'synthetic':
-    vocab = config.model.vocab_size
-    return Sources(arrays.SyntheticTokens(d.seq_len, vocab, config.train.seed),
-                   arrays.SyntheticTokens(d.seq_len, vocab, config.train.seed + 1, num_examples=1 << 16),
+    vocab = needs.vocab_size
+    return Sources(arrays.SyntheticTokens(d.seq_len, vocab, needs.seed),
+                   arrays.SyntheticTokens(d.seq_len, vocab, needs.seed + 1, num_examples=1 << 16),
                    f'synthetic random tokens (vocab {vocab}, seq_len {d.seq_len})')
   if d.source == 'mixture':
-    return _mixture_sources(config)
+    return _mixture_sources(d, needs)
   if d.source == 'text':
     corpus = load_text_corpus(d)
     train_docs, eval_docs = corpus.documents('train'), corpus.documents('eval')
@@ -136,7 +162,7 @@ def load_sources(config) -> Sources:
     if not d.eval_percent:
       eval_docs = None
   else:
-    train_docs, eval_docs, where = _token_shards(config)
+    train_docs, eval_docs, where = _token_shards(d, needs)
   cut = _cutter(d, _check_loss_mask(d, train_docs))
   train = cut(train_docs, 'train')
   eval_ = cut(eval_docs, 'eval') if eval_docs is not None and eval_docs.num_tokens else None
@@ -162,15 +188,14 @@ def _cutter(d, masked: bool):
   return cut
 
 
-def _mixture_sources(config) -> Sources:
-  d = config.data
+def _mixture_sources(d, needs: Needs) -> Sources:
   folders, _ = mixture.parse(d)
   cut = _cutter(d, bool(d.get('loss_mask', False)))
-  mixed = mixture.load(folders, config.model.vocab_size, bool(d.eval_percent),
+  mixed = mixture.load(folders, needs.vocab_size, bool(d.eval_percent),
                        lambda documents: cut(documents, f'{documents.name}'), bool(d.get('loss_mask', False)))
   how = f'packed by document into rows of {d.seq_len}' if d.packing else f'windows of {d.seq_len} over the stream'
-  stage_list = mixture.stages(d, config.train.batch_size, len(mixed))
-  description = mixture.describe(mixed, stage_list, config.train.batch_size, config.train.steps, d.seq_len)
+  stage_list = mixture.stages(d, needs.batch_size, len(mixed))
+  description = mixture.describe(mixed, stage_list, needs.batch_size, needs.steps, d.seq_len)
   return Sources(mixed[0].train, None, f'{description}; {how}', mixed=mixed)
 
 
@@ -200,85 +225,86 @@ def _check_documents_per_row(rows: PackedRows, d, split: str) -> None:
                     f'data.seq_len.')
 
 
-def _token_shards(config):
-  if not config.data.path:
+def _token_shards(d, needs: Needs):
+  if not d.path:
     raise UserError("data.source='array_record' needs data.path: a folder written by scripts/prepare_data.py.")
-  root = pathlib.Path(config.data.path)
+  root = pathlib.Path(d.path)
   train_docs = token_shards.load_documents(root, 'train')
   if train_docs is None:
     raise UserError(f'data.path={str(root)!r} has no train split; {token_shards.REPREPARE}.')
   vocab = token_shards.read_meta(root)['vocab_size']
-  if vocab > config.model.vocab_size:
+  if vocab > needs.vocab_size:
     fix = ("prepare the data with model.init_from's own tokenizer (scripts/prepare_data.py --tokenizer=FOLDER)"
-           if config.model.get('init_from') else f'set --config.model.vocab_size={vocab} (or more)')
+           if needs.pretrained else f'set --config.model.vocab_size={vocab} (or more)')
     raise UserError(f'the shards in {str(root)!r} use a vocabulary of {vocab} tokens but model.vocab_size='
-                    f'{config.model.vocab_size}; {fix}.')
-  eval_docs = token_shards.load_documents(root, 'eval') if config.data.eval_percent else None
+                    f'{needs.vocab_size}; {fix}.')
+  eval_docs = token_shards.load_documents(root, 'eval') if d.eval_percent else None
   return train_docs, eval_docs, (f'{len(train_docs.lengths)} train documents ({train_docs.num_tokens} tokens), '
                                  f'{0 if eval_docs is None else len(eval_docs.lengths)} held out, from {root}')
 
 
 def train_iterator_for(config, process_index: int = 0, process_count: int = 1) -> TrainIterator:
-  """Just the resumable train iterator of `config` (tools and tests that save or restore a data position)."""
-  return _train_iterator(config, load_sources(config), process_index, process_count)
+  """Just the resumable train iterator of a whole `config` (tools and tests that save or restore a data position)."""
+  needs = Needs.of(config.model, config.train)
+  return _train_iterator(config.data, needs, read_sources(config.data, needs), process_index, process_count)
 
 
-def _train_iterator(config, sources: Sources, process_index: int, process_count: int) -> TrainIterator:
-  d = config.data
+def _train_iterator(d, needs: Needs, sources: Sources, process_index: int, process_count: int) -> TrainIterator:
   if d.source == 'synthetic':  # Never the bottleneck of a benchmark: a pool of batches drawn once.
-    return synthetic_pool.pooled_train_iterator(sources.train, config.train.batch_size, config.train.seed,
+    return synthetic_pool.pooled_train_iterator(sources.train, needs.batch_size, needs.seed,
                                                 process_index, process_count,
                                                 {'source': d.source, 'packing': d.packing, 'seq_len': d.seq_len})
   if sources.mixed is not None:
-    return mixture.MixtureIterator([s.train for s in sources.mixed], d, config.train.batch_size, config.train.seed,
+    return mixture.MixtureIterator([s.train for s in sources.mixed], d, needs.batch_size, needs.seed,
                                    process_index, process_count,
-                                   mixture.stages(d, config.train.batch_size, len(sources.mixed)),
+                                   mixture.stages(d, needs.batch_size, len(sources.mixed)),
                                    {'source': d.source, 'packing': d.packing,
                                     'sources': [[s.path, len(s.train)] for s in sources.mixed]})
-  return train_iterator(sources.train, d, config.train.batch_size, config.train.seed, process_index, process_count,
+  return train_iterator(sources.train, d, needs.batch_size, needs.seed, process_index, process_count,
                         {'source': d.source, 'packing': d.packing})
 
 
-def accounting(config, inputs: Inputs) -> 'mixture.Accounting | None':
+def accounting(d, needs: Needs, inputs: Inputs) -> 'mixture.Accounting | None':
   """A mixture's per-source accounting for the loop (tokens seen, eval loss per source); None for one source."""
-  if config.data.source != 'mixture':
+  if d.source != 'mixture':
     return None
-  return mixture.Accounting(list(mixture_names(config.data)), inputs.train, config.train.batch_size,
-                            config.data.seq_len, inputs.eval_by_source)
+  return mixture.Accounting(list(mixture_names(d)), inputs.train, needs.batch_size, d.seq_len, inputs.eval_by_source)
 
 
-def _mixture_evals(config, sources: Sources, batch_shardings, process_index: int, process_count: int):
+def _mixture_evals(needs: Needs, sources: Sources, batch_shardings, process_index: int, process_count: int):
   """({source name: its held-out global batches}, the description) of a mixture; ({}, description) otherwise."""
-  by_source, batch_size = {}, config.train.batch_size
+  by_source, batch_size = {}, needs.batch_size
   for i, source in enumerate(sources.mixed or ()):
-    if source.eval is not None and config.train.eval_batches and len(source.eval) >= batch_size:
+    if source.eval is not None and needs.eval_batches and len(source.eval) >= batch_size:
       held_out = grain.MapDataset.source(source.eval).map(functools.partial(mixture.tag, source=i))
       by_source[source.name] = [to_global(b, batch_shardings, process_count) for b in eval_batches(
-          held_out, batch_size, config.train.eval_batches, process_index, process_count)]
+          held_out, batch_size, needs.eval_batches, process_index, process_count)]
   unevaluated = [s.name for s in sources.mixed or () if s.name not in by_source]
-  if unevaluated and config.train.eval_batches:
+  if unevaluated and needs.eval_batches:
     return by_source, (f'{sources.description}; no eval for {unevaluated} (fewer held-out rows than '
                        f'train.batch_size)')
   return by_source, sources.description
 
 
-def build(config, batch_shardings: dict[str, NamedSharding], process_index: int, process_count: int) -> Inputs:
-  """Everything the loop reads: the resumable train iterator, the eval batches and a description."""
-  d, batch_size = config.data, config.train.batch_size
-  check_task(config)
-  sources = load_sources(config)
-  shorter = 'lower train.batch_size' if config.model.task == 'classifier' else 'lower data.seq_len or train.batch_size'
+def build(d, needs: Needs, batch_shardings: dict[str, NamedSharding], process_index: int,
+          process_count: int) -> Inputs:
+  """Everything the loop reads of config.data (`d`) and `needs`: the resumable train iterator, the eval batches and
+  a description."""
+  batch_size = needs.batch_size
+  check_task(d, needs)
+  sources = read_sources(d, needs)
+  shorter = 'lower train.batch_size' if needs.task == 'classifier' else 'lower data.seq_len or train.batch_size'
   if sources.mixed is None:  # A mixture's sources repeat endlessly: one row each is enough (mixture.load).
     pipeline.check_enough(sources.train, batch_size, f'the train split ({sources.description})',
                           f'add data, or {shorter}.')
-  train = _train_iterator(config, sources, process_index, process_count)
-  by_source, description = _mixture_evals(config, sources, batch_shardings, process_index, process_count)
+  train = _train_iterator(d, needs, sources, process_index, process_count)
+  by_source, description = _mixture_evals(needs, sources, batch_shardings, process_index, process_count)
   evals = [b for batches in by_source.values() for b in batches]
-  if sources.eval is not None and config.train.eval_batches:
+  if sources.eval is not None and needs.eval_batches:
     pipeline.check_enough(sources.eval, batch_size, f'the held-out split ({sources.description})',
                           f'add data, {shorter}, or set data.eval_percent=0.')
     evals = [to_global(b, batch_shardings, process_count) for b in eval_batches(
-        sources.eval, batch_size, config.train.eval_batches, process_index, process_count)]
+        sources.eval, batch_size, needs.eval_batches, process_index, process_count)]
   rows = sum(len(m.train) for m in sources.mixed) if sources.mixed else len(sources.train)
   description = (f'{description}; {rows} train examples, {len(evals)} eval batches; '
                  f'{d.worker_count} worker process(es), {d.num_threads} read threads, prefetch {d.prefetch}')

@@ -63,13 +63,14 @@ class Limit:
   source: str
 
 
-def device_limit(config, devices: Sequence[jax.Device]) -> Limit:
-  """`train.device_memory_gb` when set, else the smallest `bytes_limit` the local devices report, else unknown.
+def device_limit(memory_gb: float | None, devices: Sequence[jax.Device]) -> Limit:
+  """`train.device_memory_gb` (`memory_gb`) when set, else the smallest `bytes_limit` the local devices report, else
+  unknown.
 
   The setting wins over the device's own figure, so a user can hold memory back (a shared GPU); the CPU
   backend reports no limit at all (memory_stats() is None), so there the setting is the only source.
   """
-  gb = config.train.device_memory_gb
+  gb = memory_gb
   if gb is not None:
     return Limit(int(gb * GIB), f'train.device_memory_gb={gb:g}')
   local = [d for d in devices if d.process_index == jax.process_index()]

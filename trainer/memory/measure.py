@@ -1,19 +1,18 @@
-"""What a config's compiled step needs per device: compile it for the devices given and read its memory analysis.
+"""What a Job's compiled step needs per device: compile it and read its memory analysis.
 
 The one measurement both plan mode (trainer/plan.py: the report and the fixes it
-proposes) and remat 'auto' (trainer/memory/remat.py: its candidates) are made
-of, kept below both so neither imports the other.
+proposes) and remat 'auto' (trainer/memory/remat.py: its candidates, measured
+for trainer/job.py's build_job) are made of. It takes a built Job rather than
+building one, so that the Job's builder can use it without a circle.
 """
 
 import copy
 import dataclasses
-from collections.abc import Sequence
 
 import jax
 
 from parallel import sharding
 from trainer import attention, flops, gpu_targets, traced_flops
-from trainer import job as job_lib
 from trainer.errors import UserError
 from trainer.memory import footprint
 
@@ -50,12 +49,12 @@ class Refused(UserError):
     self.needed_bytes, self.available_bytes, self.mesh_shape = refused.needed_bytes, refused.available_bytes, mesh_shape
 
 
-def make_plan(config, devices: Sequence[jax.Device] | None = None) -> Plan:
-  """Builds the job on `devices` (default: this machine's), compiles its train step and measures it.
+def plan_of(job) -> Plan:
+  """Compiles `job`'s train step (a trainer/job.py Job) and measures it.
 
   Raises Refused when the compiler itself finds that the step cannot fit.
   """
-  job = job_lib.build_job(config, devices)
+  config = job.config
   try:
     memory = footprint.compile_step(job).memory_analysis()
   except footprint.CompilerRefused as e:
@@ -75,11 +74,12 @@ def make_plan(config, devices: Sequence[jax.Device] | None = None) -> Plan:
       flops=(flops.step_flops(config.model, config.train.batch_size, config.data.seq_len)
              if config.model.name == 'llama' else None),
       traced=flops.job_step_flops(job, log=False),  # report() prints it, once, not once per candidate.
-      attention=_attention(config, job.mesh))
+      attention=_attention(config.model, config.data, config.train.compute_dtype, job.mesh))
 
 
-def _attention(config, mesh) -> str | None:
-  choice = attention.check_config(config, mesh)  # For the mesh's platform: a --topology plan names TPU kernels.
+def _attention(model, data, compute_dtype: str, mesh) -> str | None:
+  # For the mesh's platform: a --topology plan names TPU kernels.
+  choice = attention.check_config(model, data, compute_dtype, mesh)
   return choice.describe() if choice else None
 
 
@@ -91,14 +91,6 @@ def with_overrides(config, overrides: dict[str, object]):
       section, name = key.split('.')
       config[section][name] = value
   return config
-
-
-def total_or_refused(config, devices) -> tuple[int, Refused | None]:
-  """Per-device bytes of `config`'s compiled step, or (the compiler's lower bound, the refusal)."""
-  try:
-    return make_plan(config, devices).total_bytes, None
-  except Refused as e:
-    return e.needed_bytes, e
 
 
 def loss_chunks_worth_trying(config, mesh_shape: dict[str, int], budget: int | None) -> int | None:

@@ -17,7 +17,7 @@ from trainer.memory import footprint
 def compile_checked(job):
   """`job`'s compiled train step, once it is known to fit each local device; UserError with fixes otherwise."""
   devices = list(job.mesh.devices.flat)
-  limit = footprint.device_limit(job.config, devices)
+  limit = footprint.device_limit(job.config.train.device_memory_gb, devices)
   try:
     compiled = footprint.compile_step(job)
   except footprint.CompilerRefused as e:  # The TPU compiler's own verdict: the same refusal, with fixes.

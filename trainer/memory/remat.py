@@ -1,10 +1,12 @@
 """`train.remat_policy='auto'`: the least recomputation whose compiled step fits, else the fewest microbatches.
 
-`resolve(config, devices)` turns 'auto' into a concrete policy (and maybe a
-larger `train.grad_accum_steps`) before the run's Job is built, so the model
-builders never see 'auto'. Candidates are compiled ahead of time through
-trainer/memory/measure.py, the measurement plan mode reports (the persistent
-compilation cache, when on, keeps them).
+`resolve(config, devices, measure_fn=...)` turns 'auto' into a concrete policy
+(and maybe a larger `train.grad_accum_steps`) as the first part of building the
+Job (trainer/job.py: build_job), so the model builders never see 'auto'. The Job
+builder hands in `measure_fn`, which builds a candidate's Job and compiles it ahead
+of time (trainer/memory/measure.py, the measurement plan mode reports; the
+persistent compilation cache, when on, keeps them): this module never builds a
+Job itself.
 
 Where one device's float32 logits are a large part of the memory (the built-in
 Llama, `train.loss_chunks` left at 1: measure.loss_chunks_worth_trying), each
@@ -111,11 +113,15 @@ def previous_choice(workdir: str | None) -> dict | None:
 _MEASURED: dict[tuple[str, tuple[int, ...]], int] = {}
 
 
-def step_bytes(config, devices: Sequence[jax.Device]) -> tuple[int, bool]:
+# A candidate's (per-device bytes of its compiled step, whether the compiler refused it): the Job builder's.
+Measure = Callable[..., tuple[int, object]]
+
+
+def step_bytes(config, devices: Sequence[jax.Device], measure_fn: Measure) -> tuple[int, bool]:
   """(per-device bytes of `config`'s compiled step, whether the compiler refused it); UserError if impossible."""
   key = (config.to_json_best_effort(sort_keys=True), tuple(d.id for d in devices))
   if key not in _MEASURED:
-    total, refused = measure.total_or_refused(config, devices)
+    total, refused = measure_fn(config, devices)
     _MEASURED[key] = -(total + 1) if refused else total
   value = _MEASURED[key]
   return (-value - 1, True) if value < 0 else (value, False)
@@ -127,13 +133,18 @@ def _with(config, policy: str, accum: int, chunks: int | None = None):
 
 
 def resolve(config, devices: Sequence[jax.Device] | None = None, limit: footprint.Limit | None = None,
-            workdir: str | None = None, log_fn: Callable[[str], None] = logging.info):
-  """(config with 'auto' replaced by a concrete policy and accumulation, Choice); other configs pass unchanged."""
+            workdir: str | None = None, log_fn: Callable[[str], None] = logging.info,
+            measure_fn: Measure | None = None):
+  """(config with 'auto' replaced by a concrete policy and accumulation, Choice); other configs pass unchanged.
+
+  `measure_fn(candidate_config, devices)` compiles a candidate (trainer/job.py passes its own); only a search
+  calls it, not a choice read back from `workdir` or one made without a memory limit.
+  """
   t = config.train
   if t.remat_policy != 'auto':
     return config, Choice(t.remat_policy, t.grad_accum_steps, None, '')
   devices = list(devices or jax.devices())
-  limit = limit or footprint.device_limit(config, devices)
+  limit = limit or footprint.device_limit(t.device_memory_gb, devices)
   order = policies(config.model.name)
   key = fingerprint(config, devices, limit)
   if order is None or limit.bytes is None:
@@ -147,12 +158,12 @@ def resolve(config, devices: Sequence[jax.Device] | None = None, limit: footprin
                                     f"{saved['grad_accum_steps']}, as chosen when this run started "
                                     f"(its config, devices and memory are unchanged)."})
     else:
-      choice = _search(config, devices, limit, order, key)
+      choice = _search(config, devices, limit, order, key, measure_fn)
   log_fn(choice.summary)
   return _with(config, choice.remat_policy, choice.grad_accum_steps, choice.loss_chunks), choice
 
 
-def _search(config, devices, limit: footprint.Limit, order: tuple[str, ...], key: str) -> Choice:
+def _search(config, devices, limit: footprint.Limit, order: tuple[str, ...], key: str, measure_fn: Measure) -> Choice:
   """Compiles candidates: per accumulation (configured first), 'full' as the least-memory probe, then by order."""
   mesh = mesh_lib.build_mesh(config.mesh, devices)
   per_device = config.train.batch_size // mesh_lib.data_parallel_size(mesh)
@@ -166,7 +177,7 @@ def _search(config, devices, limit: footprint.Limit, order: tuple[str, ...], key
   def need(policy, accum, chunks):
     if (policy, accum, chunks) not in tried:
       try:
-        total, refused = step_bytes(_with(config, policy, accum, chunks), devices)
+        total, refused = step_bytes(_with(config, policy, accum, chunks), devices, measure_fn)
       except UserError:  # This accumulation or policy is not possible here (validation says why).
         total, refused = None, False
       tried[policy, accum, chunks] = max(total, limit.bytes + 1) if refused else total

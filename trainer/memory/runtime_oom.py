@@ -45,7 +45,7 @@ def diagnosis(stats: dict | None, asked: int | None, arguments: int | None) -> s
   return f' At the failure the allocator had {", ".join(parts)}: {cause}.'
 
 
-def explain(error: BaseException, compiled, config, devices) -> UserError | None:
+def explain(error: BaseException, compiled, train, devices) -> UserError | None:
   """A UserError (exit 2) for a device out-of-memory raised while `compiled` (the approved step) trained; None for
   any other error. `compiled` may be None when the error came before the step was compiled."""
   from trainer import profiling
@@ -53,7 +53,7 @@ def explain(error: BaseException, compiled, config, devices) -> UserError | None
     return None
   asked = requested_bytes(str(error))
   need = f'one allocation of {footprint.gib(asked)}' if asked else 'more memory than the device had left'
-  limit = footprint.device_limit(config, devices)
+  limit = footprint.device_limit(train.device_memory_gb, devices)
   local = [d for d in devices if getattr(d, 'process_index', 0) == jax.process_index()]
   stats = max((d.memory_stats() or {} for d in local), key=lambda x: x.get('bytes_in_use', 0), default=None)
   arguments = compiled.memory_analysis().argument_size_in_bytes if compiled is not None else None
@@ -63,7 +63,7 @@ def explain(error: BaseException, compiled, config, devices) -> UserError | None
                 f'{footprint.gib(limit.bytes) if limit.bytes else "an unknown limit"} ({limit.source}).{seen}')
   else:
     approved = f'before the train step was compiled and checked.{seen}'
-  batch = config.train.batch_size
+  batch = train.batch_size
   smaller = f'--config.train.batch_size={batch // 2}' if batch > 1 else 'a smaller model'
   explained = UserError(
       f'out of memory while training: the device was asked for {need}; {approved} The step needs more than '

@@ -425,7 +425,8 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
     UserError: a model setting this model cannot build, naming the key and the fix.
   """
   check_config(config)  # Mesh fit (e.g. fewer kv heads than the tensor axis) is parallel/sharding.check_divisible's.
-  attention_lib.check_config(config, mesh)  # A named kernel that cannot run this model fails here, not in compile.
+  # A named kernel that cannot run this model fails here, not in compile.
+  attention_lib.check_config(config.model, config.data, config.train.compute_dtype, mesh)
   m = config.model
   moe_fields = moe_lib.llama_fields(m, compute_dtype(config.train.compute_dtype), jnp.dtype(config.train.param_dtype))
   if moe_fields:

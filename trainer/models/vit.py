@@ -88,7 +88,8 @@ def vit_config(config, mesh: Mesh | None = None, rules=()) -> VitConfig:
                     f"does not have; choose one of {('none', *REMAT_POLICIES)}.")
   if policy != 'none' and policy not in REMAT_POLICIES:
     raise UserError(f"train.remat_policy={policy!r} is unknown; choose one of {('none', *REMAT_POLICIES)}.")
-  attention_lib.check_config(config, mesh)  # A named kernel that cannot run this model fails here, not in compile.
+  # A named kernel that cannot run this model fails here, not in compile.
+  attention_lib.check_config(config.model, config.data, config.train.compute_dtype, mesh)
   return VitConfig(
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
       num_classes=m.num_classes, patch_size=m.patch_size, image_shape=tuple(shape),

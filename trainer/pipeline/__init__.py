@@ -53,14 +53,13 @@ def describe(schedule: Schedule, num_layers: int) -> str:
           f'{schedule.bubble_fraction:.1%} = (S-1)/(repeats x microbatches + S-1); layers {groups}')
 
 
-def summary(config, mesh_shape: dict[str, int]) -> str | None:
-  """`describe` for a config on a mesh of `mesh_shape`; None without a pipeline axis."""
+def summary(model, train, mesh_shape: dict[str, int]) -> str | None:
+  """`describe` for config.model and config.train on a mesh of `mesh_shape`; None without a pipeline axis."""
   stages = mesh_shape.get(AXIS, 1)
   if stages == 1:
     return None
-  train = config.train
   schedule = Schedule(stages, train.get('pipeline_microbatches', 0) or stages, train.get('pipeline_repeats', 1))
-  return describe(schedule, config.model.num_layers)
+  return describe(schedule, model.num_layers)
 
 
 def can_double(config, mesh_shape: dict[str, int]) -> bool:

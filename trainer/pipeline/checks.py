@@ -16,9 +16,8 @@ def _require(ok: bool, message: str) -> None:
     raise UserError(message)
 
 
-def stages_of(config) -> int | None:
-  """The pipeline size `config.mesh` asks for; None while mesh.pipeline is -1 (known once the mesh is built)."""
-  mesh = config.mesh
+def stages_of(mesh) -> int | None:
+  """The pipeline size config.mesh (`mesh`) asks for; None while mesh.pipeline is -1 (known once the mesh is built)."""
   size = mesh.get('pipeline', 1)
   if size == -1:
     return None
