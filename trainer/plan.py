@@ -41,6 +41,7 @@ from absl import logging as absl_logging
 
 from trainer import attention, flops, gpu_targets, pipeline
 from trainer import job as job_lib
+from trainer.pipeline import checks as pipeline_checks
 from trainer.errors import UserError
 from trainer.memory import footprint
 from trainer.memory import measure, remat
@@ -218,7 +219,7 @@ def _candidates(config, mesh_shape: dict[str, int], budget: int | None = None) -
   if per_device_batch % (config.train.grad_accum_steps * 2) == 0:
     out.append({'train.grad_accum_steps': config.train.grad_accum_steps * 2})
   together = {k: v for o in out for k, v in o.items()}  # Every change above: they keep the global batch.
-  if pipeline.can_double(config, mesh_shape):  # Each device holds half the layers (and adds a bubble).
+  if pipeline_checks.can_double(config, mesh_shape):  # Each device holds half the layers (and adds a bubble).
     out.append(_from_data(config, mesh_shape, 'pipeline'))
   if config.train.batch_size % 2 == 0:  # Last: this one changes the training, not only its layout.
     out.append({'train.batch_size': config.train.batch_size // 2})

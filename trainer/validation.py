@@ -6,7 +6,7 @@ from jax.sharding import Mesh
 from parallel import context as context_lib
 from parallel import mesh as mesh_lib, strategy
 from trainer import data
-from trainer import pipeline
+from trainer.pipeline import checks as pipeline_checks
 from trainer.errors import UserError
 from trainer.models import layer_scan
 from trainer.supervision import notices
@@ -59,7 +59,7 @@ def validate_config(config) -> None:
   notices.check_config(config.train)
   _warn_if_warmup_exceeds_steps(config.train)
   layer_scan.check(config.model)
-  pipeline.check_config(config, pipeline.stages_of(config.mesh))
+  pipeline_checks.check_config(config, pipeline_checks.stages_of(config.mesh))
   _require(0 <= config.data.eval_percent < 100, f'data.eval_percent={config.data.eval_percent} must be in [0, 100).')
 
 
@@ -129,7 +129,7 @@ def validate_strategy(config, mesh: Mesh) -> None:
            f'holds an equal share of the experts); choose num_experts from {[expert * n for n in range(1, 5)]}, or '
            f'a mesh.expert that divides it.')
   _check_context(config, mesh.shape.get('context', 1))
-  pipeline.check_config(config, mesh.shape.get('pipeline', 1), mesh_lib.data_parallel_size(mesh))
+  pipeline_checks.check_config(config, mesh.shape.get('pipeline', 1), mesh_lib.data_parallel_size(mesh))
   if name == 'shard_map':
     # The per-device step gathers whole parameters: a tensor axis would only hold copies of the same work.
     _require(tensor == 1, f"parallel.strategy='shard_map' does not support tensor parallelism (mesh.tensor={tensor}); "

@@ -2,9 +2,10 @@
 
 One entry point for the model, `run_layers`, which runs the layer stack as a circular pipeline
 (trainer/pipeline/schedule.py); `from_config` gives the schedule a config and mesh ask for (None without a
-pipeline axis); `check_config` refuses, in one line, what cannot be pipelined (trainer/pipeline/checks.py);
-`summary` is the line the log and `--plan` print; `can_double` says whether `--plan` may propose twice the stages
-when a model does not fit.
+pipeline axis); `summary` is the line the log and `--plan` print. What cannot be pipelined is refused, in one
+line, by trainer/pipeline/checks.py (`check_config`; `can_double` says whether `--plan` may propose twice the
+stages when a model does not fit): it asks the models what they are, so it sits above them, and this package,
+which the built-in Llama runs its layers through, below.
 
 Parameters keep the unpipelined layout (one 'layers' axis of num_layers), so a checkpoint restores onto any
 pipeline size, or none; `layer_rules` splits that axis over the pipeline devices.
@@ -12,13 +13,9 @@ pipeline size, or none; `layer_rules` splits that axis over the pipeline devices
 
 from jax.sharding import Mesh
 
-from trainer.errors import UserError
-
-from trainer.pipeline.checks import check_config, stages_of
 from trainer.pipeline.schedule import AXIS, Schedule, run, unpipelined_for_counting
 
-__all__ = ['AXIS', 'Schedule', 'can_double', 'check_config', 'describe', 'from_config', 'layer_rules', 'run',
-           'stages_of', 'summary', 'unpipelined_for_counting']
+__all__ = ['AXIS', 'Schedule', 'describe', 'from_config', 'layer_rules', 'run', 'summary', 'unpipelined_for_counting']
 
 
 def from_config(train_config, mesh: Mesh | None) -> Schedule | None:
@@ -60,15 +57,3 @@ def summary(model, train, mesh_shape: dict[str, int]) -> str | None:
     return None
   schedule = Schedule(stages, train.get('pipeline_microbatches', 0) or stages, train.get('pipeline_repeats', 1))
   return describe(schedule, model.num_layers)
-
-
-def can_double(config, mesh_shape: dict[str, int]) -> bool:
-  """Whether the model and batch allow twice the pipeline stages, taken from the data axis."""
-  if mesh_shape['data'] % 2:
-    return False
-  batch_devices = mesh_shape['data'] // 2 * mesh_shape['fsdp'] * mesh_shape.get('expert', 1)
-  try:
-    check_config(config, mesh_shape.get(AXIS, 1) * 2, batch_devices)
-  except UserError:
-    return False
-  return True

@@ -2,6 +2,7 @@
 
 from trainer.errors import UserError
 from trainer.models import adapters, layer_scan, registry
+from trainer.pipeline import AXIS
 
 # What a model must be for mesh.pipeline > 1: the launcher splits a stack it can see, the built-in Llama's
 # scanned blocks. A brought model's layers are inside its own code, so it must run them through the schedule itself.
@@ -81,3 +82,15 @@ def _check_layers(config, stages: int, repeats: int, micro: int, batch_devices: 
     _require(rows % unit == 0, f'{rows} rows a pass (train.batch_size / train.grad_accum_steps) over '
              f'{batch_devices} batch-parallel devices do not split into train.pipeline_microbatches={micro} on every '
              f'device; use a batch of rows divisible by {unit}, or fewer microbatches.')
+
+
+def can_double(config, mesh_shape: dict[str, int]) -> bool:
+  """Whether the model and batch allow twice the pipeline stages, taken from the data axis."""
+  if mesh_shape['data'] % 2:
+    return False
+  batch_devices = mesh_shape['data'] // 2 * mesh_shape['fsdp'] * mesh_shape.get('expert', 1)
+  try:
+    check_config(config, mesh_shape.get(AXIS, 1) * 2, batch_devices)
+  except UserError:
+    return False
+  return True
