@@ -20,7 +20,7 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config fil
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Folder (or gs://bucket/run) for checkpoints, metrics and TensorBoard '
                                 'logs.')
 flags.mark_flags_as_required(['config'])  # --workdir too, except with --plan (checked in main).
-# Plan mode; see trainer/plan.py.
+# Plan mode; see trainer/run/plan.py.
 _PLAN = flags.DEFINE_bool('plan', False, 'Compile the step ahead of time and print its memory and FLOPs; no training.')
 _PLAN_MEMORY_GB = flags.DEFINE_float('plan_memory_gb', None, 'With --plan: fail unless the step fits in this many '
                                      'GiB per device, naming config changes that would fit.')
@@ -79,7 +79,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _parse_error(given, argv, e)
   finally:
     logging.getLogger('absl').removeFilter(quiet)
-  from trainer import config_keys
+  from trainer.base import config_keys
   unknown = config_keys.unknown(_CONFIG.value)
   if unknown:
     _fail(f'--config file {_config_path(given)} sets {"a key" if len(unknown) == 1 else "keys"} that no code reads: '
@@ -153,14 +153,14 @@ def main(argv):
   if not _PLAN.value and not _WORKDIR.value:
     _fail('flag --workdir must have a value (a folder for checkpoints and logs); only --plan runs without one.')
   if _PLAN.value:  # XLA's error-level 'Constant folding / Very slow compile' alarms read as failures; plan mode
-    os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')  # hides them (set before jax loads; see trainer/plan.py).
+    os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')  # hides them (set before jax loads; see trainer/run/plan.py).
   if _TOPOLOGY.value:  # jax's CUDA plugin, when installed, checks the local GPU driver as it loads and stays out on a
     os.environ.setdefault('JAX_SKIP_CUDA_CONSTRAINTS_CHECK', '1')  # host without one; a GPU --topology needs it.
-  from trainer import gpu_env
-  gpu_env.apply()  # NVIDIA GPUs: cuDNN kept out of CUDA graphs (why: trainer/gpu_env.py); before jax loads.
-  from trainer.errors import UserError
+  from trainer.run import gpu_env
+  gpu_env.apply()  # NVIDIA GPUs: cuDNN kept out of CUDA graphs (why: trainer/run/gpu_env.py); before jax loads.
+  from trainer.base.errors import UserError
   from trainer.safety import workdir as workdir_lib
-  from trainer import storage
+  from trainer.base import storage
   from trainer.supervision import settings
   try:
     settings.check(_CONFIG.value.train, _MAX_RESTARTS.value, _RESTART_BACKOFF_S.value)
@@ -178,7 +178,9 @@ def main(argv):
   from parallel import distributed, platforms, watchdog  # After flag parsing, so --help does not wait for jax.
   if not _TOPOLOGY.value:  # No TPU asked for: libtpu's start-up lines stay off a machine without one.
     platforms.skip_absent_tpu()
-  from trainer import console, loop, preemption, sigterm_handoff
+  from trainer.observe import console
+  from trainer.run import loop
+  from trainer.safety import preemption, sigterm_handoff
   from trainer.safety import disk, lock
   console.quiet_library_info()
   if not _PLAN.value:
@@ -188,7 +190,7 @@ def main(argv):
     from trainer.hf import load as hf_load  # model.init_from: config.json replaces the file's model keys, not the flags'.
     config = hf_load.configure(_CONFIG.value, config_flags.get_override_values(flags.FLAGS['config']))
     if _PLAN.value:
-      from trainer import plan
+      from trainer.run import plan
       plan.run(config, _PLAN_MEMORY_GB.value, _TOPOLOGY.value)
       return
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _TIMEOUT.value)
@@ -198,7 +200,7 @@ def main(argv):
   except UserError as e:
     if getattr(e, 'exit_at_once', False):  # A failed save (trainer/safety/disk.py): no shutdown beside Orbax.
       _exit_at_once.append(True)
-    _fail(str(e), getattr(e, 'exit_code', 2))  # 3: stopped on a non-finite loss (trainer/guardrails.py).
+    _fail(str(e), getattr(e, 'exit_code', 2))  # 3: stopped on a non-finite loss (trainer/safety/guardrails.py).
   except Exception as e:  # pylint: disable=broad-except
     # A UserError that a cleanup step (closing a writer on a full disk) raised over, or a disk/permission failure.
     cause = next((c for c in _chain(e) if isinstance(c, UserError)), None)
@@ -209,7 +211,7 @@ def main(argv):
       watchdog.grace()  # A collective that failed because a peer died: let the watchdog name it first.
       raise  # A bug: keep the traceback.
     _fail(message, getattr(cause, 'exit_code', 2))
-  except KeyboardInterrupt:  # Ctrl-C before the step loop installed its handler (trainer/preemption.py).
+  except KeyboardInterrupt:  # Ctrl-C before the step loop installed its handler (trainer/safety/preemption.py).
     _fail('Ctrl-C: stopped outside the step loop (before training, or while closing); every checkpoint already '
           'complete on disk is intact.', preemption.INTERRUPTED_EXIT_CODE, 'interrupted')
   finally:
@@ -242,11 +244,11 @@ def _exit_within(code: int) -> None:
 
 
 if __name__ == '__main__':
-  from trainer import startup_signals
+  from trainer.safety import startup_signals
   startup_signals.install_early()  # Before flags and jax: SIGTERM, SIGHUP, SIGINT or SIGUSR1 never kill without a word.
   try:
     app.run(main, flags_parser=_parse_flags)
-  except startup_signals.OutsideTheLoop as stop:  # A stop signal during the final eval or save (trainer/loop.py).
+  except startup_signals.OutsideTheLoop as stop:  # A stop signal during the final eval or save (trainer/run/loop.py).
     _exit_within(128 + stop.signum)
     print(startup_signals.message(stop.signum, stop.kept), file=sys.stderr, flush=True)
     sys.exit(128 + stop.signum)

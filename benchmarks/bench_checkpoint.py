@@ -63,8 +63,10 @@ def bench(size_mb: int, steps: int, async_save: bool, root: pathlib.Path, workdi
   import numpy as np
 
   from parallel import sharding
-  from trainer import checkpoint, data, storage
-  from trainer import job as job_lib
+  from trainer.training import checkpoint
+  from trainer import data
+  from trainer.base import storage
+  from trainer.run import job as job_lib
   config = _config(size_mb, async_save)
   text = root / 'text'
   text.mkdir(exist_ok=True)

@@ -100,7 +100,7 @@ def main() -> None:
   import jax
   from absl import flags
   flags.FLAGS.mark_as_parsed()
-  from trainer import job as job_lib
+  from trainer.run import job as job_lib
   job = job_lib.build_job(load_config(args.config, args.set), log_fn=print)  # A preset's 'auto', as a launch does.
   config = job.config
   steps_per_s = step_rate(config, job, args.steps)

@@ -57,7 +57,7 @@ def main() -> None:
   import numpy as np
 
   from trainer import evals
-  from trainer import job as job_lib
+  from trainer.run import job as job_lib
   spec = importlib.util.spec_from_file_location('bench_config', REPO / args.config)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

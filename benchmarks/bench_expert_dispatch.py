@@ -32,7 +32,7 @@ def main():
   import numpy as np
 
   from configs import tiny
-  from trainer import job as job_lib
+  from trainer.run import job as job_lib
 
   c = tiny.get_config()
   c.mesh.data, c.mesh.fsdp, c.mesh.expert = 8 // (args.fsdp * args.expert), args.fsdp, args.expert

@@ -6,10 +6,10 @@
 Needs requirements-gpu-plan.txt (jax's CUDA plugin). For each kernel (jax.lax.ragged_dot, XLA's GPU lowering:
 'before'; the Pallas Triton grouped matmul, trainer/models/grouped_matmul.py: 'after') it compiles the real train
 step (remat none, synthetic data) and prints one row: per-device temporaries and total (the compiled memory
-analysis), the matmul FLOPs XLA runs (trainer/compiled_flops.py: read from the optimized HLO, loops times their
+analysis), the matmul FLOPs XLA runs (trainer/observe/compiled_flops.py: read from the optimized HLO, loops times their
 trip counts; custom calls unseen) and those plus the Triton kernels' expert matmuls (3 projections x forward,
 input and weight gradients x 2 x assignments x d_model x expert width x MoE layers), each over the active count
-(the traced step, trainer/traced_flops.py), and the dense-experts guard's line.
+(the traced step, trainer/observe/traced_flops.py), and the dense-experts guard's line.
 """
 
 import argparse
@@ -22,11 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import importlib.util  # noqa: E402
 
-from trainer import compiled_flops, flops  # noqa: E402
-from trainer import job as job_lib  # noqa: E402
+from trainer.observe import compiled_flops, flops  # noqa: E402
+from trainer.run import job as job_lib  # noqa: E402
 from trainer.memory import footprint  # noqa: E402
 from trainer.models import moe  # noqa: E402
-from trainer import plan  # noqa: E402
+from trainer.run import plan  # noqa: E402
 
 
 def _config(path: str, batch_size: int, overrides: list[str]):

@@ -3,7 +3,7 @@
   python benchmarks/bench_flops.py [--presets=tiny,gpt2_124m,llama_1b,vit_base] [--repeats=3]
 
 Per preset (configs/<preset>.py on synthetic data, float32, train.remat_policy 'auto' read as 'full' since
-resolving it compiles): the traced count (trainer/flops.py), the analytic 'matmul' count with causal attention
+resolving it compiles): the traced count (trainer/observe/flops.py), the analytic 'matmul' count with causal attention
 halved (MaxText) and unhalved, 6N, the traced count over the unhalved one, and the seconds a count takes: the
 first, as a launch pays it, and the median of --repeats (building the Job, which a run does anyway, is not
 included). Scanned and unrolled layers
@@ -25,8 +25,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 
-from trainer import flops  # noqa: E402
-from trainer import job as job_lib  # noqa: E402
+from trainer.observe import flops  # noqa: E402
+from trainer.run import job as job_lib  # noqa: E402
 
 
 def _config(preset: str, scan: bool):

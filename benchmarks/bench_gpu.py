@@ -13,10 +13,10 @@ moe_b8_capacity (configs/moe_1b.py, synthetic, dropless or capacity 1.25; no ref
 optimizer and shapes in a hand-written jit step on one resident batch (benchmarks/minimal_step.py), timed in the
 same run, so the launcher's cost over a minimal loop is a ratio of two rows measured side by side.
 
-Each row builds the real Job (trainer/job.py) and inputs (trainer/data: the device feed, the pooled synthetic
-source) and drives trainer/loop.py's `_train` with checkpoints and evals off, so it measures what the launcher
+Each row builds the real Job (trainer/run/job.py) and inputs (trainer/data: the device feed, the pooled synthetic
+source) and drives trainer/run/loop.py's `_train` with checkpoints and evals off, so it measures what the launcher
 runs. Per row: tokens/s or images/s, TFLOP/s per device and MFU from the FLOPs counted in the traced step
-(trainer/flops.py), and for Llama rows MFU under the analytic 6N convention too (MFU only where the device's
+(trainer/observe/flops.py), and for Llama rows MFU under the analytic 6N convention too (MFU only where the device's
 peak is known, so none on CPU), peak device memory (`memory_stats`) beside the compiled step's own figure (what
 `launch.py --plan --topology=h100` reports without the GPU) and the share of step
 time spent waiting for data, all from the loop's own metrics over the timed steps. On a GPU each row runs in
@@ -99,9 +99,12 @@ def row_config(name: str, attention: str | None, smoke: bool):
 def measure(name: str, steps: int, warmup: int, attention: str | None, smoke: bool) -> dict:
   """One row through the launcher's Job, data and loop; the loop's own metrics over the timed steps."""
   import jax
-  from trainer import data, flops, goodput, guardrails, loop, preemption, profiling
-  from trainer import job as job_lib
-  from trainer.metrics import MetricsWriter
+  from trainer import data
+  from trainer.observe import flops, goodput, profiling
+  from trainer.safety import guardrails, preemption
+  from trainer.run import loop
+  from trainer.run import job as job_lib
+  from trainer.observe.metrics import MetricsWriter
 
   config = row_config(name, attention, smoke)
   devices = jax.devices()[:1] if smoke else None  # Smoke: compiles in seconds.
@@ -153,8 +156,8 @@ def measure_minimal(name: str, steps: int, warmup: int, attention: str | None, s
   import jax
   import numpy as np
   from benchmarks import minimal_step
-  from trainer import flops
-  from trainer import job as job_lib
+  from trainer.observe import flops
+  from trainer.run import job as job_lib
 
   config = row_config(REFERENCES[name], attention, smoke)
   devices = jax.devices()[:1] if smoke else None

@@ -13,7 +13,7 @@
    spent are recorded as not run. --rows picks and orders them (--launches=0 skips part 1), so a short lease
    measures what matters first.
 
-Every child gets the XLA flags launch.py sets on NVIDIA GPUs (trainer/gpu_env.py): the rows build the Job in
+Every child gets the XLA flags launch.py sets on NVIDIA GPUs (trainer/run/gpu_env.py): the rows build the Job in
 benchmarks/bench_gpu.py, not through launch.py, and must measure the same flags.
 
 Writes OUT/acceptance.json (everything above, with the versions of python, jax, jaxlib and flax and the device)
@@ -36,7 +36,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
   sys.path.insert(0, str(REPO))
 
-from trainer import gpu_env  # noqa: E402  (imports no jax)
+from trainer.run import gpu_env  # noqa: E402  (imports no jax)
 ROWS = ('gpt2_b64', 'gpt2_b64_minimal', 'llama_b16_auto', 'llama_b16_auto_minimal', 'gpt2_b32_packed', 'moe_b4',
         'moe_b8', 'moe_b8_capacity')
 SMOKE_ROWS = ('gpt2_b32', 'gpt2_b32_minimal', 'moe_b8')

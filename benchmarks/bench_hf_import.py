@@ -77,7 +77,7 @@ def child(model: str, process_id: int, num_processes: int, port: int) -> None:
   import jax
   jax.distributed.initialize(f'127.0.0.1:{port}', num_processes, process_id)
   from configs import base
-  from trainer import job as job_lib
+  from trainer.run import job as job_lib
   from trainer.hf import load as hf_load
   c = base.get_config()
   c.model.init_from = f'hf:{model}'

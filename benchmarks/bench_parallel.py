@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
 from parallel import sharding  # noqa: E402
-from trainer import job as job_lib  # noqa: E402
+from trainer.run import job as job_lib  # noqa: E402
 
 MESHES = {  # name: ((data, fsdp, tensor), number of devices)
     'DP (8,1,1)': ((8, 1, 1), 8),

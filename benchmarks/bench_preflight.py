@@ -5,7 +5,7 @@
 In one process, alternating rounds, on one CPU device (float32): a fresh Job's
 `compile_train_step()`; the pre-flight check up to its verdict (the compile plus
 the memory analysis and the limit); and the whole refusal, which also compiles
-each candidate fix (trainer/plan.py) before it raises. Medians in seconds.
+each candidate fix (trainer/run/plan.py) before it raises. Medians in seconds.
 """
 
 import os
@@ -23,9 +23,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 
-from trainer import job as job_lib  # noqa: E402
-from trainer.errors import UserError  # noqa: E402
-from trainer.memory import footprint, preflight  # noqa: E402
+from trainer.run import job as job_lib  # noqa: E402
+from trainer.base.errors import UserError  # noqa: E402
+from trainer.memory import footprint  # noqa: E402
+from trainer.run import preflight
 
 
 def _timed(fn) -> float:

@@ -4,7 +4,7 @@
       [--parts=speed,host,remat,depth,cache,chunks] [--devices=1,8] [--override=model.scan_layers=True]
       [--loss_chunks=8]
 
-1. The launcher's compiled step driven by its own loop (trainer/loop.py's _train,
+1. The launcher's compiled step driven by its own loop (trainer/run/loop.py's _train,
    with checkpoints, evals and logging switched off and batches already on the
    host) against a minimal hand-written `jax.jit` train step on the same model
    with its blocks unrolled, same mesh, batch and donation, in one process,
@@ -43,9 +43,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from parallel import sharding  # noqa: E402
-from trainer import job as job_lib  # noqa: E402
-from trainer import data, goodput, guardrails, loop, preemption, profiling  # noqa: E402
-from trainer.metrics import MetricsWriter  # noqa: E402
+from trainer.run import job as job_lib  # noqa: E402
+from trainer import data  # noqa: E402
+from trainer.observe import goodput, profiling
+from trainer.safety import guardrails, preemption
+from trainer.run import loop
+from trainer.observe.metrics import MetricsWriter  # noqa: E402
 from trainer.models import llama  # noqa: E402
 from benchmarks import minimal_step  # noqa: E402
 
@@ -207,7 +210,7 @@ sys.path.insert(0, {repo!r})
 spec = importlib.util.spec_from_file_location('c', {config!r}); m = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(m); config = m.get_config()
 config.train.compilation_cache_dir = {cache!r}
-from trainer import compilation_cache, job
+from trainer.run import compilation_cache, job
 compilation_cache.enable(config.train.compilation_cache_dir)
 j = job.build_job(config)
 t0 = time.perf_counter(); j.compile_train_step(); print(time.perf_counter() - t0)

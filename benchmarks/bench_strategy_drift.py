@@ -8,7 +8,7 @@ sys.path.insert(0, 'tests'); sys.path.insert(0, '.')
 import conftest
 import numpy as np, tempfile
 from conftest import read_metrics
-from trainer import loop
+from trainer.run import loop
 import test_optimizers as t
 for name in ['adafactor', 'muon', 'lion', 'sgd']:
   runs = {}

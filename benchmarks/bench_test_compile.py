@@ -23,7 +23,7 @@ import json, sys, time
 sys.path.insert(0, {repo!r})
 import jax, numpy as np
 from configs import tiny
-from trainer import job as job_lib
+from trainer.run import job as job_lib
 config = tiny.get_config()
 config.data.source = 'synthetic'
 job = job_lib.build_job(config)

@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 
-from trainer import job as job_lib
+from trainer.run import job as job_lib
 
 
 def runner(config) -> list:

@@ -105,7 +105,7 @@ def get_config() -> config_dict.ConfigDict:
   c.log.every_steps = 50  # Write metrics and a progress line every N steps (and at step 1).
   c.log.idle_expert_steps = 100  # MoE: warn when an expert receives no tokens this many steps in a row; 0 = off.
   c.log.progress_bar = 'auto'  # 'auto': a live bar when stderr is a terminal; 'on'; 'off' (log lines only).
-  # Trackers (issue 42; trainer/trackers/, docs/monitoring.md)
+  # Trackers (issue 42; trainer/observe/trackers/, docs/monitoring.md)
   c.log.trackers = ()  # Also log to these, beside TensorBoard and metrics.jsonl: 'wandb', 'mlflow' (process 0; an unreachable one warns once and is dropped).
   c.log.run_name = config_dict.placeholder(str)  # The run's name in the trackers; None = the workdir's folder name.
   c.log.wandb_project = 'jax-launch'  # Weights & Biases project.

@@ -5,7 +5,7 @@ the width of OLMoE's small models: 16 layers, d_model 1024, 16 query heads
 sharing 8 key/value heads, 8 SwiGLU experts of width 2048 per layer, vocabulary
 50304 (GPT-2's, padded), untied head. Parameters: 103M in the embedding table
 and head + 16 x 53.5M per block (50.3M of it experts); a token runs 2 of the 8
-experts, so 6N and MFU count 0.30B non-embedding parameters (trainer/flops.py).
+experts, so 6N and MFU count 0.30B non-embedding parameters (trainer/observe/flops.py).
 
 Dropless routing on grouped matmuls (model.expert_capacity_factor None); set it to
 1.25 for capacity mode. Experts split over the expert mesh axis, which splits

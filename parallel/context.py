@@ -7,13 +7,13 @@ load-balanced context parallelism do): cut into 2C chunks, device r holds chunk 
 gets one early and one late chunk and the same causal work (`causal_work` measures it).
 
 `balance` applies the order to every per-token array of a batch (inputs, targets, positions, segment ids) in one
-place, trainer/task.py's loss; it is undone nowhere: the loss is a sum over tokens, RoPE reads each token's own
+place, trainer/training/task.py's loss; it is undone nowhere: the loss is a sum over tokens, RoPE reads each token's own
 entry of `positions`, and attention (trainer/attention/context.py) reads `order` to mask by original position.
 """
 
 import numpy as np
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 AXIS = 'context'
 

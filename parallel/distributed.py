@@ -35,7 +35,7 @@ import jax
 from absl import logging
 
 from parallel import watchdog
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 # jax's own deadline in a detected launch; the watchdog fires this much earlier.
 _WATCHDOG_LEAD_S = 10

@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 AXES = ('data', 'fsdp', 'pipeline', 'expert', 'context', 'tensor')
 # Mesh axes the global batch is split over: every device on them sees different examples.

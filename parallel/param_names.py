@@ -35,7 +35,7 @@ import jax
 
 from parallel import mesh as mesh_lib
 from parallel import sharding
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 UNNAMED = ('auto', 'replicate', 'error')
 AUTO_MIN_ELEMENTS = 2**18  # 1 MiB of float32: smaller unnamed parameters are replicated under 'auto'.

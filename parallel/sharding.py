@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from parallel import mesh as mesh_lib
 from parallel import vocabularies
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
@@ -82,7 +82,7 @@ def sharding_table(abstract_state, shardings, notes: dict[str, str] | None = Non
 
   `notes` ({path: text}, from parallel/param_names.py) adds a column saying how
   the names of parameters the model did not fully name were chosen; `decays`
-  ({path: bool}, from trainer/optimizer.py) a 'decay' column marking which get weight decay.
+  ({path: bool}, from trainer/training/optimizer.py) a 'decay' column marking which get weight decay.
   Returns (text, totals) where totals has params / opt_state bytes per device and in total.
   """
   notes = notes or {}

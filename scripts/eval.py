@@ -46,7 +46,7 @@ def _job(config, rows_per_call: int):
   """The run's Job on every local device, data-parallel, one microbatch of rows per call."""
   import jax
 
-  from trainer import job as job_lib
+  from trainer.run import job as job_lib
   for key in config.mesh:
     config.mesh[key] = 1
   config.mesh.data = -1
@@ -79,7 +79,7 @@ def _next_logits(config, params):
   import functools
 
   import jax
-  from trainer import task as task_lib
+  from trainer.training import task as task_lib
   decoder = sample.cached_decoder(config)
   if decoder is None:
     model_task = task_lib.build_task(config).for_eval()
@@ -105,7 +105,7 @@ def _lm_eval(names, include, limit: int, job, params, codec, config) -> dict:
   import jax
 
   from trainer import evals
-  from trainer.errors import UserError
+  from trainer.base.errors import UserError
   try:
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -134,9 +134,11 @@ def evaluate(workdir: str, task_paths, step: str, which: str, max_questions: int
   """Every task's scores for checkpoint `step` of `workdir`; writes them to `output` and returns them."""
   import jax
 
-  from trainer import checkpoint, evals, storage
-  from trainer import state as state_lib
-  from trainer.errors import UserError
+  from trainer.training import checkpoint
+  from trainer import evals
+  from trainer.base import storage
+  from trainer.training import state as state_lib
+  from trainer.base.errors import UserError
   from trainer.evals import codec as codec_lib
   from trainer.evals import tasks
   if step != 'latest' and not step.isdigit():
@@ -180,7 +182,7 @@ def evaluate(workdir: str, task_paths, step: str, which: str, max_questions: int
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  from trainer.errors import UserError
+  from trainer.base.errors import UserError
   from parallel import platforms
   platforms.skip_absent_tpu()  # No libtpu start-up lines where no TPU chip is (parallel/platforms.py).
   if not flags.FLAGS['verbosity'].present:

@@ -38,8 +38,8 @@ def export(workdir: str, output: str, step: str = 'latest', dtype: str | None = 
   """Writes `output`; returns (the checkpoint step exported, the file names written)."""
   from scripts import sample
 
-  from trainer import storage
-  from trainer.errors import UserError
+  from trainer.base import storage
+  from trainer.base.errors import UserError
   from trainer.hf import save, serving
   run = storage.path(workdir)
   config = sample.load_run_config(run)
@@ -67,8 +67,8 @@ def main(argv=None):
   parser.add_argument('--params', default='raw', choices=('raw', 'ema'),
                       help="'raw': the parameters as trained; 'ema': their moving average (train.ema_decay > 0)")
   args = parser.parse_args(argv)
-  from trainer import console
-  from trainer.errors import UserError
+  from trainer.observe import console
+  from trainer.base.errors import UserError
   from parallel import platforms
   platforms.skip_absent_tpu()  # No libtpu start-up lines where no TPU chip is (parallel/platforms.py).
   console.quiet_library_info()

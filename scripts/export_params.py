@@ -41,14 +41,15 @@ flags.mark_flags_as_required(['config', 'workdir', 'output'])
 def export(config, workdir: str, output: str, step: int | None = None, params: str = 'raw') -> int:
   """Exports the params of checkpoint `step` (default newest intact) of `workdir` to `output`; returns the step.
 
-  `params`: 'raw', or 'ema' for the run's parameter average (trainer/state.py `params_of`).
+  `params`: 'raw', or 'ema' for the run's parameter average (trainer/training/state.py `params_of`).
   """
   import orbax.checkpoint as ocp
 
-  from trainer import checkpoint, storage
-  from trainer import job as job_lib
-  from trainer import state as state_lib
-  from trainer.errors import UserError
+  from trainer.training import checkpoint
+  from trainer.base import storage
+  from trainer.run import job as job_lib
+  from trainer.training import state as state_lib
+  from trainer.base.errors import UserError
   output_path = storage.path(output)  # A local folder or a gs:// URL, like the workdir.
   if output_path.exists():
     raise UserError(f'--output={output} exists; choose a new folder (nothing is overwritten).')
@@ -62,8 +63,8 @@ def export(config, workdir: str, output: str, step: int | None = None, params: s
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  from trainer import console
-  from trainer.errors import UserError
+  from trainer.observe import console
+  from trainer.base.errors import UserError
   from parallel import platforms
   platforms.skip_absent_tpu()  # No libtpu start-up lines where no TPU chip is (parallel/platforms.py).
   console.quiet_library_info()  # Orbax's dozens of INFO lines per save and restore; --verbosity=1 shows them.
@@ -75,5 +76,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  from trainer import console
+  from trainer.observe import console
   app.run(main, flags_parser=console.one_line_flag_errors('export_params.py'))  # Flag errors: one line, exit 2.

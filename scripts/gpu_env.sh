@@ -37,7 +37,7 @@ gpu_env_settings() {
   #
   # cuDNN calls stay out of CUDA graphs (-CUDNN): recorded into one, cuDNN's graph
   # failed to capture at the first step in 2 of 4 launches on an H100 (the
-  # measurement and the flag's choice: trainer/gpu_env.py, which launch.py applies
+  # measurement and the flag's choice: trainer/run/gpu_env.py, which launch.py applies
   # to any GPU launch; set here too so --dry_run shows it).
   GPU_ENV+=("XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_command_buffer=-CUDNN${XLA_FLAGS:+ $XLA_FLAGS}")
 

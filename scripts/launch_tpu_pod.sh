@@ -103,7 +103,7 @@ esac
   die "--config=$CONFIG: no file $REPO/$(config_file "$CONFIG") (give the path inside the repo, e.g. configs/default.py)."
 EXTRA_REQUIREMENTS=''
 case $WORKDIR in
-  gs://*) EXTRA_REQUIREMENTS=' -r ~/jax-launch/requirements-gcs.txt' ;;  # gcsfs: trainer/storage.py.
+  gs://*) EXTRA_REQUIREMENTS=' -r ~/jax-launch/requirements-gcs.txt' ;;  # gcsfs: trainer/base/storage.py.
   /*) ;;
   *) die "--workdir=$WORKDIR must be a gs:// URL or an absolute path on storage every worker mounts at the same" \
     "place." ;;

@@ -77,7 +77,7 @@ def load_run_config(workdir):
   """The ConfigDict the run in `workdir` was launched with."""
   from ml_collections import config_dict
 
-  from trainer.errors import UserError
+  from trainer.base.errors import UserError
   if not workdir.is_dir():
     raise UserError(f'--workdir={str(workdir)!r} does not exist; give the --workdir of a launch.py run.')
   path = workdir / 'config.json'
@@ -95,14 +95,14 @@ def load_run_config(workdir):
 def restore_model(config, workdir, step: str, which: str = 'raw'):
   """(step, bind, params) of checkpoint `step` ('latest': the newest intact one), on one CPU device.
 
-  `which`: 'raw' parameters or their 'ema' average (trainer/state.py `params_of`).
+  `which`: 'raw' parameters or their 'ema' average (trainer/training/state.py `params_of`).
 
   `bind(params)` is the model: `bind(params)(tokens)` -> logits.
 
   The run's Job is rebuilt on a one-device mesh and restored as scripts/export_params.py does, so the checkpoint's
   manifest is checked against the config first; the optimizer state is restored too and dropped.
   """
-  from trainer.errors import UserError
+  from trainer.base.errors import UserError
   if not (workdir / 'checkpoints').is_dir():  # Checked first: Checkpointer would create the folder.
     raise UserError(f'--workdir={str(workdir)!r} holds no checkpoint (no checkpoints/ folder); train it with '
                     f'launch.py until a checkpoint is saved (ckpt.every_steps, or the last step).')
@@ -110,9 +110,9 @@ def restore_model(config, workdir, step: str, which: str = 'raw'):
     raise UserError(f"--step={step}: give a checkpoint step or 'latest'.")
   import jax
 
-  from trainer import checkpoint
-  from trainer import job as job_lib
-  from trainer import state as state_lib
+  from trainer.training import checkpoint
+  from trainer.run import job as job_lib
+  from trainer.training import state as state_lib
   for key in config.mesh:  # Every axis, per slice and across slices: one device.
     config.mesh[key] = 1
   config.parallel.strategy = 'jit'
@@ -147,7 +147,7 @@ def byte_level(config) -> bool:
 
 
 def encode_prompt(prompt: str, as_bytes: bool, vocab_size: int) -> list[int]:
-  from trainer.errors import UserError
+  from trainer.base.errors import UserError
   if as_bytes:
     tokens = list(prompt.encode())
   else:
@@ -342,7 +342,7 @@ def sample(workdir: str, prompt: str, num_tokens: int, temperature: float, seed:
                                              chat, ignore_eos)
   if as_bytes:
     if any(t > 255 for t in tokens + new):
-      from trainer.errors import UserError
+      from trainer.base.errors import UserError
       raise UserError(f'the model wrote token id {max(tokens + new)}, which is no byte (this run\'s text is bytes but '
                       f'its model.vocab_size exceeds 256); retrain with --config.model.vocab_size=256 to sample text.')
     return bytes(tokens + new)
@@ -356,8 +356,8 @@ def sample_ids(workdir: str, prompt: str, num_tokens: int, temperature: float, s
   """(prompt ids, new ids, whether they are bytes, decode(prompt ids, new ids) -> text or None)."""
   import jax
 
-  from trainer import storage
-  from trainer.errors import UserError
+  from trainer.base import storage
+  from trainer.base.errors import UserError
   from trainer.hf import serving
   if num_tokens < 0 or temperature < 0:
     raise UserError(f'--num_tokens={num_tokens} and --temperature={temperature} must be >= 0.')
@@ -388,7 +388,7 @@ def sample_ids(workdir: str, prompt: str, num_tokens: int, temperature: float, s
 
 def chat_messages(prompt: str) -> list[dict]:
   """--prompt as messages: a JSON list of {"role", "content"} objects, else one user message."""
-  from trainer.errors import UserError
+  from trainer.base.errors import UserError
   if not prompt.lstrip().startswith('['):
     return [{'role': 'user', 'content': prompt}]
   try:
@@ -404,9 +404,9 @@ def chat_messages(prompt: str) -> list[dict]:
 def chat_codec(config):
   """(encode(prompt) -> the chat template's ids with the assistant's turn opened, decode(prompt ids, new ids) ->
   the answer without its end token) for --chat; UserError for a run with no Hugging Face chat template."""
-  from trainer.errors import UserError
+  from trainer.base.errors import UserError
   from trainer.hf import serving
-  from trainer.hf import tokenizer as hf_tokenizer
+  from trainer.data import hf_tokenizer
   folder = hf_tokenizer.run_folder(config)
   tok = None if folder is None else hf_tokenizer.load(str(folder), flag='the run\'s tokenizer')
   if tok is None or not tok.chat_template:
@@ -425,10 +425,10 @@ def chat_codec(config):
 
 def text_codec(config, as_bytes: bool):
   """(encode(prompt) -> ids, decode(prompt ids, new ids) -> text) for runs tokenized with a Hugging Face tokenizer
-  (trainer/hf/tokenizer.py) or a SentencePiece/tiktoken file kept with the shards (trainer/data/file_tokenizers.py);
+  (trainer/data/hf_tokenizer.py) or a SentencePiece/tiktoken file kept with the shards (trainer/data/file_tokenizers.py);
   (None, None) for byte-level runs and runs whose tokens came with no tokenizer (ids in, ids out)."""
   from trainer.data import file_tokenizers
-  from trainer.hf import tokenizer as hf_tokenizer
+  from trainer.data import hf_tokenizer
   if as_bytes:
     return None, None
   folder = hf_tokenizer.run_folder(config)
@@ -449,7 +449,7 @@ def text_codec(config, as_bytes: bool):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  from trainer.errors import UserError
+  from trainer.base.errors import UserError
   from parallel import platforms
   platforms.skip_absent_tpu()  # No libtpu start-up lines where no TPU chip is (parallel/platforms.py).
   if not flags.FLAGS['verbosity'].present:  # The restore's log lines (a "resume" onto one device) are noise here.
@@ -465,5 +465,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  from trainer import console
+  from trainer.observe import console
   app.run(main, flags_parser=console.one_line_flag_errors('sample.py'))  # Flag errors: one line, exit 2.

@@ -98,7 +98,7 @@ def trace(fn, *args, **kwargs) -> Flow:
 
 def tiny_launch(workdir: str, steps: int = 2) -> Flow:
   from configs import tiny
-  from trainer import loop
+  from trainer.run import loop
   config = tiny.get_config()
   config.train.steps = steps
   config.lock()
@@ -107,7 +107,7 @@ def tiny_launch(workdir: str, steps: int = 2) -> Flow:
 
 def tiny_plan() -> Flow:
   from configs import tiny
-  from trainer import plan
+  from trainer.run import plan
   config = tiny.get_config()
   config.train.remat_policy = 'auto'  # The resolution is part of what a plan builds.
   config.lock()

@@ -47,7 +47,7 @@ CACHE_ENV: dict[str, str] = {
 @pytest.fixture(scope='session', autouse=True)
 def compile_cache():
   import jax
-  from trainer import compilation_cache
+  from trainer.run import compilation_cache
   jax.config.update('jax_compilation_cache_max_size', int(CACHE_ENV['JAX_COMPILATION_CACHE_MAX_SIZE']))
   compilation_cache.enable(CACHE_ENV['JAX_COMPILATION_CACHE_DIR'])
 
@@ -122,10 +122,10 @@ def watch_command(command: list[str], env: dict[str, str], on_line=None,
 
 
 class ApplyTask:
-  """A bare Linen-style `apply_fn` under the LM objective: the step's task (trainer.step.LossTask) for step tests."""
+  """A bare Linen-style `apply_fn` under the LM objective: the step's task (trainer.training.step.LossTask) for step tests."""
 
   def __init__(self, apply_fn, z_loss_weight: float = 0.0):
-    from trainer import objectives
+    from trainer.training import objectives
     self.apply_fn, self.objective = apply_fn, objectives.LanguageModeling(z_loss_weight=z_loss_weight)
 
   def loss(self, params, batch):

@@ -1,4 +1,4 @@
-"""A brought model that meets the pipeline contract (trainer/pipeline/checks.py): its builder takes `pipeline=`
+"""A brought model that meets the pipeline contract (trainer/training/pipeline_checks.py): its builder takes `pipeline=`
 and runs its stacked layers, whose parameters' leading axis is named 'layers', through trainer.pipeline.run."""
 
 import flax.linen as nn

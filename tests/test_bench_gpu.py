@@ -25,7 +25,7 @@ def test_a_smoke_row_reports_throughput_and_data_wait_but_no_made_up_mfu_on_cpu(
   assert not list(tmp_path.iterdir())  # The row's workdir is gone.
   assert row['row'] == 'gpt2_b32' and row['unit'] == 'tokens' and row['devices'] == 1
   assert row['per_s'] == pytest.approx(8 * 32 / (row['step_ms'] / 1e3), rel=1e-6)  # batch 8 x 32 tokens.
-  # CPU: no peak FLOP/s in trainer/flops.py's table, no memory stats; nothing is made up. TFLOP/s is measured.
+  # CPU: no peak FLOP/s in trainer/observe/flops.py's table, no memory stats; nothing is made up. TFLOP/s is measured.
   assert row['mfu'] is None and row['mfu_6n'] is None and row['peak_gib'] is None and row['tflops'] > 0
   assert 0 <= row['data_wait_pct'] < 100
   assert 0 < row['compiled_gib'] < 1  # The compiled step's own figure, as plan mode prints it.

@@ -19,9 +19,10 @@ from parallel import mesh as mesh_lib
 from parallel import sharding
 from tests.third_party import glue
 from scripts import sample
-from trainer import data, job, loop
-from trainer import task as task_lib
-from trainer.errors import UserError
+from trainer import data
+from trainer.run import job, loop
+from trainer.training import task as task_lib
+from trainer.base.errors import UserError
 
 MODELS = ('meshy', 'prefix', 'gemma_style', 'do')
 
@@ -44,7 +45,7 @@ def test_trains_under_jit_on_a_2x2x2_mesh(builder, tmp_path):
   records = [r for r in read_metrics(tmp_path) if 'loss' in r]
   losses = [r['loss'] for r in records]
   assert len(losses) == 3 and all(np.isfinite(losses))
-  assert all(r['tflops_per_device'] > 0 for r in records[1:])  # Counted from the traced step (trainer/flops.py).
+  assert all(r['tflops_per_device'] > 0 for r in records[1:])  # Counted from the traced step (trainer/observe/flops.py).
   assert abs(losses[0] - np.log(256)) < 1.0, losses  # Near ln(vocab) at init: logits line up with targets.
   table = (tmp_path / 'sharding.txt').read_text()
   assert 'names' in table.splitlines()[0]
@@ -192,7 +193,7 @@ def test_a_model_that_shifts_its_own_inputs_is_refused_before_compile(tmp_path):
 
 
 def test_plan_proposes_remat_only_to_a_model_that_takes_it():
-  from trainer import plan
+  from trainer.run import plan
   mesh_shape = {'data': 2, 'fsdp': 2, 'tensor': 2}
   flags = {b: ' '.join(f for f, _ in plan._candidates(_config(b), mesh_shape)) for b in ('prefix', 'gemma_style')}
   assert 'remat' not in flags['prefix'] and 'mesh.fsdp=4' in flags['prefix']
@@ -218,7 +219,7 @@ def test_an_lm1b_style_model_trains_on_packed_rows_with_its_own_keywords_and_row
 
 
 def test_document_positions_past_a_learned_table_say_so_when_the_loss_is_not_finite(tmp_path):
-  from trainer import guardrails
+  from trainer.safety import guardrails
   with pytest.raises(guardrails.NonFiniteError, match=r'step 1: non-finite loss.*Packing is on: positions= are '
                                                       r'offsets within each document.*data.packed_positions=row'):
     loop.run(_lm1b_packed(tmp_path, 'document'), str(tmp_path / 'run'))
@@ -428,7 +429,7 @@ def test_the_launcher_gives_a_decoding_model_positions_and_the_causal_segment_ma
 
 @pytest.mark.parametrize('builder', DECODING)
 def test_sample_decodes_a_decoding_model_with_its_own_cache(builder, decoding_runs):
-  from trainer import storage
+  from trainer.base import storage
   run = storage.path(str(decoding_runs[builder]))
   config = sample.load_run_config(run)
   _, bind, params = sample.restore_model(config, run, 'latest')

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from configs import tiny, vit_tiny
-from trainer import job as job_lib
-from trainer import task as task_lib
-from trainer import validation
-from trainer.errors import UserError
+from trainer.run import job as job_lib
+from trainer.training import task as task_lib
+from trainer.training import validation
+from trainer.base.errors import UserError
 
 
 def _config(chunks: int, tie: bool = True, z_loss: float = 0.0, dtype: str = 'float32', packing: bool = False):
@@ -60,7 +60,7 @@ def test_chunked_loss_and_gradients_equal_the_whole_logits_ones(tie, z_loss, pac
 
 
 def test_a_brought_nnx_model_offering_its_head_and_accumulated_microbatches_give_the_same_numbers():
-  from trainer import step as step_lib
+  from trainer.training import step as step_lib
   whole = _config(1)
   whole.model.name = 'tests.custom_models:MlpLMWithHead'
   task = task_lib.build_task(whole)

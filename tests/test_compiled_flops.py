@@ -1,4 +1,4 @@
-"""Matmul FLOPs read from a compiled step's HLO (trainer/compiled_flops.py), and the dense-experts guard: a dropless
+"""Matmul FLOPs read from a compiled step's HLO (trainer/observe/compiled_flops.py), and the dense-experts guard: a dropless
 MoE step whose compiled matmuls run every expert on every token is named in one line with the fix."""
 
 import jax
@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import pytest
 
 from configs import tiny
-from trainer import compiled_flops
-from trainer import job as job_lib
-from trainer.memory import preflight
+from trainer.observe import compiled_flops
+from trainer.run import job as job_lib
+from trainer.run import preflight
 
 
 def _hlo(fn, *shapes):

@@ -17,7 +17,7 @@ from configs import base
 from trainer import attention
 from trainer.attention import context as scheme_lib
 from trainer.attention import splash
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 B, L, H, G, K = 2, 64, 4, 2, 8
 # Row 0: three documents; row 1: one document, then padding (id 0, its own segment).

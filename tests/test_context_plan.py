@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from configs import tiny
-from trainer import plan
+from trainer.run import plan
 
 
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,

@@ -1,6 +1,6 @@
 """Training with rows split over `mesh.context` gives the numbers of unsplit rows, and checkpoints move across it.
 
-In-process `trainer.loop.run` on the fake CPU devices, float32, a loss per step in metrics.jsonl: grouped-query
+In-process `trainer.run.loop.run` on the fake CPU devices, float32, a loss per step in metrics.jsonl: grouped-query
 attention (4 query heads, 2 key/value heads) and packed rows (several documents a row), so attention across the
 split, the balanced order, RoPE positions and document masks are all exercised.
 """
@@ -15,10 +15,10 @@ import pytest
 from conftest import read_metrics
 
 from configs import tiny
-from trainer import checkpoint
-from trainer import job as job_lib
-from trainer import loop
-from trainer.errors import UserError
+from trainer.training import checkpoint
+from trainer.run import job as job_lib
+from trainer.run import loop
+from trainer.base.errors import UserError
 from trainer.models import contract
 
 RTOL = 1e-5

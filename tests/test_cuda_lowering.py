@@ -21,7 +21,7 @@ from configs import tiny, vit_tiny
 from conftest import REPO
 from parallel import sharding
 from trainer import attention
-from trainer import job as job_lib
+from trainer.run import job as job_lib
 
 sys.path.insert(0, str(REPO / 'benchmarks'))
 import bench_gpu  # noqa: E402

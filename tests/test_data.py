@@ -5,7 +5,7 @@ import pytest
 
 from configs import tiny
 from trainer import data
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 
 def _windows(corpus, config, batch_size, process_index, process_count, seed=0):

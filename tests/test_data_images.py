@@ -7,9 +7,11 @@ import pytest
 from configs import tiny, vit_tiny
 from parallel import mesh as mesh_lib
 from parallel import sharding
-from trainer import data, job, objectives
+from trainer import data
+from trainer.run import job
+from trainer.training import objectives
 from trainer.data import arrays
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 
 def _classifier(**data_overrides):

@@ -14,7 +14,7 @@ from parallel import mesh as mesh_lib
 from parallel import sharding
 from trainer import data
 from trainer.data import mixture, pipeline, token_shards
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 sys.path.insert(0, str(REPO / 'scripts'))
 import prepare_data  # noqa: E402

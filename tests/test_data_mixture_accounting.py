@@ -11,8 +11,9 @@ import pytest
 from configs import tiny
 from conftest import read_metrics, run_launcher
 from parallel import sharding
-from trainer import checkpoint, data
-from trainer import job as job_lib
+from trainer.training import checkpoint
+from trainer import data
+from trainer.run import job as job_lib
 from trainer.data import PackedRows, token_shards
 
 NAMES = ('web', 'code', 'math')

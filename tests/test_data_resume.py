@@ -11,9 +11,10 @@ import pytest
 from absl import logging as absl_logging
 
 from configs import tiny
-from trainer import checkpoint, data
+from trainer.training import checkpoint
+from trainer import data
 from conftest import ApplyTask
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 from trainer.models.llama import build as build_model
 
 

@@ -160,8 +160,8 @@ def test_a_held_feed_transfers_only_what_the_loop_waits_for(shardings, transfers
 
 
 def test_a_run_transfers_nothing_while_its_first_step_or_an_eval_runs(tmp_path, monkeypatch, transfers):
-  """The loop (trainer/loop.py) releases the feed only with step 1's outputs computed, and holds it during evals."""
-  from trainer import loop
+  """The loop (trainer/run/loop.py) releases the feed only with step 1's outputs computed, and holds it during evals."""
+  from trainer.run import loop
   from trainer.data import device_feed
   events = []
   real_release_after, real_evaluate = device_feed.DeviceFeed.release_after, loop._evaluate

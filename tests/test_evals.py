@@ -10,9 +10,9 @@ import pytest
 
 from conftest import read_metrics, run_launcher
 from configs import tiny
-from trainer import job as job_lib
+from trainer.run import job as job_lib
 from trainer import evals
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 from trainer.evals import tasks
 from test_strategies import TEXT_DIR
 
@@ -128,7 +128,7 @@ def _trained_task_dir(tmp_path):
 
 
 def test_run_scores_at_configured_steps_and_a_trained_model_prefers_gold(tmp_path):
-  from trainer import loop
+  from trainer.run import loop
   task_path, text = _trained_task_dir(tmp_path)
   config = _config(train__steps=60, train__learning_rate=1e-2, train__warmup_steps=5, train__ema_decay=0.9,
                    data__text_dir=str(text), data__file_glob='*.py', data__eval_percent=25, ckpt__every_steps=30,

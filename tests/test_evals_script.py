@@ -20,7 +20,7 @@ def _script(name: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope='module')
 def run(tmp_path_factory):
   """The animals task's run (tests/test_evals.py), 60 steps on 2 devices, scored and checkpointed at 30 and 60."""
-  from trainer import loop
+  from trainer.run import loop
   root = tmp_path_factory.mktemp('evals_script')
   task_path, text = _trained_task_dir(root)
   config = _config(train__steps=60, train__learning_rate=1e-2, train__warmup_steps=5, data__text_dir=str(text),

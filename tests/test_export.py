@@ -10,8 +10,9 @@ import numpy as np
 
 from configs import tiny
 from conftest import REPO, launcher_env
-from trainer import checkpoint, data
-from trainer import job as job_lib
+from trainer.training import checkpoint
+from trainer import data
+from trainer.run import job as job_lib
 
 READER = '''
 import json, sys

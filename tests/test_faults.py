@@ -19,9 +19,10 @@ import pytest
 from configs import tiny
 from conftest import REPO, make_text_dir, read_metrics, run_launcher
 from parallel import sharding
-from trainer import checkpoint, data
-from trainer import job as job_lib
-from trainer.errors import UserError
+from trainer.training import checkpoint
+from trainer import data
+from trainer.run import job as job_lib
+from trainer.base.errors import UserError
 from trainer.safety import disk
 
 TINY = '--config=configs/tiny.py'
@@ -189,7 +190,7 @@ def test_a_changed_data_order_is_named_not_called_damage(trained, text_dir, tmp_
 
 
 def test_write_failures_are_recognised_through_wrappers_and_never_as_out_of_memory():
-  from trainer import profiling
+  from trainer.observe import profiling
   wrapped = RuntimeError('commit failed')
   wrapped.__cause__ = OSError(errno.ENOSPC, 'No space left on device')
   assert disk.write_failure(wrapped) == errno.ENOSPC
@@ -271,7 +272,7 @@ class absl_warnings:
 
 
 def test_warmup_longer_than_the_run_is_named_with_both_keys():
-  from trainer import validation
+  from trainer.training import validation
   config = tiny.get_config()
   config.train.warmup_steps = 30
   with absl_warnings() as caught:

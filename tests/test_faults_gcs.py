@@ -84,8 +84,8 @@ def test_a_storage_server_killed_mid_run_is_one_line_within_the_deadline_and_exi
 
 def test_a_lost_endpoint_is_exit_74_when_it_answered_before_and_exit_2_at_first_launch(monkeypatch):
   from conftest import free_port
-  from trainer import storage
-  from trainer.errors import UserError
+  from trainer.base import storage
+  from trainer.base.errors import UserError
   port = free_port()  # Nothing listens there: every connect is refused.
   monkeypatch.setenv('STORAGE_EMULATOR_HOST', f'http://127.0.0.1:{port}')
   with pytest.raises(storage.StorageStall) as lost:
@@ -102,7 +102,7 @@ def test_a_call_that_fails_to_connect_to_a_lost_endpoint_is_the_storage_line_not
   import aiohttp
   import socket
   from conftest import free_port
-  from trainer import storage
+  from trainer.base import storage
 
   def refused():
     try:

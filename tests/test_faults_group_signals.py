@@ -1,7 +1,7 @@
 """SIGTERM to a 2-process run (scripts/launch_local.py, 2 x 4 CPU devices), outside and inside the step loop (issue 39).
 
 Once jax.distributed is up, jax's preemption service owns SIGTERM; outside the step loop the launcher takes it
-back (trainer/sigterm_handoff.py). Before, a SIGTERM while the processes compiled was held until step 1, which
+back (trainer/safety/sigterm_handoff.py). Before, a SIGTERM while the processes compiled was held until step 1, which
 each process saved before exiting 0 about 20 s later. Inside the loop jax's sync point must still bring every
 process to one save step. The signal goes to each process's launch.py supervisor, which forwards it, as a
 scheduler's or a user's `kill` would. A `sitecustomize` hook holds the compile (or the final eval) open in each
@@ -27,7 +27,7 @@ HOLD = r'''
 import importlib.abc, importlib.util, os, signal, sys, time
 
 _where = os.environ.get('TEST_HOLD')
-_patched = {'compile': ('trainer.memory.preflight', 'compile_checked'), 'final_eval': ('trainer.loop', '_evaluate')}
+_patched = {'compile': ('trainer.run.preflight', 'compile_checked'), 'final_eval': ('trainer.run.loop', '_evaluate')}
 
 
 def _signal_taken():
@@ -177,7 +177,7 @@ HANDOFF = r'''
 import os, signal, sys, time
 import jax
 from jax.experimental import multihost_utils
-from trainer import sigterm_handoff
+from trainer.safety import sigterm_handoff
 
 saw = []
 signal.signal(signal.SIGTERM, lambda signum, frame: saw.append('launcher'))
@@ -212,7 +212,7 @@ def test_the_handoff_moves_sigterm_between_the_launcher_and_jaxs_sync_point():
 REENTRY = r'''
 import os, signal, sys, time
 import jax
-from trainer import preemption, startup_signals, sigterm_handoff
+from trainer.safety import preemption, startup_signals, sigterm_handoff
 
 startup_signals.install_early()
 jax.distributed.initialize(f'127.0.0.1:{sys.argv[1]}', 1, 0)

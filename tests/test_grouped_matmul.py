@@ -62,7 +62,7 @@ def test_the_same_as_jax_ragged_dot_under_jit_with_traced_sizes():
 
 
 def test_its_flops_are_the_active_experts_as_ragged_dots_are():
-  from trainer import traced_flops
+  from trainer.observe import traced_flops
   x, w, s = jax.ShapeDtypeStruct((A, D), jnp.float32), jax.ShapeDtypeStruct((E, D, F), jnp.float32), jnp.asarray(
       [40, 7, 33, 16], jnp.int32)
 
@@ -84,7 +84,7 @@ def test_each_platform_gets_its_kernel_and_the_log_names_it():
   assert 'dropless on jax.lax.ragged_dot' in moe.dispatch_note(moe.for_platform(cfg, 'tpu'), 'tpu')
 
 
-@pytest.mark.skipif(not __import__('trainer.gpu_targets').gpu_targets.cuda_plugin_installed(),
+@pytest.mark.skipif(not __import__('trainer.memory.gpu_targets', fromlist=['gpu_targets']).cuda_plugin_installed(),
                     reason="needs jax's CUDA plugin: pip install -r requirements-gpu-plan.txt")
 def test_compiled_for_an_h100_the_kernel_runs_the_active_flops_and_the_guard_fires_on_ragged_dot():
   import subprocess

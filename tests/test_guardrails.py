@@ -1,7 +1,7 @@
 """train.on_nonfinite through the real launcher: a NaN gradient in one named leaf, on one chosen batch.
 
 The run is launch.py itself, started by a small driver that first wraps
-trainer.step.grads_and_metrics so the gradient of POISON_LEAF turns NaN on the
+trainer.training.step.grads_and_metrics so the gradient of POISON_LEAF turns NaN on the
 batch whose first row is POISON_ROW: the fault follows the data, as a real bad
 batch would, so a rollback that skips it must get past it.
 """
@@ -17,15 +17,16 @@ import pytest
 from configs import tiny
 from conftest import REPO, launcher_env, make_text_dir
 from parallel import sharding
-from trainer import checkpoint, data
-from trainer import job as job_lib
+from trainer.training import checkpoint
+from trainer import data
+from trainer.run import job as job_lib
 
 LEAF = 'layers/mlp/up/kernel'  # Scanned layers: one stacked leaf for every block.
 DRIVER = f'''
 import json, os, runpy, sys
 sys.path.insert(0, {str(REPO)!r})
 import jax, jax.numpy as jnp
-from trainer import step
+from trainer.training import step
 row = jnp.asarray(json.loads(os.environ['POISON_ROW']), jnp.int32)
 original = step.grads_and_metrics
 
@@ -124,7 +125,7 @@ def _metrics(finite: bool) -> dict:
 
 
 def test_skip_stops_once_most_steps_were_skipped_and_counts_them():
-  from trainer import guardrails
+  from trainer.safety import guardrails
   guard = guardrails.Guard('skip', ['a', 'b'])
   for step in range(1, 10):  # 6 of the first 9 skipped: below SKIP_MIN_CHECKED steps, it trains on.
     guard.check(step, _metrics(finite=step % 3 == 0))
@@ -139,7 +140,7 @@ def test_skip_stops_once_most_steps_were_skipped_and_counts_them():
 
 
 def test_skip_never_saves_while_skipped_steps_outnumber_good_ones_and_names_the_resume_step():
-  from trainer import guardrails
+  from trainer.safety import guardrails
   guard = guardrails.Guard('skip', ['a', 'b'], resumed_step=8)
   for step in range(9, 12):
     guard.check(step, _metrics(finite=True))

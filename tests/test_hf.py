@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from configs import base
-from trainer import job as job_lib
-from trainer.errors import UserError
+from trainer.run import job as job_lib
+from trainer.base.errors import UserError
 from trainer.hf import architectures
 from trainer.hf import load as hf_load
 from trainer.hf import safetensors_files

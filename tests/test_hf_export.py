@@ -13,8 +13,9 @@ from safetensors.numpy import load_file
 
 from conftest import REPO
 from configs import base
-from trainer import checkpoint, loop, plan
-from trainer import job as job_lib
+from trainer.training import checkpoint
+from trainer.run import loop, plan
+from trainer.run import job as job_lib
 from trainer.hf import load as hf_load
 
 from scripts import export_hf
@@ -90,7 +91,7 @@ def test_plan_sizes_an_imported_model_without_its_weights(tmp_path):
 
 
 def test_export_refuses_an_existing_output(trained, tmp_path):
-  from trainer.errors import UserError
+  from trainer.base.errors import UserError
   with pytest.raises(UserError, match='exists; choose a new folder'):
     export_hf.export(str(trained), str(tmp_path))
 

@@ -13,7 +13,7 @@ from conftest import REPO
 from configs import base
 from trainer import data
 from trainer.data import token_shards
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 sys.path.insert(0, str(REPO / 'scripts'))
 import prepare_data  # noqa: E402

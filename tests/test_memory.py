@@ -17,8 +17,8 @@ import pytest
 
 from configs import tiny
 from conftest import REPO, launcher_env, make_text_dir, xla_flags
-from trainer import loop, plan
-from trainer.errors import UserError
+from trainer.run import loop, plan
+from trainer.base.errors import UserError
 from trainer.memory import footprint, remat
 
 GIB = footprint.GIB
@@ -111,11 +111,11 @@ def test_auto_without_a_known_limit_is_none_and_says_why(tmp_path):
   assert 'train.device_memory_gb is unset' in choice.summary
   config.model.name = 'tests.custom_models:MlpLM'  # A brought model whose builder takes no remat_policy.
   assert "takes no remat policy" in remat.resolve(config, jax.devices()[:1])[1].summary
-  from trainer import job as job_lib
+  from trainer.run import job as job_lib
   job = job_lib.build_job(_config(tmp_path), jax.devices()[:1])  # Building the Job makes the choice.
   assert job.config.train.remat_policy == 'none' and job.memory.summary == choice.summary
   with pytest.raises(UserError, match="remat_policy='auto' is chosen by compiling candidates when the Job is built"):
-    from trainer import validation
+    from trainer.training import validation
     validation.validate_config(_config(tmp_path))
 
 
@@ -188,4 +188,4 @@ def test_plan_and_remat_do_not_import_each_other():
     tree = ast.parse((REPO / path).read_text())
     return {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names} | {
         node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-  assert 'plan' not in imports('trainer/memory/remat.py') and 'trainer.plan' not in imports('trainer/memory/remat.py')
+  assert 'plan' not in imports('trainer/memory/remat.py') and 'trainer.run.plan' not in imports('trainer/memory/remat.py')

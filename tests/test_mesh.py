@@ -5,7 +5,7 @@ import pytest
 from ml_collections import config_dict
 
 from parallel import mesh as mesh_lib
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 
 def _mesh_config(data, fsdp=1, tensor=1, dcn_data=1, dcn_fsdp=1, expert=1, context=1):

@@ -1,4 +1,4 @@
-"""trainer/metrics.py, trainer/progress.py and trainer/goodput.py in-process, without a training run.
+"""trainer/observe/metrics.py, trainer/observe/progress.py and trainer/observe/goodput.py in-process, without a training run.
 
 The GPU/TPU paths (device memory statistics, TFLOP/s and MFU keys) cannot run on
 this CPU-only machine; they are fed fakes of what those backends report.
@@ -16,10 +16,10 @@ from absl import logging
 from tensorboard.backend.event_processing import event_accumulator
 
 from configs import tiny
-from trainer import goodput as goodput_lib
-from trainer import metrics, progress
-from trainer.trackers import hparams
-from trainer.errors import UserError
+from trainer.observe import goodput as goodput_lib
+from trainer.observe import metrics, progress
+from trainer.observe.trackers import hparams
+from trainer.base.errors import UserError
 
 GIB = 2**30
 # What jax's memory_stats() returns on a GPU (a subset of its keys), for two local devices.
@@ -200,7 +200,7 @@ def test_process_start_is_before_now_and_not_long_ago():
 
 
 def test_a_last_line_torn_by_a_kill_is_dropped_before_appending(tmp_path):
-  from trainer import storage
+  from trainer.base import storage
   path = tmp_path / 'metrics.jsonl'
   path.write_text('{"step": 8, "loss": 1.5}\n{"step": 9, "loss": 1.2')  # Killed while writing step 9's record.
   log = storage.AppendLog(path)

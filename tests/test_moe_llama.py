@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import configs.tiny
-from trainer import expert_load
-from trainer import task as task_lib
-from trainer.errors import UserError
+from trainer.observe import expert_load
+from trainer.training import task as task_lib
+from trainer.base.errors import UserError
 from trainer.models import llama
 
 

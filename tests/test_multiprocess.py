@@ -20,7 +20,7 @@ import pytest
 
 from conftest import REPO, free_port, read_metrics, run_launcher, xla_flags
 from parallel import distributed
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 TINY = ('--config=configs/tiny.py', '--config.log.every_steps=1')
 ACCEPT = '--config.train.accept_schedule_change=True'  # Runs extended on resume move their cosine schedule.

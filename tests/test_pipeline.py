@@ -1,6 +1,6 @@
 """Pipeline parallelism (mesh.pipeline, trainer/pipeline/): the numbers of the unpipelined model, and refusals.
 
-In-process `trainer.loop.run` on the 8 fake CPU devices, float32, an 8-layer tiny Llama (grouped-query attention,
+In-process `trainer.run.loop.run` on the 8 fake CPU devices, float32, an 8-layer tiny Llama (grouped-query attention,
 packed rows, as tests/test_context_training.py), so positions and document masks travel with the stages.
 """
 
@@ -19,9 +19,11 @@ from conftest import read_metrics
 from test_context_training import _assert_same, _config as _context_config
 
 from parallel import sharding
-from trainer import job as job_lib
-from trainer import flops, loop, pipeline, plan
-from trainer.errors import UserError
+from trainer.run import job as job_lib
+from trainer.observe import flops
+from trainer.run import loop, plan
+from trainer import pipeline
+from trainer.base.errors import UserError
 from trainer.models import llama
 
 LAYERS = 8

@@ -10,10 +10,13 @@ import pytest
 
 from configs import tiny
 from parallel import sharding
-from trainer import attention, flops, gpu_targets, plan, traced_flops
-from trainer import job as job_lib
+from trainer import attention
+from trainer.observe import flops, traced_flops
+from trainer.memory import gpu_targets
+from trainer.run import plan
+from trainer.run import job as job_lib
 from trainer.attention import choice
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 from trainer.memory import footprint
 
 TINY = '--config=configs/tiny.py'

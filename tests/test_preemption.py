@@ -39,7 +39,7 @@ def _args(workdir, text_dir, *extra):
 _HELD_AT_STEP = f'''
 import runpy, sys, time
 sys.path.insert(0, {str(REPO)!r})
-from trainer import preemption
+from trainer.safety import preemption
 hold_at, reached = int(sys.argv[1]), preemption.PreemptionWatch.reached
 
 def held(self, step):
@@ -175,7 +175,7 @@ def test_a_second_ctrl_c_exits_at_once():
   script = f'''
 import os, signal, sys, time
 sys.path.insert(0, {str(REPO)!r})
-from trainer import preemption
+from trainer.safety import preemption
 watch = preemption.PreemptionWatch()
 os.kill(os.getpid(), signal.SIGINT)
 time.sleep(0.2)

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from parallel import sharding
-from trainer import job as job_lib
+from trainer.run import job as job_lib
 from trainer.models import layer_scan
 from trainer.memory import remat
 
@@ -110,7 +110,7 @@ def test_the_moe_preset_shrunk_trains_on_cpu_and_logs_its_expert_load(tmp_path):
   import pathlib
 
   from conftest import read_metrics
-  from trainer import loop
+  from trainer.run import loop
 
   config = _shrink(_preset('moe_1b'))
   config.mesh.data, config.mesh.fsdp, config.mesh.expert, config.mesh.tensor = 2, 1, 4, 1

@@ -20,8 +20,8 @@ import pytest
 
 from configs import tiny
 from conftest import launcher_env
-from trainer import profiling
-from trainer.errors import UserError
+from trainer.observe import profiling
+from trainer.base.errors import UserError
 
 TINY = '--config=configs/tiny.py'
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +57,7 @@ def _read_lines(stream, lines: queue.Queue) -> None:
 _HELD_FOR_SIGUSR1 = f'''
 import runpy, sys, time
 sys.path.insert(0, {str(REPO)!r})
-from trainer import profiling
+from trainer.observe import profiling
 step = profiling.Profiler.step
 
 def held(self, n, state):
@@ -212,8 +212,9 @@ def test_bad_profile_setting_stops_the_launch_before_compiling(launcher, tmp_pat
 
 def test_out_of_memory_in_the_loop_leaves_a_memory_profile_and_the_error(tmp_path, monkeypatch):
   """The loop's wiring: an out-of-memory error mid-run reaches the profiler, then the caller as one line (exit 2)."""
-  from trainer import loop, metrics
-  from trainer.errors import UserError
+  from trainer.run import loop
+  from trainer.observe import metrics
+  from trainer.base.errors import UserError
 
   def out_of_memory_at_step_3(self, step, *args):
     if step == 3:

@@ -113,7 +113,7 @@ def test_a_mixture_run_reads_its_tokenizer_from_its_sources(tmp_path):
 
   from trainer.evals import codec
   from trainer.hf import serving
-  from trainer.hf import tokenizer as hf_tokenizer
+  from trainer.data import hf_tokenizer
   text = tmp_path / 'text'
   text.mkdir()
   (text / 'a.txt').write_text('def the_thing(): return the other thing\n' * 20)

@@ -12,9 +12,9 @@ import pytest
 from conftest import ApplyTask
 from configs import tiny
 from parallel import sharding
-from trainer import job as job_lib
-from trainer import optimizer
-from trainer import step as step_lib
+from trainer.run import job as job_lib
+from trainer.training import optimizer
+from trainer.training import step as step_lib
 from trainer.models import llama
 
 CFG = llama.LlamaConfig(num_layers=2, d_model=32, num_heads=2, mlp_dim=64, vocab_size=256)
@@ -109,7 +109,7 @@ def _train_losses(cfg, steps, mu_dtype='float32'):
   train = tiny.get_config().train
   train.adam_mu_dtype = mu_dtype
   tx, schedule = optimizer.build_optimizer(train)
-  from trainer.state import TrainState
+  from trainer.training.state import TrainState
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(0))
   step = jax.jit(lambda s, b: step_lib.train_step(s, b, task=ApplyTask(model.apply), tx=tx, schedule=schedule))
   losses = []
@@ -172,7 +172,7 @@ def test_accumulated_gradients_equal_the_large_batch_step():
 
 
 def test_grad_accum_that_does_not_split_the_per_device_batch_is_refused_before_compiling():
-  from trainer.errors import UserError
+  from trainer.base.errors import UserError
   config = tiny.get_config()  # batch 8 over 8 devices: one sequence each.
   config.train.grad_accum_steps = 2
   with pytest.raises(UserError, match=r'train.grad_accum_steps=2 does not divide the per-device batch of 1'):

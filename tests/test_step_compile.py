@@ -49,7 +49,7 @@ def test_train_step_compiles_once_and_a_relaunch_loads_it_from_the_cache(tmp_pat
 def _tiny_traced_flops_per_token():
   """The analytic matmul count with causal attention unhalved: what the traced count is (tests/test_flops.py)."""
   from configs import tiny
-  from trainer import flops
+  from trainer.observe import flops
   c = tiny.get_config()
   b, t = c.train.batch_size, c.data.seq_len
   return flops.step_flops(c.model, b, t).matmul_unmasked / (b * t)

@@ -1,6 +1,6 @@
 """Every strategy and mesh trains the same numbers, and checkpoints move between strategies.
 
-Runs `trainer.loop.run` in-process on the 8 fake CPU devices (subprocesses would
+Runs `trainer.run.loop.run` in-process on the 8 fake CPU devices (subprocesses would
 pay jax's start-up every time). float32 and one log line per step, so
 `metrics.jsonl` holds every step's loss; equal losses for 10 steps mean equal
 gradients and updates, since any difference would grow from step to step.
@@ -16,8 +16,8 @@ import pytest
 from conftest import read_metrics
 
 from configs import tiny
-from trainer import loop
-from trainer.errors import UserError
+from trainer.run import loop
+from trainer.base.errors import UserError
 
 RTOL = 1e-5
 # A corner of the standard library: the same text for every run, read in a fraction of the full one's time.

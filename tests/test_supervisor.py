@@ -89,7 +89,7 @@ def test_a_killed_process_is_restarted_and_finishes_with_the_uninterrupted_losse
     assert losses[step] == pytest.approx(uninterrupted[step], rel=1e-6), step
   goodput = json.loads((tmp_path / 'goodput.jsonl').read_text().splitlines()[-1])
   # The back-off is in the goodput table: 1 s, less up to a clock tick (the process's start time is read in kernel
-  # ticks, trainer/goodput.py; 0.9965 s was measured in a CI run).
+  # ticks, trainer/observe/goodput.py; 0.9965 s was measured in a CI run).
   assert goodput['restart_s'] >= 0.9 and goodput['lost_steps'] == 1
   assert 'between attempts' in result.stderr
 

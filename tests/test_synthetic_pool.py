@@ -7,7 +7,7 @@ import pytest
 from configs import tiny
 from trainer import data
 from trainer.data import arrays, synthetic_pool
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 
 class _CountingTokens(arrays.SyntheticTokens):

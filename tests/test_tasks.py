@@ -18,9 +18,11 @@ from flax import nnx
 import custom_models
 from conftest import REPO, read_metrics
 from configs import tiny
-from trainer import data, flops, job
-from trainer import task as task_lib
-from trainer.errors import UserError
+from trainer import data
+from trainer.observe import flops
+from trainer.run import job
+from trainer.training import task as task_lib
+from trainer.base.errors import UserError
 
 STEPS = 5
 
@@ -108,7 +110,7 @@ def test_own_model_trains_through_the_launcher_like_a_hand_written_loop(name, ha
   assert len(launched) == STEPS
   assert expected[-1] < expected[0]  # It learns, so matching means something.
   np.testing.assert_allclose(launched, expected, rtol=2e-5)
-  # TFLOP/s for a brought model too, from its traced step's FLOPs (trainer/flops.py); no MFU on CPU (no known peak).
+  # TFLOP/s for a brought model too, from its traced step's FLOPs (trainer/observe/flops.py); no MFU on CPU (no known peak).
   counted = flops.job_step_flops(job.build_job(config)).flops
   train = [r for r in read_metrics(tmp_path) if 'loss' in r]
   for r in train:

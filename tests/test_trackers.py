@@ -11,8 +11,9 @@ import pytest
 
 from conftest import read_metrics
 from configs import tiny
-from trainer import loop, trackers
-from trainer.errors import UserError
+from trainer.run import loop
+from trainer.observe import trackers
+from trainer.base.errors import UserError
 from test_strategies import TEXT_DIR
 
 

@@ -5,8 +5,8 @@ import pytest
 
 from configs import tiny, vit_tiny
 from parallel import sharding
-from trainer import job as job_lib
-from trainer import optimizer
+from trainer.run import job as job_lib
+from trainer.training import optimizer
 
 
 def _decaying(config):

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import REPO, launcher_env
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 from trainer.safety import lock
 
 HOLDER = f'''

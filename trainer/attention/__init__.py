@@ -18,8 +18,8 @@ from jax.sharding import Mesh
 
 from trainer.attention import context, cudnn, splash, xla
 from trainer.attention.choice import KERNELS, Call, Choice, choose, log_once
-from trainer.errors import UserError
-from trainer.precision import compute_dtype
+from trainer.base.errors import UserError
+from trainer.base.precision import compute_dtype
 
 __all__ = ['KERNELS', 'Call', 'Choice', 'choose', 'dot_product_attention', 'cached_attention', 'check_config',
            'platform_of', 'xla_for_counting', 'fused_forward_saveable', 'dots_saveable']
@@ -30,7 +30,7 @@ _COUNTING = contextvars.ContextVar('attention_xla_for_counting', default=False)
 @contextlib.contextmanager
 def xla_for_counting():
   """Within, every call runs the XLA kernel: the same math as cuDNN's and splash's, written as two matmuls that a
-  jaxpr shows (their kernels are opaque custom calls), so trainer/flops.py counts the same FLOPs on any platform."""
+  jaxpr shows (their kernels are opaque custom calls), so trainer/observe/flops.py counts the same FLOPs on any platform."""
   token = _COUNTING.set(True)
   try:
     yield

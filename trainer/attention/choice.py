@@ -15,7 +15,7 @@ import dataclasses
 import jax.numpy as jnp
 from absl import logging
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 KERNELS = ('auto', 'xla', 'cudnn', 'splash')
 # cuDNN's flash attention in jax (jax/_src/cudnn/fused_attention_stablehlo.py, check_is_flash_attention): head dim

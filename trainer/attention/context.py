@@ -51,7 +51,7 @@ from jax.sharding import Mesh, PartitionSpec
 from parallel import context as context_lib
 from trainer.attention import splash
 from trainer.attention.choice import SPLASH_LANES, SPLASH_TPU_HEAD_DIM_MULTIPLE
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 SCHEMES = ('auto', 'all-gather', 'ring')  # model.context_scheme; the one that runs is recorded in the run manifest.
 RING_BLOCK = 'blocks of XLA einsums merged by an online softmax, causal halves skipped'

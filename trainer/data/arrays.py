@@ -11,7 +11,7 @@ import pathlib
 
 import numpy as np
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 KEYS = ('images', 'labels')
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,14 +4,14 @@ scripts/prepare_data.py encodes documents with them and keeps the file with the
 shards (DATA/tokenizer/), so scripts/sample.py can encode a prompt and decode
 the continuation of a run trained on them. The packages are optional: a file
 whose package is missing is refused in one line naming the `pip install`.
-Hugging Face tokenizer.json files are trainer/hf/tokenizer.py's.
+Hugging Face tokenizer.json files are trainer/data/hf_tokenizer.py's.
 """
 
 import dataclasses
 import pathlib
 from collections.abc import Callable
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 # The split pattern of OpenAI's cl100k_base: a .tiktoken file holds only the merges, not the pattern.
 CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""

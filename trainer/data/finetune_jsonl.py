@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 FIELDS = ('prompt', 'completion')
 FORMS = '{"prompt": "...", "completion": "..."} or {"messages": [{"role": ..., "content": ...}, ...]}'

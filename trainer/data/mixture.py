@@ -26,7 +26,7 @@ import grain
 import numpy as np
 
 from trainer.data import pipeline, token_shards
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 ENDLESS = 1 << 62  # Rows in the last segment: Grain concatenates only finite datasets, and no run reads this many.
 
@@ -215,7 +215,7 @@ def load(folders: list[str], vocab_size: int, eval_wanted: bool, cut, loss_mask:
 
 class Accounting:
   """What the loop logs per source of a mixture: tokens seen so far, and the eval loss on each source's held-out
-  rows (the training loss per source comes from the step: trainer/objectives.py)."""
+  rows (the training loss per source comes from the step: trainer/training/objectives.py)."""
 
   def __init__(self, names: list[str], iterator: MixtureIterator, batch_size: int, seq_len: int,
                eval_by_source: dict[str, list]):

@@ -23,7 +23,7 @@ import numpy as np
 from absl import flags, logging
 from jax.sharding import NamedSharding
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 STALL_WARNING_FRACTION = 0.10  # Warn when waiting for data takes more than this share of the step time...
 # ...and more than this per step. On a 2-core machine that other work keeps busy, the tiny config's 30 ms steps waited

@@ -14,7 +14,7 @@ import numpy as np
 from absl import logging
 
 from trainer.data.documents import InMemoryDocuments, StreamWindows
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)

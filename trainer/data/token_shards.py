@@ -21,7 +21,7 @@ import grain
 import numpy as np
 
 from trainer.data.documents import Documents
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 FORMAT = 'jax-launch token shards v1'
 REPREPARE = 're-run scripts/prepare_data.py into a fresh folder and point data.path at it'

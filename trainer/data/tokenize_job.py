@@ -28,7 +28,7 @@ _ENCODE: Callable | None = None  # The worker's tokenizer, loaded once by `_init
 def load_tokenizer(path: str | None):
   """(encode: str -> token ids, vocab_size, description) from a local file; bytes when `path` is None."""
   from trainer.data import file_tokenizers
-  from trainer.hf import tokenizer as hf_tokenizer
+  from trainer.data import hf_tokenizer
   if not path:
     return (lambda text: np.frombuffer(text.encode(), np.uint8)), 256, 'bytes'
   if hf_tokenizer.is_hf_tokenizer(path):

@@ -14,9 +14,9 @@ import time
 import jax
 from absl import logging
 
-from trainer import state as state_lib
-from trainer import storage
-from trainer.errors import UserError
+from trainer.training import state as state_lib
+from trainer.base import storage
+from trainer.base.errors import UserError
 from trainer.evals import codec as codec_lib
 from trainer.evals import scorer, tasks
 

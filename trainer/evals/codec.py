@@ -10,7 +10,7 @@ import json
 import pathlib
 from collections.abc import Callable
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,7 @@ def _bytes_codec() -> Codec:
 def for_run(config) -> Codec:
   """The codec of the run `config` trained (config.data and config.model are read)."""
   from trainer.data import file_tokenizers
-  from trainer.hf import tokenizer as hf_tokenizer
+  from trainer.data import hf_tokenizer
   data = config.data
   from trainer.data import prepared
   prepared_folder = prepared.folder(data)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 from trainer.evals.codec import Codec
 from trainer.evals.tasks import TaskFile
 

@@ -23,7 +23,7 @@ import dataclasses
 import json
 import pathlib
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 HEADER_KEYS = ('template', 'target_delimiter', 'fewshot_delimiter', 'fewshot')
 

@@ -13,7 +13,7 @@ transformers 5 writes one `rope_parameters` dict. Both are read.
 import json
 import pathlib
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 SUPPORTED = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3',
              'MistralForCausalLM': 'mistral'}

@@ -14,7 +14,7 @@ Two calls, at two moments of a run:
   slice beyond what its devices keep.
 
 The run calls `load_params` only when it starts fresh; a resumed run restores its
-checkpoint and says that init_from was not read (trainer/loop.py).
+checkpoint and says that init_from was not read (trainer/run/loop.py).
 """
 
 import collections
@@ -26,7 +26,7 @@ import numpy as np
 from absl import logging
 
 from configs import base as base_config
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 from trainer.hf import architectures, layout, safetensors_files
 
 PREFIX = 'hf:'

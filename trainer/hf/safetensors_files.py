@@ -25,7 +25,7 @@ import pathlib
 import numpy as np
 import safetensors
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 INDEX = 'model.safetensors.index.json'
 SINGLE = 'model.safetensors'

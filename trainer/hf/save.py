@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 from trainer.hf import architectures, layout, safetensors_files, serving as serving_lib
 
 DTYPES = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16, 'float16': np.float16}

@@ -20,7 +20,7 @@ import pathlib
 
 from absl import logging
 
-from trainer.hf import tokenizer as hf_tokenizer
+from trainer.data import hf_tokenizer
 
 # The files a Hugging Face tokenizer is saved as (fast and slow); those present in the chosen folder travel.
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'tokenizer.model',

@@ -1,8 +1,8 @@
 """What a Job's compiled step needs per device: compile it and read its memory analysis.
 
-The one measurement both plan mode (trainer/plan.py: the report and the fixes it
+The one measurement both plan mode (trainer/run/plan.py: the report and the fixes it
 proposes) and remat 'auto' (trainer/memory/remat.py: its candidates, measured
-for trainer/job.py's build_job) are made of. It takes a built Job rather than
+for trainer/run/job.py's build_job) are made of. It takes a built Job rather than
 building one, so that the Job's builder can use it without a circle.
 """
 
@@ -12,8 +12,10 @@ import dataclasses
 import jax
 
 from parallel import sharding
-from trainer import attention, flops, gpu_targets, traced_flops
-from trainer.errors import UserError
+from trainer import attention
+from trainer.observe import flops, traced_flops
+from trainer.memory import gpu_targets
+from trainer.base.errors import UserError
 from trainer.memory import footprint
 
 
@@ -50,7 +52,7 @@ class Refused(UserError):
 
 
 def plan_of(job) -> Plan:
-  """Compiles `job`'s train step (a trainer/job.py Job) and measures it.
+  """Compiles `job`'s train step (a trainer/run/job.py Job) and measures it.
 
   Raises Refused when the compiler itself finds that the step cannot fit.
   """

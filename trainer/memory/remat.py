@@ -2,7 +2,7 @@
 
 `resolve(config, devices, measure_fn=...)` turns 'auto' into a concrete policy
 (and maybe a larger `train.grad_accum_steps`) as the first part of building the
-Job (trainer/job.py: build_job), so the model builders never see 'auto'. The Job
+Job (trainer/run/job.py: build_job), so the model builders never see 'auto'. The Job
 builder hands in `measure_fn`, which builds a candidate's Job and compiles it ahead
 of time (trainer/memory/measure.py, the measurement plan mode reports; the
 persistent compilation cache, when on, keeps them): this module never builds a
@@ -39,8 +39,8 @@ import jax
 from absl import logging
 
 from parallel import mesh as mesh_lib
-from trainer import checkpoint
-from trainer.errors import UserError
+from trainer.training import checkpoint
+from trainer.base.errors import UserError
 from trainer.memory import footprint, measure
 from trainer.models import checkpoint_policies
 
@@ -137,7 +137,7 @@ def resolve(config, devices: Sequence[jax.Device] | None = None, limit: footprin
             measure_fn: Measure | None = None):
   """(config with 'auto' replaced by a concrete policy and accumulation, Choice); other configs pass unchanged.
 
-  `measure_fn(candidate_config, devices)` compiles a candidate (trainer/job.py passes its own); only a search
+  `measure_fn(candidate_config, devices)` compiles a candidate (trainer/run/job.py passes its own); only a search
   calls it, not a choice read back from `workdir` or one made without a memory limit.
   """
   t = config.train

@@ -10,7 +10,7 @@ import re
 
 import jax
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 from trainer.memory import footprint
 
 # XLA's allocator: 'Out of memory while trying to allocate 34.48GiB with allocator GPU_0_bfc'.
@@ -48,7 +48,7 @@ def diagnosis(stats: dict | None, asked: int | None, arguments: int | None) -> s
 def explain(error: BaseException, compiled, train, devices) -> UserError | None:
   """A UserError (exit 2) for a device out-of-memory raised while `compiled` (the approved step) trained; None for
   any other error. `compiled` may be None when the error came before the step was compiled."""
-  from trainer import profiling
+  from trainer.observe import profiling
   if not profiling.is_out_of_memory(error) or isinstance(error, UserError):
     return None
   asked = requested_bytes(str(error))

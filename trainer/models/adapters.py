@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 from trainer.models import sown
 
 Params = Any  # Nested dict of arrays.

@@ -24,7 +24,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from trainer import data
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)

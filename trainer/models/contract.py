@@ -30,7 +30,7 @@ from absl import logging
 from parallel import context as context_lib
 from parallel import sharding
 from trainer import data
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 from trainer.models import adapters
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -49,7 +49,7 @@ _COUNTING = contextvars.ContextVar('expert_one_device_for_counting', default=Fal
 def one_device_for_counting():
   """Within, MoE layers run the one-device dispatch: the same math, but the dropless exchange's ragged_dot runs over
   a receive buffer with room for N times the routed rows, and a jaxpr cannot tell its empty rows from the rest, so
-  trainer/flops.py would count the experts' matmuls N times."""
+  trainer/observe/flops.py would count the experts' matmuls N times."""
   token = _COUNTING.set(True)
   try:
     yield

@@ -13,7 +13,7 @@ choice would make a checkpoint written on a GPU unreadable by the same config on
 a CPU (export, sampling, plan mode on a laptop).
 """
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 UNROLL_UP_TO_LAYERS = 4
 VALUES = (True, False, 'auto')

@@ -16,7 +16,7 @@ Dispatch:
 - dropless (`capacity_factor` None or 0): assignments are sorted by expert and run
   through `jax.lax.ragged_dot`, one grouped matmul per projection whose group sizes
   are the experts' token counts: no token is dropped, and the primitive's contract
-  (and the traced FLOPs count, trainer/traced_flops.py) is the active experts' work.
+  (and the traced FLOPs count, trainer/observe/traced_flops.py) is the active experts' work.
   Why ragged_dot, given what it costs here: it is the one XLA primitive with that
   contract whose fast lowerings are owned upstream (TPU; cuDNN, hipBLASLt and Triton
   grouped GEMMs on GPUs), so the layer gets them without a kernel of its own. Where a
@@ -46,7 +46,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 from trainer.models import expert_parallel, grouped_matmul, sown
 from trainer.models.expert_math import (capacity_of, capacity_slots, dropless, route,  # noqa: F401  (moe.* for callers)
                                          swiglu_ragged, with_capacity)

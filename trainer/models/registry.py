@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 # Short name -> (import path, the model.task it is made for).
 REGISTERED = {

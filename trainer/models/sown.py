@@ -12,7 +12,7 @@ these collections on axis 0), so a metric sown once per layer arrives as one
 value per layer and is logged per layer: 'layers_3/mlp/load_max' for the 4th
 scanned layer, 'block_3/mlp/load_max' when layers are unrolled. A metric named
 '*_per_expert' keeps its last axis (one value per expert); it reaches the host
-(trainer/expert_load.py) but not the scalar log.
+(trainer/observe/expert_load.py) but not the scalar log.
 """
 
 import jax

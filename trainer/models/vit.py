@@ -22,9 +22,9 @@ from jax.sharding import Mesh
 
 from trainer import attention as attention_lib
 from trainer.data import arrays
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 from trainer.models import checkpoint_policies, layer_scan
-from trainer.precision import compute_dtype
+from trainer.base.precision import compute_dtype
 
 # What each block keeps for the backward pass; everything else is recomputed there.
 REMAT_POLICIES = checkpoint_policies.GENERIC

@@ -3,7 +3,7 @@
 One entry point for the model, `run_layers`, which runs the layer stack as a circular pipeline
 (trainer/pipeline/schedule.py); `from_config` gives the schedule a config and mesh ask for (None without a
 pipeline axis); `summary` is the line the log and `--plan` print. What cannot be pipelined is refused, in one
-line, by trainer/pipeline/checks.py (`check_config`; `can_double` says whether `--plan` may propose twice the
+line, by trainer/training/pipeline_checks.py (`check_config`; `can_double` says whether `--plan` may propose twice the
 stages when a model does not fit): it asks the models what they are, so it sits above them, and this package,
 which the built-in Llama runs its layers through, below.
 

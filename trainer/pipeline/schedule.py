@@ -36,7 +36,7 @@ _COUNTING = contextvars.ContextVar('pipeline_counting', default=False)
 def unpipelined_for_counting():
   """Within, `run` runs the layers in one plain scan: the same math without the bubble. Every iteration runs all S
   stages, the bubble's on zeros that are discarded, so a jaxpr of the schedule holds (R*M + S - 1)/(R*M) of the
-  stack's work and trainer/flops.py would count the discarded part as useful (MFU too high)."""
+  stack's work and trainer/observe/flops.py would count the discarded part as useful (MFU too high)."""
   token = _COUNTING.set(True)
   try:
     yield

@@ -8,6 +8,6 @@
 - damaged.py: a checkpoint that cannot be read is moved aside, never deleted;
 - disk.py: a save that fails for lack of space or permission ends in one line.
 
-Ctrl-C is handled with SIGTERM in trainer/preemption.py, a lost peer in
+Ctrl-C is handled with SIGTERM in trainer/safety/preemption.py, a lost peer in
 parallel/watchdog.py.
 """

@@ -14,7 +14,7 @@ import time
 import jax
 from absl import logging
 
-from trainer import storage
+from trainer.base import storage
 
 FOLDER = 'damaged_checkpoints'
 

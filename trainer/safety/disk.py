@@ -1,7 +1,7 @@
 """A save that fails for lack of space or permission: one line naming the workdir and the space needed.
 
 Orbax writes a save into `<step>.orbax-checkpoint-tmp*` and renames it only
-once complete (trainer/checkpoint.py), so a save that fails midway leaves every
+once complete (trainer/training/checkpoint.py), so a save that fails midway leaves every
 earlier checkpoint as it was; `SaveFailedError` names the newest of them. Each
 of Orbax's background threads also logs the failure with its own traceback
 (a full disk printed 5 to 79 of them); `quiet_orbax_tracebacks` keeps those
@@ -15,8 +15,8 @@ import pathlib
 import shutil
 import sys
 
-from trainer import storage
-from trainer.errors import UserError
+from trainer.base import storage
+from trainer.base.errors import UserError
 
 # errno values meaning "this folder cannot take the write", whoever asks.
 WRITE_FAILURES = {errno.ENOSPC: 'no space left on the device', errno.EDQUOT: 'the disk quota is exceeded',

@@ -46,8 +46,8 @@ import time
 
 from absl import logging
 
-from trainer import storage
-from trainer.errors import UserError
+from trainer.base import storage
+from trainer.base.errors import UserError
 from trainer.supervision import attempt
 
 LOCK_NAME = 'launch.lock'

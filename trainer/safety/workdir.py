@@ -1,7 +1,7 @@
 """The --workdir, checked before anything is compiled or written: a writable local folder or gs:// prefix.
 
 A Cloud Storage URL (gs://bucket/run) is checked by writing a probe object
-there (trainer/storage.py): a missing bucket or missing write permission ends
+there (trainer/base/storage.py): a missing bucket or missing write permission ends
 in one line. Other URL schemes (s3://, ...) are refused by their scheme, so
 nothing named `./s3:` is ever created and no compile is wasted.
 """
@@ -11,8 +11,8 @@ import pathlib
 import re
 import socket
 
-from trainer import storage
-from trainer.errors import UserError
+from trainer.base import storage
+from trainer.base.errors import UserError
 from trainer.supervision import attempt
 
 _URL = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):/')

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 
-from trainer import storage
+from trainer.base import storage
 from trainer.supervision import attempt, heartbeat
 
 HANG_EXIT_CODE = 124  # What `timeout` returns: "ran past its time limit".

@@ -7,7 +7,7 @@ drain file on every node. `train.preemption_signals` names extra signals handled
 like SIGTERM; `train.preemption_notice_file` names a file whose appearance (or a
 change after this attempt started: a notice left from before a restart is not a
 new one) means the same. The loop asks `reached()` each step, next to SIGTERM's
-check (trainer/preemption.py); the save that follows is timed from the notice.
+check (trainer/safety/preemption.py); the save that follows is timed from the notice.
 """
 
 import os
@@ -33,7 +33,7 @@ class Notices:
   def __init__(self, signals: tuple[str, ...], notice_file: str | None):
     self._file = notice_file
     # With jax.distributed up, a notice becomes a SIGTERM to this process, which jax's preemption service syncs
-    # across processes (as Ctrl-C does in trainer/preemption.py); alone, `reached` answers directly.
+    # across processes (as Ctrl-C does in trainer/safety/preemption.py); alone, `reached` answers directly.
     self._synced = jax.distributed.is_initialized() and jax.config.jax_enable_preemption_service
     self._started = time.time()
     self._given_at = None
@@ -41,7 +41,7 @@ class Notices:
     self._previous = {}
     if threading.current_thread() is threading.main_thread():
       for name in signals:
-        if name != 'SIGTERM':  # trainer/preemption.py owns SIGTERM.
+        if name != 'SIGTERM':  # trainer/safety/preemption.py owns SIGTERM.
           sig = signal.Signals[name]
           self._previous[sig] = signal.signal(sig, self._on_signal)
 

@@ -7,7 +7,7 @@ that the supervisor then retried (issue 39). Each bad value is named with its fi
 
 import signal
 
-from trainer.errors import UserError
+from trainer.base.errors import UserError
 
 
 def _number(value) -> bool:

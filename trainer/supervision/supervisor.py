@@ -25,7 +25,7 @@ existing one-line error (exit 2), which is not retried. Process 0's supervisor
 writes WORKDIR/attempts.jsonl, one line per attempt: `last_step` is the last logged
 step the child had reported (at most a second stale for one killed without a word),
 `steps_redone` the steps an earlier attempt logged beyond this one's resumed step
-(trainer/goodput.py reads them from metrics.jsonl).
+(trainer/observe/goodput.py reads them from metrics.jsonl).
 """
 
 import ctypes
@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 
-from trainer import storage
+from trainer.base import storage
 from trainer.supervision import attempt, heartbeat
 
 CRASH_LOOP = 3  # Failed attempts in a row resumed from the same step before the supervisor gives up.

@@ -1,0 +1,197 @@
+"""FLOPs per train step, peak FLOP/s per accelerator, and model FLOPs utilization (MFU).
+
+Never from `compiled.cost_analysis()`: XLA counts a scanned loop's body once,
+so with scanned layers it under-reports by about `num_layers` times.
+
+Any model: `traced_step_flops` traces the step's forward and backward
+(trainer/training/step.py's `grads_and_metrics`, gradient accumulation included) on the
+global batch's shapes, without a mesh, and trainer/observe/traced_flops.py counts the
+matmuls and convolutions of that program: scan bodies times their length,
+rematerialized recomputation excluded, the optimizer update left out. It is
+the same math under every strategy. Attention runs the XLA kernel for the count
+(trainer/attention's `xla_for_counting`): cuDNN's and splash's kernels are
+opaque to a jaxpr. So causal attention counts its (L, L) products in full,
+masked half included, as the 6N convention does. This count is the logged
+'tflops_per_device' and 'mfu'.
+
+The built-in Llama also has two analytic counts (`step_flops`), both for a full
+train step (forward and backward, 3x the forward's matmuls), both model FLOPs:
+
+- 'matmul' (MaxText's): every matmul of the model, 2*m*n*k, with causal
+  attention's two (L, L) products halved because half the scores are masked.
+  With attention unhalved ('matmul_unmasked') it is what the traced count finds
+  (tests/test_flops.py).
+- '6n' (nanoGPT's and torchtitan's): 6*N + 12*layers*heads*head_dim*seq_len per
+  token, N the parameters other than the embedding table (an untied head counts;
+  the lookup is not a matmul; a head tied to the table is not a parameter of its
+  own, but its matmul is added to N for the FLOPs). Attention is counted unmasked.
+  Logged as 'mfu_6n' for the Llama.
+
+An MoE Llama (model.num_experts > 0) counts only what a token runs, in both: its
+experts_per_token experts (not all of them), the router and a shared expert;
+N of 6N is the active parameters (trainer/models/moe.py `inactive_params`).
+
+MFU is only reported for accelerators in the peak table below (dense bfloat16
+from the vendors' data sheets); any other device, the CPU included, gets none
+rather than a made-up one.
+"""
+
+import dataclasses
+import time
+
+import jax
+from absl import logging
+
+from trainer import attention, pipeline
+from trainer.observe import traced_flops
+from trainer.training import step as step_lib
+from trainer.models import expert_parallel, moe
+
+# Dense bfloat16 peak FLOP/s per chip, by the short names plan mode accepts.
+PEAK_FLOPS = {
+    'h100': 989e12,  # H100 SXM.
+    'h200': 989e12,
+    'v4': 275e12,
+    'v5e': 197e12,
+    'v5p': 459e12,
+    'v6e': 918e12,
+}
+# Lower-cased `device_kind` substrings -> short name; the first match wins (so 'tpu v5 lite' before 'tpu v5').
+_DEVICE_KINDS = (
+    ('h100 pcie', None), ('h100 nvl', None),  # Lower-clocked H100 variants: peak not in the table.
+    ('h100', 'h100'), ('h200', 'h200'), ('tpu v4', 'v4'), ('tpu v5 lite', 'v5e'), ('tpu v5e', 'v5e'),
+    ('tpu v5p', 'v5p'), ('tpu v5', 'v5p'), ('tpu v6 lite', 'v6e'), ('tpu v6e', 'v6e'),
+)
+
+
+def accelerator_name(device: jax.Device) -> str | None:
+  """The peak table's name for a device ('h100', 'v5p', ...), or None when its peak is unknown."""
+  kind = getattr(device, 'device_kind', '').lower()
+  return next((name for pattern, name in _DEVICE_KINDS if pattern in kind), None)
+
+
+def peak_flops(device: jax.Device) -> float | None:
+  name = accelerator_name(device)
+  return PEAK_FLOPS[name] if name else None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+  """Global FLOPs of one train step (all devices together) under each convention."""
+  matmul: float
+  six_n: float
+  non_embedding_params: int
+  matmul_unmasked: float = 0.0  # 'matmul' with causal attention in full: what the traced count finds.
+  six_n_params: int = 0  # The N of 6N: the active non-embedding parameters, plus a tied output head (its matmul is done).
+  inactive_params: int = 0  # MoE: the non-embedding parameters of the experts a token is not routed to.
+
+
+def step_flops(model_config, batch_size: int, seq_len: int) -> StepFlops:
+  """FLOPs of one train step of `batch_size` sequences of `seq_len` tokens for a `config.model`."""
+  m = model_config
+  d, f, v, layers, heads = m.d_model, m.mlp_dim, m.vocab_size, m.num_layers, m.num_heads
+  kv_heads = m.num_kv_heads or heads  # Grouped-query attention shrinks only the k/v projections.
+  head_dim = getattr(m, 'head_dim', 0) or d // heads
+  tokens = batch_size * seq_len
+  # Per token, forward, one block: q/k/v and out projections, the SwiGLU's gate, up and down.
+  block_matmul_flops = 2 * ((heads + 2 * kv_heads) * d * head_dim + heads * head_dim * d + 3 * d * f)
+  moe_layers = moe.num_moe_layers(m)
+  if moe_layers:  # Each MoE block: the router, experts_per_token experts and a shared expert, not the dense MLP.
+    fe = m.expert_mlp_dim or f
+    moe_mlp = 2 * (d * m.num_experts + (m.experts_per_token + int(bool(m.shared_expert))) * 3 * d * fe)
+    block_matmul_flops += moe_layers / layers * (moe_mlp - 2 * 3 * d * f)
+  head_flops = 2 * d * v
+  # Scores (Q K^T) and the weighted sum (P V), 2*L*H*K each per token, halved for the causal mask.
+  causal_attention_flops = 4 * seq_len * heads * head_dim / 2
+  matmul = 3 * tokens * (layers * (block_matmul_flops + causal_attention_flops) + head_flops)
+  unmasked = matmul + 3 * tokens * layers * causal_attention_flops
+  # A tied head is the embedding table itself: not a non-embedding parameter, though its matmul is still done.
+  head_params = d * v
+  tied = getattr(m, 'tie_embeddings', False)
+  non_embedding = (layers * ((2 * heads + 2 * kv_heads) * d * head_dim + 3 * d * f + 2 * d) + d
+                   + (0 if tied else head_params))
+  if moe_layers:  # All experts, the router and a shared expert in place of the dense MLP; N of 6N counts the active.
+    non_embedding += moe_layers * (m.num_experts * 3 * d * fe + d * m.num_experts
+                                   + int(bool(m.shared_expert)) * 3 * d * fe - 3 * d * f)
+  active = non_embedding - moe.inactive_params(m)
+  n = active + (head_params if tied else 0)
+  six_n = tokens * (6 * n + 12 * layers * heads * head_dim * seq_len)
+  return StepFlops(matmul=float(matmul), six_n=float(six_n), non_embedding_params=non_embedding,
+                   matmul_unmasked=float(unmasked), six_n_params=n, inactive_params=non_embedding - active)
+
+
+def traced_step_flops(task, params, batch_shapes, options=step_lib.StepOptions()) -> traced_flops.Count:
+  """FLOPs of one train step's forward and backward over the global batch, counted from its traced program.
+
+  Args:
+    task: what trainer/training/step.py trains (`loss`, `weight`); params and batch_shapes: pytrees of
+      `jax.ShapeDtypeStruct` (a Job's `abstract.params`, `task.batch_shapes()`); options: the accumulation.
+  """
+  def grads(p, batch):
+    return step_lib.grads_and_metrics(p, batch, task, options)
+
+  with attention.xla_for_counting(), expert_parallel.one_device_for_counting(), pipeline.unpipelined_for_counting():
+    return traced_flops.count(grads, params, batch_shapes)
+
+
+def job_step_flops(job, log: bool = True) -> traced_flops.Count | None:
+  """A Job's traced step FLOPs, logged with the time the count took; None (and a warning) if it does not trace.
+
+  `log=False` for callers that report the count themselves (plan mode, which counts every candidate it compiles).
+  """
+  config = job.config
+  start = time.perf_counter()
+  try:
+    counted = traced_step_flops(job.task, job.abstract.params, job.task.batch_shapes(),
+                                step_lib.StepOptions.from_config(config.train))
+  except Exception as e:  # pylint: disable=broad-except  (e.g. a loss using collectives only its strategy binds)
+    logging.warning('FLOPs not counted, so no TFLOP/s or MFU: the train step of model.name=%r does not trace '
+                    'without a mesh (%s: %s).', config.model.name, type(e).__name__, (str(e).splitlines() or [''])[0])
+    return None
+  if not log:
+    return counted
+  logging.info('FLOPs per step: %.4g (matmuls and convolutions of the traced step, counted in %.2fs)',
+               counted.flops, time.perf_counter() - start)
+  if counted.opaque or counted.unbounded_loops:
+    logging.warning('TFLOP/s and MFU undercount: %s.', describe_gaps(counted))
+  return counted
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+  """Turns a measured step time into TFLOP/s per device and MFU (when the device's peak is known)."""
+  step_flops: float  # Global, traced (traced_step_flops).
+  num_devices: int
+  peak_flops_per_device: float | None
+  six_n: float | None = None  # The built-in Llama's analytic 6N count, for 'mfu_6n'.
+
+  @classmethod
+  def for_job(cls, job) -> 'Throughput | None':
+    """The run's throughput counter, from the job's traced step; None when that cannot be counted."""
+    counted = job_step_flops(job)
+    if counted is None or not counted.flops:
+      return None
+    config, devices = job.config, list(job.mesh.devices.flat)
+    six_n = (step_flops(config.model, config.train.batch_size, config.data.seq_len).six_n
+             if config.model.name == 'llama' else None)
+    return cls(counted.flops, len(devices), peak_flops(devices[0]), six_n)
+
+  def metrics(self, step_time_s: float) -> dict[str, float]:
+    """'tflops_per_device' and, where the peak is known, 'mfu' (traced count) and 'mfu_6n' (the Llama's 6N)."""
+    per_device_s = 1.0 / (step_time_s * self.num_devices)
+    out = {'tflops_per_device': self.step_flops * per_device_s / 1e12}
+    if self.peak_flops_per_device:
+      out['mfu'] = self.step_flops * per_device_s / self.peak_flops_per_device
+      if self.six_n:
+        out['mfu_6n'] = self.six_n * per_device_s / self.peak_flops_per_device
+    return out
+
+
+def describe_gaps(counted: traced_flops.Count) -> str:
+  """What a traced count leaves out, in words ('' when nothing)."""
+  gaps = []
+  if counted.opaque:
+    gaps.append(f'custom kernels whose FLOPs a jaxpr does not show ({", ".join(counted.opaque)}) count as 0')
+  if counted.unbounded_loops:
+    gaps.append(f'{counted.unbounded_loops} while loop(s) counted for one iteration (no trip count in the program)')
+  return '; '.join(gaps)

@@ -1,0 +1,501 @@
+"""Orbax checkpoints of the train state, the Grain iterator and a run manifest.
+
+Layout: WORKDIR/checkpoints/<step>/{state,data,manifest}. The manifest records
+what the state was built from (resolved config, parameter shapes, versions,
+XLA flags, mesh, strategy, git commit), so a workdir holding another model's
+checkpoints is refused with a clear message before anything is compiled or
+restored, and every other change since the save is logged.
+
+Nothing here deletes a checkpoint it cannot read. Orbax writes each save into
+`<step>.orbax-checkpoint-tmp-*` and renames it to `<step>` only once every
+file is written, so a save killed midway leaves a tmp folder that is never
+taken for a checkpoint; we report it and leave it (Orbax's tmp cleanup is off).
+A finished checkpoint that fails to read (a truncated or missing file, an
+empty folder) is reported and the next older one is tried; once an older one
+is good, the damaged ones are moved to WORKDIR/damaged_checkpoints/
+(trainer/safety/damaged.py) so the run can save those steps again.
+"""
+
+import contextlib
+import json
+import logging as std_logging
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+
+from parallel import sharding
+from trainer import attention
+from trainer.base import storage
+from trainer.base.errors import UserError
+from trainer.safety import damaged as damaged_lib
+from trainer.safety import disk
+from trainer.supervision import attempt
+
+# Settings that change what a checkpoint means; any other difference is safe and only logged.
+_UNSAFE_SECTIONS = ('model',)
+# Model keys that change how the step computes, never the parameters: a run may resume under another value.
+# init_from only seeds a fresh run (a resumed one never reads it), so a moved or re-exported folder is no other model.
+_KERNEL_ONLY_KEYS = ('attention', 'context_scheme', 'init_from')
+_TMP_MARK = '.orbax-checkpoint-tmp'
+# Where Orbax's JsonSave of the 'manifest' item puts it in a step folder (tests/test_gcs.py lists the object).
+_MANIFEST_FILE = 'manifest/metadata'
+# Orbax splits a replicated array so each replica writes a slice ("replica-parallel"); each slice shape costs
+# one small compile on the first save (7 s for the tiny model's 500 slices on 8 CPU devices). In one process
+# every slice is written by the same host anyway, so there it is kept for big slices only.
+_MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL = 4 << 20
+
+
+def param_shapes(params) -> dict[str, list[int]]:
+  """{'block_0/mlp/up/kernel': [d, f], ...}: the shape signature of a parameter tree."""
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {sharding.path_name(path): list(leaf.shape) for path, leaf in flat}
+
+
+def _git_commit() -> str | None:
+  repo = pathlib.Path(__file__).resolve().parents[2]
+  try:
+    out = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=repo, capture_output=True, text=True, timeout=5)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def run_manifest(config, abstract, mesh) -> dict[str, Any]:
+  """What a checkpoint was made from; compared on resume (see `Checkpointer.check_compatible`)."""
+  import flax, jaxlib, optax, grain as grain_lib  # noqa: E401  (versions only)
+  return {
+      'model': config.model.to_dict(),
+      'param_shapes': param_shapes(abstract.params),
+      'mesh': dict(mesh.shape),
+      'device_count': mesh.size,
+      'strategy': config.parallel.strategy,
+      'attention': _attention_entry(config.model, config.data, config.train.compute_dtype, mesh),
+      'process_count': jax.process_count(),
+      'versions': {m.__name__: m.__version__ for m in (jax, jaxlib, flax, optax, ocp, grain_lib)},
+      'xla_flags': os.environ.get('XLA_FLAGS', ''),
+      'libtpu_init_args': os.environ.get('LIBTPU_INIT_ARGS', ''),
+      'git_commit': _git_commit(),
+      'config': json.loads(config.to_json_best_effort()),
+  }
+
+
+def _attention_entry(model, data, compute_dtype: str, mesh) -> dict[str, str]:
+  """model.attention and, for the built-in models, the kernel it runs on this mesh and why."""
+  choice = attention.check_config(model, data, compute_dtype, mesh)
+  if choice is None:
+    return {'setting': model.attention, 'kernel': 'chosen per call by the model'}
+  return {'setting': choice.setting, 'kernel': choice.kernel, 'reason': choice.reason}
+
+
+def _flat(tree: Any, prefix: str = '') -> dict[str, Any]:
+  if isinstance(tree, dict):
+    return {k: v for key, sub in tree.items() for k, v in _flat(sub, f'{prefix}{key}.').items()}
+  return {prefix[:-1]: tree.tolist() if hasattr(tree, 'tolist') else tree}
+
+
+def safe_differences(saved: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
+  """Human-readable differences the resume tolerates: mesh, devices, strategy, schedule, versions, ..."""
+  keys = ('mesh', 'device_count', 'strategy', 'versions', 'xla_flags', 'git_commit')
+  old = {**{k: saved.get(k) for k in keys}, **_flat(saved.get('config', {}), 'config.')}
+  new = {**{k: manifest.get(k) for k in keys}, **_flat(manifest.get('config', {}), 'config.')}
+  skip = tuple(f'config.{s}.' for s in _UNSAFE_SECTIONS)
+  return [f'{k}: {old.get(k)!r} -> {new.get(k)!r}' for k in sorted(old.keys() | new.keys())
+          if not k.startswith(skip) and _normal(old.get(k)) != _normal(new.get(k))]
+
+
+def _check_schedule(step: int, saved: dict[str, Any], manifest: dict[str, Any]) -> None:
+  """Refuses a resume whose changed train.* settings move the learning rate at the resume step, unless accepted."""
+  saved_train, train = saved.get('config', {}).get('train'), manifest['config'].get('train')
+  if not saved_train or not train or saved_train == train:
+    return
+  import ml_collections
+  from trainer.training import optimizer
+  config = ml_collections.ConfigDict(train)
+  moved = optimizer.schedule_change(saved_train, config, step)
+  if moved is None:
+    return
+  changed = ', '.join(f'train.{k} {saved_train.get(k)!r} -> {v!r}' for k, v in sorted(train.items())
+                      if k in saved_train and saved_train[k] != v and k != 'accept_schedule_change')
+  what = (f'{changed or "train.* settings"} since checkpoint {step} move the learning-rate schedule: at step '
+          f'{step + 1} it becomes {moved[1]:.3g} instead of {moved[0]:.3g}')
+  if config.get('accept_schedule_change', False):
+    logging.warning('Resuming step %d: %s (accepted: train.accept_schedule_change=True).', step, what)
+    return
+  changed_keys = {k for k, v in train.items() if k in saved_train and saved_train[k] != v}
+  if changed_keys == {'learning_rate'} and _given_on_command_line('train.learning_rate'):
+    # What the non-finite stop advises ("lower train.learning_rate"): typed on the relaunch, it is the user's choice.
+    logging.warning('Resuming step %d: %s; taken as deliberate, since --config.train.learning_rate was given on the '
+                    'command line.', step, what)
+    return
+  raise UserError(f'{what}, a jump the run never had. Relaunch with --config.train.accept_schedule_change=True to '
+                  f'take it, or with the checkpoint\'s values to keep the schedule it was trained on.')
+
+
+def _given_on_command_line(key: str) -> bool:
+  """Whether launch.py's command line set --config.KEY (this process's own flags: what the user typed)."""
+  return any(arg.lstrip('-').startswith(f'config.{key}=') for arg in sys.argv[1:])
+
+
+def _check_same_average(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
+  """A parameter average is in the saved state or not: train.ema_decay may change its value, not turn it on or off."""
+  before = saved.get('config', {}).get('train', {}).get('ema_decay', 0.0) or 0.0
+  now = manifest.get('config', {}).get('train', {}).get('ema_decay', 0.0) or 0.0
+  if bool(before) != bool(now):
+    kept = 'keep a parameter average' if before else 'keep no parameter average'
+    raise UserError(f'--workdir {directory.parent} was trained with train.ema_decay={before}, so its checkpoints '
+                    f'{kept}; resume with --config.train.ema_decay={before if before else 0}'
+                    f'{" (any value in (0, 1) works)" if before else ""}, or use a fresh --workdir for '
+                    f'train.ema_decay={now}.')
+
+
+def _check_same_optimizer(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
+  """Another optimizer's state cannot be restored into this one's (a schedule change can, and is logged)."""
+  # Checkpoints written before train.optimizer existed were AdamW's.
+  before = saved.get('config', {}).get('train', {}).get('optimizer', 'adamw')
+  now = manifest.get('config', {}).get('train', {}).get('optimizer', 'adamw')
+  if before != now:
+    raise UserError(f'--workdir {directory.parent} was trained with train.optimizer={before!r}, not {now!r}: resume '
+                    f'with --config.train.optimizer={before}, or use a fresh --workdir to start with {now!r}.')
+
+
+def _normal(value):
+  return list(value) if isinstance(value, tuple) else value
+
+
+class _OverrideWarning(std_logging.Filter):
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return not str(record.msg).startswith('Type handler registry')
+
+
+@contextlib.contextmanager
+def _without_override_warning():
+  """Drops Orbax's warning that a jax.Array handler replaces its default: replacing it is the point here, and a
+  user reads a W-level line on every launch as a fault. Scoped to the one call, so no other Orbax warning is lost."""
+  quiet = _OverrideWarning()
+  logger = std_logging.getLogger('absl')
+  logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    logger.removeFilter(quiet)
+
+
+def _as_saved(value):
+  """A config value as the manifest's JSON gives it back (tuples come back as lists)."""
+  return json.loads(json.dumps(value))
+
+
+class Checkpointer:
+  """Saves every `ckpt.every_steps` (and on demand), restores the newest intact one, guards against foreign workdirs."""
+
+  def __init__(self, workdir: str, ckpt_config, move_damaged: bool = True):
+    """`move_damaged`: move unreadable steps aside once an older one is good; only for the run holding the workdir
+    (tools reading a live run's workdir pass False)."""
+    self.directory = storage.path(workdir) / 'checkpoints'
+    self._move_damaged = move_damaged
+    if not (isinstance(ckpt_config.keep_period, int) and ckpt_config.keep_period >= 0):
+      raise UserError(f'ckpt.keep_period={ckpt_config.keep_period!r} must be an integer >= 0 (0 keeps none extra).')
+    keep = [ocp.checkpoint_managers.LatestN(ckpt_config.max_to_keep)]
+    if ckpt_config.keep_period:
+      keep.append(ocp.checkpoint_managers.EveryNSteps(ckpt_config.keep_period))
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=ckpt_config.every_steps,
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(keep),
+        enable_async_checkpointing=ckpt_config.async_save,
+        cleanup_tmp_directories=False,  # An interrupted save is evidence; we report it, never delete it.
+        create=True)
+    if jax.process_count() == 1:  # Across hosts, Orbax's default spreads the writes of replicated arrays.
+      with _without_override_warning():
+        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+            min_slice_bytes_for_replica_parallel=_MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL), override=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._saving_step = None  # The step of the save in flight, to name it if the write fails.
+    self._failed = None  # The SaveFailedError already raised: close() does not raise it twice.
+    disk.quiet_orbax_tracebacks()
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def incomplete_saves(self) -> list[storage.Path]:
+    """Saves that never finished (a process killed mid-save): Orbax's tmp folders on disk. In a bucket Orbax
+    writes `<step>/` in place and lists it only once its commit_success.txt is written, so there it is the step
+    folders Orbax does not list (saving that step again overwrites them)."""
+    if not self.directory.exists():
+      return []
+    if storage.is_cloud(self.directory):
+      listed = set(self.all_steps())
+      return sorted(p for p in self.directory.iterdir() if p.name.isdigit() and int(p.name) not in listed)
+    return sorted(p for p in self.directory.iterdir() if _TMP_MARK in p.name)
+
+  def read_manifest(self, step: int) -> dict[str, Any]:
+    return self._manager.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))['manifest']
+
+  def resumable_steps(self, manifest: dict[str, Any], training: bool = True) -> list[int]:
+    """Steps to try resuming from, newest first, after checking the newest readable one against `manifest`.
+
+    Reports (and skips) interrupted saves and checkpoints whose manifest cannot
+    be read. Raises UserError for a different model, or when checkpoints exist
+    but none is readable: the launcher never starts from scratch over a saved one
+    (a first save that never completed is not one).
+    """
+    for path in self.incomplete_saves():
+      logging.warning('Checkpoint %s is an incomplete save (the run was killed while writing it): skipped, '
+                      'left on disk.', path)
+    steps, damaged = self.all_steps()[::-1], []
+    for step in steps:
+      try:
+        saved = self.read_manifest(step)
+      except Exception as e:  # pylint: disable=broad-except  (any failure: this checkpoint cannot be trusted)
+        logging.warning('Checkpoint %s is damaged (manifest unreadable: %s): trying an older one.',
+                        self.directory / str(step), _short(e))
+        damaged.append(step)
+        continue
+      self.check_compatible(step, manifest)  # Unsafe differences refuse; the others are logged here:
+      if training:  # A tool reading the parameters (export, sample) applies no schedule.
+        _check_schedule(step, saved, manifest)
+      changes = safe_differences(saved, manifest)
+      if changes:
+        logging.info('%s step %d with %d setting(s) changed since it was saved: %s',
+                     'Resuming' if training else 'Reading', step, len(changes), '; '.join(changes))
+      self._set_aside(damaged, 'manifest unreadable')
+      return [s for s in steps if s <= step and s not in damaged]
+    if not steps and self.incomplete_saves():
+      # The run was killed while writing its first checkpoint: nothing complete was ever saved, so step 0 is the only
+      # place to resume from (a supervised restart lands here after a crash early in a run).
+      logging.warning('No complete checkpoint in %s yet (only the incomplete save(s) above, left on disk): training '
+                      'from step 0.', self.directory)
+      return []
+    if steps:
+      raise UserError(f'{self.directory} holds no intact checkpoint (damaged: {damaged[::-1] or "none"}; incomplete '
+                      f'saves: {[p.name for p in self.incomplete_saves()] or "none"}). Nothing was changed. Use a '
+                      f'fresh --workdir, or relaunch with --start_over to move them aside and train from step 0.')
+    return []
+
+  def check_compatible(self, step: int, manifest: dict[str, Any]) -> None:
+    """Raises UserError if the checkpoint at `step` holds a different model than `manifest` describes."""
+    try:
+      saved = self._manager.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))['manifest']
+    except Exception as e:  # Any failure here means we cannot trust this checkpoint for resuming.
+      raise UserError(f'checkpoint {self.directory / str(step)} has no readable manifest ({type(e).__name__}); '
+                      f'it was not written by this launcher or is damaged. Use a fresh --workdir.') from e
+    diffs = [f'model.{k}: checkpoint {saved["model"].get(k)!r} vs config {v!r}'
+             for k, v in manifest['model'].items()
+             if saved['model'].get(k) != _as_saved(v) and k not in _KERNEL_ONLY_KEYS]
+    if not diffs and saved['param_shapes'] != manifest['param_shapes']:
+      diffs = ['parameter shapes differ']
+    if diffs:
+      raise UserError(f'--workdir holds checkpoints of a different model ({"; ".join(diffs[:4])}) in '
+                      f'{self.directory}. Resume with the config it was trained with, or use a fresh --workdir; '
+                      f'nothing was changed.')
+    _check_same_optimizer(saved, manifest, self.directory)
+    _check_same_average(saved, manifest, self.directory)
+    # Another process count is fine: the data position is a count of global examples (trainer/data/pipeline.py).
+
+  def save(self, step: int, state, data_iterator: grain.DatasetIterator, manifest: dict[str, Any],
+           force: bool = False) -> bool:
+    """Starts a save if `step` is due (or `force`); returns whether one started."""
+    state = _detach_on_cpu(state)
+    args = ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=ocp.args.JsonSave(data_iterator.get_state()),
+        manifest=ocp.args.JsonSave(manifest))
+    with self._save_failures(step):
+      started = storage.within_deadline(f'saving step {step}', self.directory,
+                                        lambda: self._manager.save(step, args=args, force=force))
+    if started:
+      self._saving_step = step
+    return started
+
+  @contextlib.contextmanager
+  def _save_failures(self, step: int):
+    """Turns a write that failed for space or permission (now, or in the async save in flight) into one line."""
+    try:
+      yield
+    except storage.StorageStall as e:
+      # The bucket stopped answering mid-save: Orbax's writers (and the metrics' uploads) would each wait out their
+      # own retries in the cleanup that follows, minutes of silence. The line now, and the exit the supervisor
+      # retries, as the hang watch does (trainer/supervision/hang.py).
+      attempt.note(stopped='storage stalled')
+      print(f'{pathlib.Path(sys.argv[0]).name}: error: could not save step {step}: {e}',
+            file=sys.stderr, flush=True)
+      os._exit(e.exit_code)
+    except Exception as e:
+      code = disk.write_failure(e)
+      if code is None:
+        raise
+      failed_step = self._saving_step if self._saving_step is not None else step
+      good = [s for s in self._complete_steps_on_disk() if s != failed_step]
+      self._failed = disk.save_failed(self.directory, failed_step, code, good)
+      raise self._failed from None
+
+  def _complete_steps_on_disk(self) -> list[int]:
+    return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) if self.directory.exists() else []
+
+  def restore(self, step: int, abstract_state_with_shardings, data_iterator: grain.DatasetIterator):
+    """Restores the state straight into its target shardings and rewinds the data iterator."""
+    restored = self._restore_state_and_data(step, abstract_state_with_shardings)
+    data_iterator.set_state(restored['data'])  # Same position on every process, for any process count.
+    return restored['state']
+
+  def _restore_state_and_data(self, step: int, abstract_state_with_shardings):
+    args = ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state_with_shardings),
+        data=ocp.args.JsonRestore())
+    return self._manager.restore(step, args=args)
+
+  def restore_newest_intact(self, steps: list[int], abstract_state_with_shardings,
+                            data_iterator: grain.DatasetIterator):
+    """(step, state) from the first of `steps` that restores; damaged ones are reported and skipped, never deleted."""
+    failed = []
+    for step in steps:
+      try:
+        restored = self._restore_state_and_data(step, abstract_state_with_shardings)
+      except Exception as e:  # pylint: disable=broad-except  (a truncated file surfaces as many error types)
+        logging.warning('Checkpoint %s is damaged (%s): trying an older one.', self.directory / str(step), _short(e))
+        failed.append(step)
+        continue
+      # A refusal here is a changed data.* setting or train.seed (a UserError naming them), not damage.
+      data_iterator.set_state(restored['data'])
+      self._set_aside(failed, 'could not be restored')
+      return step, restored['state']
+    raise UserError(f'no checkpoint in {self.directory} could be restored (tried steps {steps}); nothing was '
+                    f'changed. Use a fresh --workdir, or relaunch with --start_over to train from step 0.')
+
+  def _set_aside(self, steps: list[int], why: str) -> None:
+    """Moves damaged `steps` out of Orbax's sight (WORKDIR/damaged_checkpoints/), so they can be saved again."""
+    if not (steps and self._move_damaged):
+      if steps:
+        logging.warning('Damaged checkpoint(s) %s (%s): skipped, left on disk.', steps, why)
+      return
+    for step in steps:
+      damaged_lib.move_aside(self.directory, step, why)
+    self._manager.reload()
+
+  def restores(self, step: int, abstract_state_with_shardings) -> bool:
+    """Whether `step`'s state and data position restore (read and dropped): damage shows only on a real read."""
+    try:
+      self._restore_state_and_data(step, abstract_state_with_shardings)
+    except Exception as e:  # pylint: disable=broad-except  (a truncated file surfaces as many error types)
+      logging.warning('Checkpoint %s is damaged (%s).', self.directory / str(step), _short(e))
+      return False
+    return True
+
+  def restore_state(self, step: int, abstract_state_with_shardings):
+    """Only the train state (e.g. for export, or onto another process count), into the given shardings."""
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state_with_shardings))
+    return self._manager.restore(step, args=args)['state']
+
+  def save_in_progress(self) -> bool:
+    return self._manager.is_saving_in_progress()
+
+  def wait_until_finished(self) -> None:
+    with self._save_failures(self._saving_step or 0):
+      storage.within_deadline(f'finishing the save of step {self._saving_step}', self.directory,
+                              self._manager.wait_until_finished)
+    self._saving_step = None
+
+  def close(self) -> None:
+    """Waits for any save in flight, then releases the manager (a save failure already raised is not raised again)."""
+    reported = self._failed is not None
+    try:
+      self.wait_until_finished()
+      self._manager.close()
+    except Exception:  # pylint: disable=broad-except
+      if not reported:
+        raise
+
+
+def _detach_on_cpu(state):
+  """On CPU, a copy of `state` for Orbax to write from, so the next (donating) step need not wait for the write.
+
+  A CPU array is already host memory, and Orbax's async save reads it in place:
+  the train step, which donates the state, then waits for the whole write (a
+  1 GB state held the next step for ~17 s in benchmarks/bench_checkpoint.py). On
+  GPU/TPU Orbax copies to host before save() returns, so no copy is made there.
+  """
+  if jax.default_backend() != 'cpu':
+    return state
+  return jax.tree.map(lambda x: x.copy(), state)
+
+
+def _short(error: Exception) -> str:
+  text = ' '.join(str(error).split())
+  return f'{type(error).__name__}: {text[:300]}'
+
+
+def newest_manifest(workdir: str) -> tuple[int, dict[str, Any]] | None:
+  """(step, manifest) of the newest finished checkpoint in `workdir` whose manifest reads, or None; only reads.
+
+  For callers that look before a run holds the workdir (remat 'auto' reusing its
+  earlier choice): no Checkpointer, whose Orbax manager creates the folder, and
+  nothing moved or logged. Saves that never finished (Orbax's own test: a tmp
+  folder on disk, no commit_success.txt in a bucket) and manifests that do not
+  parse are skipped; `Checkpointer.resumable_steps` reports them when the run starts.
+  """
+  directory = storage.path(workdir) / 'checkpoints'
+  if not directory.is_dir():
+    return None
+  for path in sorted((p for p in directory.iterdir() if p.name.isdigit()), key=lambda p: -int(p.name)):
+    try:
+      if ocp.utils.is_checkpoint_finalized(path):
+        return int(path.name), json.loads((path / _MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+      continue
+  return None
+
+
+def start_over(workdir: str) -> storage.Path | None:
+  """`--start_over`: moves the previous run's checkpoints and logs into WORKDIR/previous_run_<UTC time>/.
+
+  Nothing is deleted: the user can move them back. Process 0 moves, every
+  process waits for it, so no process sees a half-moved workdir.
+  """
+  from jax.experimental import multihost_utils
+  workdir = storage.path(workdir)
+  names = ('checkpoints', 'metrics.jsonl', 'goodput.jsonl', 'tensorboard', 'plugins', 'memory_profiles',
+           'config.json', 'sharding.txt', 'attempts.jsonl', 'hangs', damaged_lib.FOLDER)
+  found = [workdir / n for n in names if (workdir / n).exists()]
+  target = workdir / time.strftime('previous_run_%Y%m%dT%H%M%SZ', time.gmtime()) if found else None
+  if found and jax.process_index() == 0:
+    for path in found:
+      storage.move(path, target / path.name)
+    logging.warning('--start_over: moved the previous run (%s) to %s; training starts from step 0.',
+                    ', '.join(p.name for p in found), target)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices('start_over')
+  return target
+
+
+def restore_for_tool(job, workdir: str, step: int | None = None) -> tuple[int, Any]:
+  """(step, train state) of checkpoint `step` (default: the newest intact one) of `workdir`, for tools.
+
+  `job` (a trainer.run.job.Job) describes the model: the checkpoint's manifest is
+  checked against it first, and the state is restored into its shardings.
+  """
+  ckpt = Checkpointer(workdir, job.config.ckpt, move_damaged=False)  # The run may still be writing there.
+  try:
+    steps = ckpt.resumable_steps(run_manifest(job.config, job.abstract, job.mesh), training=False)
+    if step is not None:
+      if step not in ckpt.all_steps():
+        raise UserError(f'--step={step}: no such checkpoint in {ckpt.directory} (have {ckpt.all_steps()}); give one '
+                        f'of them, or leave --step out for the newest intact one.')
+      steps = [step]
+    if not steps:
+      raise UserError(f'{ckpt.directory} holds no checkpoint; train with launch.py until one is saved '
+                      f'(ckpt.every_steps, or the last step).')
+    state = ckpt.restore_state(steps[0], sharding.with_shardings(job.abstract, job.shardings))
+    logging.info('Read checkpoint step %d from %s', steps[0], ckpt.directory)  # Which one a tool used, in its log.
+    return steps[0], state
+  finally:
+    ckpt.close()

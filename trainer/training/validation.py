@@ -1,0 +1,165 @@
+"""Config checks that run before any device work, each failing with the key and the fix."""
+
+from absl import logging
+from jax.sharding import Mesh
+
+from parallel import context as context_lib
+from parallel import mesh as mesh_lib
+from trainer.training import strategy
+from trainer import data
+from trainer.training import pipeline_checks
+from trainer.base.errors import UserError
+from trainer.models import layer_scan
+from trainer.supervision import notices
+
+DTYPES = ('float32', 'bfloat16')
+
+
+def _require(ok: bool, message: str) -> None:
+  if not ok:
+    raise UserError(message)
+
+
+def _positive_int(config, path: str, minimum: int = 1) -> None:
+  section, key = path.split('.')
+  value = config[section][key]
+  _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+           f'{path}={value!r} must be an integer >= {minimum}.')
+
+
+def validate_config(config) -> None:
+  """Checks every value that can be judged without devices."""
+  # Model sizes are checked by the model's builder (trainer/models/), which knows which keys it reads.
+  for path in ('train.steps', 'train.batch_size', 'data.seq_len', 'log.every_steps', 'ckpt.every_steps',
+               'ckpt.max_to_keep', 'data.num_threads', 'data.max_documents_per_row'):
+    _positive_int(config, path)
+  _positive_int(config, 'train.grad_accum_steps')
+  _check_loss_chunks(config)
+  _check_ranges(config)
+  _require(config.train.z_loss_weight >= 0, f'train.z_loss_weight={config.train.z_loss_weight} must be >= 0.')
+  _require(config.train.adam_mu_dtype in DTYPES,
+           f'train.adam_mu_dtype={config.train.adam_mu_dtype!r}: choose float32 or bfloat16.')
+  for path in ('train.warmup_steps', 'train.eval_every_steps', 'train.eval_batches', 'train.seed',
+               'data.prefetch_buffer_size'):
+    _positive_int(config, path, minimum=0)
+  _require(config.train.learning_rate > 0, f'train.learning_rate={config.train.learning_rate} must be > 0.')
+  _require(config.parallel.strategy in strategy.STRATEGIES,
+           f'parallel.strategy={config.parallel.strategy!r} is not available; choose one of {strategy.STRATEGIES}.')
+  _require(config.train.compute_dtype in DTYPES + ('auto',),
+           f'train.compute_dtype={config.train.compute_dtype!r}: choose auto, float32 or bfloat16.')
+  _require(config.train.param_dtype in DTYPES,
+           f'train.param_dtype={config.train.param_dtype!r}: choose float32 or bfloat16.')
+  # The policy names themselves are the model's to check; 'auto' is resolved by building the Job.
+  _require(config.train.remat_policy != 'auto',
+           "train.remat_policy='auto' is chosen by compiling candidates when the Job is built: validate the config "
+           "of trainer.run.job.build_job(config).config, or name a policy.")
+  gb = config.train.device_memory_gb
+  _require(gb is None or (isinstance(gb, (int, float)) and not isinstance(gb, bool) and gb > 0),
+           f'train.device_memory_gb={gb!r} must be a number of GiB > 0, or None for the device\'s own limit.')
+  data.check_config(config.data)
+  notices.check_config(config.train)
+  _warn_if_warmup_exceeds_steps(config.train)
+  layer_scan.check(config.model)
+  pipeline_checks.check_config(config, pipeline_checks.stages_of(config.mesh))
+  _require(0 <= config.data.eval_percent < 100, f'data.eval_percent={config.data.eval_percent} must be in [0, 100).')
+
+
+# Optimizer, schedule and router numbers with a range outside which they train nothing sensible (a momentum of 1.5
+# diverges, a negative weight decay grows the weights): (key, low, high, low included, high included).
+_RANGES = (
+    ('train.adam_b1', 0, 1, True, False), ('train.adam_b2', 0, 1, True, False),
+    ('train.lion_b1', 0, 1, True, True), ('train.lion_b2', 0, 1, True, False),
+    ('train.muon_beta', 0, 1, True, False), ('train.sgd_momentum', 0, 1, True, False),
+    ('train.adafactor_decay_rate', 0, 1, False, True), ('train.end_learning_rate_ratio', 0, 1, True, True),
+    ('train.weight_decay', 0, float('inf'), True, False), ('train.muon_consistent_rms', 0, float('inf'), False, False),
+    ('model.router_aux_loss_weight', 0, float('inf'), True, False),
+    ('model.router_z_loss_weight', 0, float('inf'), True, False),
+)
+
+
+def _check_ranges(config) -> None:
+  for path, low, high, low_in, high_in in _RANGES:
+    section, key = path.split('.')
+    if key not in config[section]:  # A run's config.json from before the key.
+      continue
+    value = config[section][key]
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and (low <= value if low_in else low < value) and (value <= high if high_in else value < high))
+    bounds = f'{"[" if low_in else "("}{low:g}, {high:g}{"]" if high_in else ")"}'
+    _require(ok, f'{path}={value!r} must be in {bounds}.' if high != float('inf') else
+             f'{path}={value!r} must be {">=" if low_in else ">"} {low:g}.')
+
+
+def _check_loss_chunks(config) -> None:
+  if 'loss_chunks' not in config.train:  # A run's config.json from before the key: the whole logits, as then.
+    return
+  _positive_int(config, 'train.loss_chunks')
+  chunks = config.train.loss_chunks
+  if chunks == 1:
+    return
+  _require(config.model.task == 'lm',
+           f"train.loss_chunks={chunks} slices a language model's logits; model.task={config.model.task!r} has none: "
+           f'set --config.train.loss_chunks=1.')
+  seq_len = config.data.seq_len
+  _require(seq_len % chunks == 0,
+           f'train.loss_chunks={chunks} must divide data.seq_len={seq_len}; choose one of '
+           f'{[n for n in range(2, min(seq_len, 64) + 1) if seq_len % n == 0][:8]}.')
+
+
+def _warn_if_warmup_exceeds_steps(train) -> None:
+  # A warning, not an error: shortening a run from the command line (--config.train.steps=10) is common and fine.
+  if train.warmup_steps > train.steps:
+    logging.warning('train.warmup_steps=%d is more than train.steps=%d: warmup is cut to %d steps, so the learning '
+                    'rate reaches train.learning_rate only at the last step and never decays. Lower '
+                    'train.warmup_steps or raise train.steps.', train.warmup_steps, train.steps, train.steps)
+
+
+def validate_strategy(config, mesh: Mesh) -> None:
+  """Checks that `parallel.strategy` can run on the mesh's shape."""
+  name, tensor, fsdp = config.parallel.strategy, mesh.shape['tensor'], mesh.shape['fsdp']
+  expert = mesh.shape.get('expert', 1)
+  # The per-device strategies run the model on whole, gathered parameters: an expert axis needs the tokens
+  # exchanged all-to-all inside the model, which the MoE layer does only under 'jit', where it gets the mesh
+  # (trainer/models/expert_parallel.py).
+  _require(name == 'jit' or expert == 1,
+           f"parallel.strategy={name!r} does not support an expert axis (mesh.expert={expert}); set "
+           f"mesh.expert=1, or use parallel.strategy='jit' for expert parallelism.")
+  experts = config.model.get('num_experts', 0)
+  _require(not experts or experts % expert == 0,
+           f'model.num_experts={experts} must be a multiple of mesh.expert={expert} (each device on the expert axis '
+           f'holds an equal share of the experts); choose num_experts from {[expert * n for n in range(1, 5)]}, or '
+           f'a mesh.expert that divides it.')
+  _check_context(config, mesh.shape.get('context', 1))
+  pipeline_checks.check_config(config, mesh.shape.get('pipeline', 1), mesh_lib.data_parallel_size(mesh))
+  if name == 'shard_map':
+    # The per-device step gathers whole parameters: a tensor axis would only hold copies of the same work.
+    _require(tensor == 1, f"parallel.strategy='shard_map' does not support tensor parallelism (mesh.tensor={tensor}); "
+             f"set mesh.tensor=1, or use parallel.strategy='jit' for tensor parallelism.")
+  if name == 'pmap':
+    _require(fsdp == 1 and tensor == 1,
+             f"parallel.strategy='pmap' replicates the parameters on every device, so it needs mesh.fsdp=1 and "
+             f"mesh.tensor=1 (got mesh.fsdp={fsdp}, mesh.tensor={tensor}); set them to 1 (mesh.data=-1 takes "
+             f"every device), or use parallel.strategy='jit' or 'shard_map' to shard the parameters.")
+
+
+def _check_context(config, parts: int) -> None:
+  """mesh.context > 1 splits every row's tokens: only the 'jit' strategy's language models run across it."""
+  if parts == 1:
+    return
+  name = config.parallel.strategy
+  _require(name == 'jit', f"parallel.strategy={name!r} cannot split sequences (mesh.context={parts}): attention "
+           f"across the split runs under parallel.strategy='jit'; set it, or mesh.context=1.")
+  _require(config.model.task == 'lm', f"mesh.context={parts} splits token rows, but model.task="
+           f"{config.model.task!r} has none to split: set mesh.context=1.")
+  context_lib.check_seq_len(config.data.seq_len, parts)
+
+
+def validate_grad_accum(config, mesh: Mesh) -> None:
+  """Checks that every device's share of the batch splits into `train.grad_accum_steps` microbatches."""
+  accum = config.train.grad_accum_steps
+  batch_devices = mesh_lib.data_parallel_size(mesh)
+  per_device = config.train.batch_size // batch_devices
+  _require(per_device % accum == 0,
+           f'train.grad_accum_steps={accum} does not divide the per-device batch of {per_device} sequences '
+           f'(train.batch_size={config.train.batch_size} over {batch_devices} batch-parallel devices); '
+           f'pick grad_accum_steps dividing {per_device}, or raise train.batch_size.')
