@@ -1,4 +1,8 @@
-"""The house's layout: no import cycle among the launcher's modules, benchmarks apart from the user's tools."""
+"""The house's layout: trainer/'s folders as layers that import only downward, no import cycle, benchmarks apart.
+
+Every import is counted wherever it is written (module level, inside a function, under `if TYPE_CHECKING`): a
+function-level import runs as surely as a top-level one, only later, so it ties the two modules together the same.
+"""
 
 import ast
 import collections
@@ -32,6 +36,36 @@ def _import_graph() -> dict[str, set[str]]:
         if target and target != name and not target.startswith(name + '.') and not name.startswith(target + '.'):
           graph[name].add(target)
   return {name: graph[name] for name in files}
+
+
+# The layers, lowest first; each imports only from itself and the layers before it (docs/architecture.md draws them).
+LAYERS = (
+    'trainer.base',  # the user-error type, the workdir's storage, the declared config keys, dtype names
+    'parallel',  # the mesh, shardings, the sequence split, joining processes
+    'trainer.supervision',  # the supervisor and what it watches: attempts, hangs, stragglers, notices
+    'trainer.safety',  # the workdir lock and checks, damaged checkpoints, full disks, guardrails, signals
+    'trainer.data',  # the input side
+    'trainer.attention',  # the one attention call of every model
+    'trainer.pipeline',  # the pipeline schedule a model runs its stacked layers through
+    'trainer.models',  # the built-in models and the contract of a brought one
+    'trainer.hf',  # Hugging Face checkpoints in and out
+    'trainer.training',  # the job built once: task, optimizer, state, the pure step, strategy, checks, checkpoints
+    'trainer.evals',  # downstream evals of a state
+    'trainer.observe',  # metrics, trackers, progress, goodput, profiles, FLOPs
+    'trainer.memory',  # what a step needs per device: plan mode, the pre-flight check, remat 'auto'
+    'trainer.run',  # the loop
+)
+
+
+def _layer(module: str) -> str | None:
+  return next((layer for layer in LAYERS if module == layer or module.startswith(layer + '.')), None)
+
+
+def _climbs(graph: dict[str, set[str]]) -> list[str]:
+  """Every import of a module from a higher layer than its own, as 'importer -> imported'."""
+  rank = {layer: i for i, layer in enumerate(LAYERS)}
+  return sorted(f'{name} -> {target}' for name, targets in graph.items() for target in targets
+                if _layer(name) and _layer(target) and rank[_layer(target)] > rank[_layer(name)])
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -72,6 +106,22 @@ def test_no_module_of_the_launcher_imports_one_that_imports_it_back():
   assert {'trainer.run.loop', 'trainer.models.moe', 'parallel.mesh'} <= graph.keys()
   assert 'trainer.models.expert_math' in graph['trainer.models.expert_parallel']  # The graph sees imports.
   assert _cycles(graph) == []
+
+
+def test_the_layer_check_finds_a_climb():
+  graph = {'trainer.base.storage': {'trainer.base.errors'}, 'trainer.data.text': {'trainer.base.errors'},
+           'trainer.base.errors': {'trainer.run.loop'}, 'trainer.run.loop': {'trainer.data.text', 'parallel.mesh'}}
+  assert _climbs(graph) == ['trainer.base.errors -> trainer.run.loop']
+
+
+def test_every_module_sits_in_a_layer_and_imports_only_from_its_own_or_a_lower_one():
+  graph = _import_graph()
+  assert {'trainer.run.loop', 'trainer.base.errors', 'trainer.training.step', 'parallel.mesh'} <= graph.keys()
+  assert 'trainer.training.job' in graph['trainer.memory.measure']  # The graph sees an upward-looking edge's shape.
+  assert 'trainer.data.hf_tokenizer' in graph['trainer.data.tokenize_job']  # And function-level imports.
+  loose = sorted(name for name in graph if name != 'trainer' and _layer(name) is None)
+  assert loose == [], f'modules outside every layer (put each in a folder of LAYERS): {loose}'
+  assert _climbs(graph) == []
 
 
 def test_scripts_hold_the_users_tools_and_the_launcher_never_imports_a_benchmark():
