@@ -136,3 +136,17 @@ def test_scripts_hold_the_users_tools_and_the_launcher_never_imports_a_benchmark
         imported.add(node.module.split('.')[0])
   assert {'trainer', 'parallel', 'jax'} <= imported
   assert 'benchmarks' not in imported
+
+
+def test_architecture_md_gives_every_trainer_folder_its_line_and_names_only_paths_that_exist():
+  import re
+  text = (REPO / 'docs/architecture.md').read_text()
+  folders = {p.parent.relative_to(REPO).as_posix() + '/' for p in REPO.glob('trainer/*/__init__.py')}
+  listed = set(re.findall(r'^\| `(trainer/\w+/)` \| [^|]+ \|$', text, flags=re.M))
+  assert listed == folders  # One row each, no row for a folder that is gone.
+  layer_folders = {layer.replace('.', '/') + '/' for layer in LAYERS if layer.startswith('trainer.')}
+  assert layer_folders == folders  # And every folder is a layer of the test above.
+  named = set(re.findall(r'\b((?:trainer|parallel)/[\w/]+(?:\.py)?)', text))
+  assert 'trainer/run/loop.py' in named and 'trainer/base/' in {n + '/' for n in named} | named
+  assert [n for n in sorted(named) if not (REPO / n).exists()] == []
+  assert '```text' in text  # The picture: drawn, not run by tests/test_docs.py.
