@@ -425,8 +425,9 @@ def chat_codec(config):
 
 def text_codec(config, as_bytes: bool):
   """(encode(prompt) -> ids, decode(prompt ids, new ids) -> text) for runs tokenized with a Hugging Face tokenizer
-  (trainer/data/hf_tokenizer.py) or a SentencePiece/tiktoken file kept with the shards (trainer/data/file_tokenizers.py);
-  (None, None) for byte-level runs and runs whose tokens came with no tokenizer (ids in, ids out)."""
+  (trainer/data/hf_tokenizer.py) or a SentencePiece/tiktoken file kept with the shards
+  (trainer/data/file_tokenizers.py); (None, None) for byte-level runs and runs whose tokens came with no tokenizer
+  (ids in, ids out)."""
   from trainer.data import file_tokenizers
   from trainer.data import hf_tokenizer
   if as_bytes:

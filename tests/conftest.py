@@ -122,7 +122,8 @@ def watch_command(command: list[str], env: dict[str, str], on_line=None,
 
 
 class ApplyTask:
-  """A bare Linen-style `apply_fn` under the LM objective: the step's task (trainer.training.step.LossTask) for step tests."""
+  """A bare Linen-style `apply_fn` under the LM objective: the step's task (trainer.training.step.LossTask), for
+  step tests."""
 
   def __init__(self, apply_fn, z_loss_weight: float = 0.0):
     from trainer.training import objectives

@@ -45,7 +45,8 @@ def test_trains_under_jit_on_a_2x2x2_mesh(builder, tmp_path):
   records = [r for r in read_metrics(tmp_path) if 'loss' in r]
   losses = [r['loss'] for r in records]
   assert len(losses) == 3 and all(np.isfinite(losses))
-  assert all(r['tflops_per_device'] > 0 for r in records[1:])  # Counted from the traced step (trainer/observe/flops.py).
+  # Counted from the traced step (trainer/observe/flops.py).
+  assert all(r['tflops_per_device'] > 0 for r in records[1:])
   assert abs(losses[0] - np.log(256)) < 1.0, losses  # Near ln(vocab) at init: logits line up with targets.
   table = (tmp_path / 'sharding.txt').read_text()
   assert 'names' in table.splitlines()[0]

@@ -1,5 +1,5 @@
-"""Matmul FLOPs read from a compiled step's HLO (trainer/observe/compiled_flops.py), and the dense-experts guard: a dropless
-MoE step whose compiled matmuls run every expert on every token is named in one line with the fix."""
+"""Matmul FLOPs read from a compiled step's HLO (trainer/observe/compiled_flops.py), and the dense-experts guard: a
+dropless MoE step whose compiled matmuls run every expert on every token is named in one line with the fix."""
 
 import jax
 import jax.numpy as jnp

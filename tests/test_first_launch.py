@@ -162,8 +162,8 @@ def test_a_killed_first_attempt_is_in_the_goodput_of_the_run(text_dir, tmp_path)
   # The total runs from attempt 1's start: what this attempt did not see is attempt 1 and the back-off after it.
   before = summary['total_s'] - summary['wall_s']
   assert second['start'] - first['start'] - 0.05 <= before <= second['start'] - first['start'] + 60
-  # The 1 s back-off, less up to a clock tick (the process's start time is read in kernel ticks, trainer/observe/goodput.py;
-  # 0.9968 s was measured in a CI run).
+  # The 1 s back-off, less up to a clock tick (the process's start time is read in kernel ticks,
+  # trainer/observe/goodput.py; 0.9968 s was measured in a CI run).
   assert summary['restart_s'] >= 0.9 and summary['earlier_attempts_s'] > 0  # Attempt 1's start-up and compile.
   step5 = [r for r in read_metrics(tmp_path) if r['step'] == 5][0]  # Attempt 1's: logged once before the kill.
   assert summary['lost_to_restarts_s'] == pytest.approx(step5['step_time_s'])

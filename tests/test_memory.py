@@ -188,4 +188,5 @@ def test_plan_and_remat_do_not_import_each_other():
     tree = ast.parse((REPO / path).read_text())
     return {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names} | {
         node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-  assert 'plan' not in imports('trainer/memory/remat.py') and 'trainer.run.plan' not in imports('trainer/memory/remat.py')
+  remat = imports('trainer/memory/remat.py')
+  assert 'plan' not in remat and 'trainer.run.plan' not in remat

@@ -1,4 +1,4 @@
-"""trainer/observe/metrics.py, trainer/observe/progress.py and trainer/observe/goodput.py in-process, without a training run.
+"""trainer/observe/metrics.py, progress.py and goodput.py in-process, without a training run.
 
 The GPU/TPU paths (device memory statistics, TFLOP/s and MFU keys) cannot run on
 this CPU-only machine; they are fed fakes of what those backends report.

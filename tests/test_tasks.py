@@ -110,7 +110,8 @@ def test_own_model_trains_through_the_launcher_like_a_hand_written_loop(name, ha
   assert len(launched) == STEPS
   assert expected[-1] < expected[0]  # It learns, so matching means something.
   np.testing.assert_allclose(launched, expected, rtol=2e-5)
-  # TFLOP/s for a brought model too, from its traced step's FLOPs (trainer/observe/flops.py); no MFU on CPU (no known peak).
+  # TFLOP/s for a brought model too, from its traced step's FLOPs (trainer/observe/flops.py); no MFU on CPU (no known
+  # peak).
   counted = flops.job_step_flops(job.build_job(config)).flops
   train = [r for r in read_metrics(tmp_path) if 'loss' in r]
   for r in train:

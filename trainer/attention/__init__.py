@@ -30,7 +30,8 @@ _COUNTING = contextvars.ContextVar('attention_xla_for_counting', default=False)
 @contextlib.contextmanager
 def xla_for_counting():
   """Within, every call runs the XLA kernel: the same math as cuDNN's and splash's, written as two matmuls that a
-  jaxpr shows (their kernels are opaque custom calls), so trainer/observe/flops.py counts the same FLOPs on any platform."""
+  jaxpr shows (their kernels are opaque custom calls), so trainer/observe/flops.py counts the same FLOPs on any
+  platform."""
   token = _COUNTING.set(True)
   try:
     yield

@@ -62,7 +62,8 @@ class MetricsWriter:
   def __init__(self, workdir: str, enabled: bool, total_steps: int, progress_bar: str = 'off',
                goodput: goodput_lib.Goodput | None = None, trackers: 'trackers_lib.Trackers | None' = None):
     self._enabled = enabled
-    self._trackers = trackers  # log.trackers (trainer/observe/trackers/): copies of every record, off the step's thread.
+    # log.trackers (trainer/observe/trackers/): copies of every record, off the step's thread.
+    self._trackers = trackers
     self._total_steps = total_steps
     self.goodput = goodput
     self._bar = progress.ProgressBar(total_steps, progress_bar if enabled else 'off')

@@ -1,5 +1,5 @@
-"""A run's config as the flat key/value pairs trackers take: TensorBoard's HParams (trainer/observe/metrics.py) and MLflow's
-params (trainer/observe/trackers/mlflow_tracker.py)."""
+"""A run's config as the flat key/value pairs trackers take: TensorBoard's HParams (trainer/observe/metrics.py) and
+MLflow's params (trainer/observe/trackers/mlflow_tracker.py)."""
 
 from typing import Any
 
