@@ -11,12 +11,15 @@ import tempfile
 
 # The suite compiles a few hundred small steps on a 2-core CPU. With LLVM at -O0 the tiny step compiles in a third to
 # a half less time and runs about a quarter slower, and its memory analysis is the same bytes, so footprint and
-# donation tests see the numbers they saw (BENCHMARKS.md, "Test suite time"). Subprocesses inherit it.
-TEST_XLA_FLAGS = '--xla_backend_optimization_level=0'
+# donation tests see the numbers they saw (BENCHMARKS.md, "Test suite time"). XLA's older fusion code generator
+# compiles the tiny train step in 1.4-1.7 s of CPU instead of 3.4-3.8 s (a whole tiny launch, uncached: 6 s instead
+# of 9; BENCHMARKS.md, "The suite under 15 minutes"). Subprocesses inherit both.
+TEST_XLA_FLAGS = '--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false'
 
 # Must happen before jax initializes its backends: every test sees 8 CPU devices. Once: pytest-xdist's workers inherit
 # the controller's environment, where this already ran.
-os.environ['XLA_FLAGS'] = ' '.join([*(f for f in os.environ.get('XLA_FLAGS', '').split() if f != TEST_XLA_FLAGS),
+os.environ['XLA_FLAGS'] = ' '.join([*(f for f in os.environ.get('XLA_FLAGS', '').split()
+                                      if f not in TEST_XLA_FLAGS.split()),
                                     TEST_XLA_FLAGS, '--xla_force_host_platform_device_count=8'])
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Launcher subprocesses train in the process the test started, unsupervised, as they did before the supervisor; the
