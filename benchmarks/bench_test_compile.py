@@ -1,10 +1,10 @@
-"""What tests/conftest.py's XLA flag (--xla_backend_optimization_level=0) changes, for BENCHMARKS.md.
+"""What tests/conftest.py's XLA flags (LLVM at -O0, XLA's older CPU fusion emitters) change, for BENCHMARKS.md.
 
   python benchmarks/bench_test_compile.py [--rounds=3] [--steps=5]
 
-In fresh processes on 8 fake CPU devices, alternating the default level and 0 round by round: the tiny
-config's train step, its compile time, its memory analysis (which must not change: tests assert on it),
-its median step time and the losses of a few steps on fixed synthetic batches.
+In fresh processes on 8 fake CPU devices, alternating the flag sets round by round: the tiny config's train step,
+its compile time (wall and the process's CPU), its memory analysis (which must not change: tests assert on it), its
+median step time and the losses of a few steps on fixed synthetic batches.
 """
 
 import argparse
@@ -17,9 +17,10 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 LEVEL_0 = '--xla_backend_optimization_level=0'
+OLDER_FUSIONS = '--xla_cpu_use_fusion_emitters=false'
 
 ONE_PROCESS = '''
-import json, sys, time
+import json, resource, sys, time
 sys.path.insert(0, {repo!r})
 import jax, numpy as np
 from configs import tiny
@@ -28,9 +29,10 @@ config = tiny.get_config()
 config.data.source = 'synthetic'
 job = job_lib.build_job(config)
 state = job.init_state(0)
-start = time.perf_counter()
+cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+start, start_cpu = time.perf_counter(), cpu()
 step = job.compile_train_step()
-compile_s = time.perf_counter() - start
+compile_s, compile_cpu_s = time.perf_counter() - start, cpu() - start_cpu
 memory = step.memory_analysis()
 rng = np.random.default_rng(0)
 losses, times = [], []
@@ -41,7 +43,8 @@ for _ in range({steps}):
   state, metrics = step(state, batch)
   losses.append(float(metrics['loss']))
   times.append(time.perf_counter() - start)
-print(json.dumps({{'compile_s': compile_s, 'step_s': sorted(times[1:])[len(times[1:]) // 2], 'losses': losses,
+print(json.dumps({{'compile_s': compile_s, 'compile_cpu_s': compile_cpu_s,
+                  'step_s': sorted(times[1:])[len(times[1:]) // 2], 'losses': losses,
                   'memory': [memory.temp_size_in_bytes, memory.argument_size_in_bytes, memory.output_size_in_bytes,
                              memory.alias_size_in_bytes]}}))
 '''
@@ -60,23 +63,29 @@ def main():
   parser.add_argument('--rounds', type=int, default=3)
   parser.add_argument('--steps', type=int, default=5)
   args = parser.parse_args()
-  runs = {'default': [], 'level 0': []}
+  flag_sets = {'default': '', 'level 0': LEVEL_0,
+               'level 0, older fusion emitters (the suite)': f'{LEVEL_0} {OLDER_FUSIONS}'}
+  runs = {name: [] for name in flag_sets}
   for _ in range(args.rounds):
-    runs['default'].append(measure('', args.steps))
-    runs['level 0'].append(measure(LEVEL_0, args.steps))
-  print('| XLA flags | compile s (median) | step ms (median) | temp/argument/output/alias bytes | losses |')
-  print('|---|---|---|---|---|')
+    for name, flags in flag_sets.items():
+      runs[name].append(measure(flags, args.steps))
+  print('| XLA flags | compile s (median) | compile CPU s (median) | step ms (median) '
+        '| temp/argument/output/alias bytes | losses |')
+  print('|---|---|---|---|---|---|')
   for name, results in runs.items():
     compile_s = statistics.median(r['compile_s'] for r in results)
+    compile_cpu_s = statistics.median(r['compile_cpu_s'] for r in results)
     step_ms = statistics.median(r['step_s'] for r in results) * 1e3
     memory = {tuple(r['memory']) for r in results}
     losses = {tuple(r['losses']) for r in results}
-    print(f'| {name} | {compile_s:.2f} | {step_ms:.1f} | {" / ".join(map(str, next(iter(memory))))} | '
-          f'{", ".join(f"{l:.6f}" for l in next(iter(losses)))} |')
+    print(f'| {name} | {compile_s:.2f} | {compile_cpu_s:.2f} | {step_ms:.1f} | '
+          f'{" / ".join(map(str, next(iter(memory))))} | {", ".join(f"{l:.6f}" for l in next(iter(losses)))} |')
     assert len(memory) == 1 and len(losses) == 1, 'varied between rounds'
-  same_memory = runs['default'][0]['memory'] == runs['level 0'][0]['memory']
-  same_losses = runs['default'][0]['losses'] == runs['level 0'][0]['losses']
-  print(f'memory analysis identical: {same_memory}; losses bitwise identical: {same_losses}')
+  for name in list(flag_sets)[1:]:
+    same_memory = runs['default'][0]['memory'] == runs[name][0]['memory']
+    same_losses = runs['default'][0]['losses'] == runs[name][0]['losses']
+    print(f'{name} against the default: memory analysis identical: {same_memory}; '
+          f'losses bitwise identical: {same_losses}')
 
 
 if __name__ == '__main__':
