@@ -15,8 +15,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from configs import tiny  # noqa: E402
 from tests.third_party import glue  # noqa: E402
-from trainer.run import job as job_lib  # noqa: E402
 from trainer.models import contract  # noqa: E402
+from trainer.run import job as job_lib  # noqa: E402
 
 
 def _config(builder):

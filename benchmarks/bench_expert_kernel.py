@@ -22,10 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import importlib.util  # noqa: E402
 
-from trainer.observe import compiled_flops, flops  # noqa: E402
-from trainer.run import job as job_lib  # noqa: E402
 from trainer.memory import footprint  # noqa: E402
 from trainer.models import moe  # noqa: E402
+from trainer.observe import compiled_flops, flops  # noqa: E402
+from trainer.run import job as job_lib  # noqa: E402
 from trainer.run import plan  # noqa: E402
 
 

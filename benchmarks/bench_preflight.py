@@ -23,9 +23,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 
-from trainer.run import job as job_lib  # noqa: E402
 from trainer.base.errors import UserError  # noqa: E402
 from trainer.memory import footprint  # noqa: E402
+from trainer.run import job as job_lib  # noqa: E402
 from trainer.run import preflight
 
 

@@ -43,13 +43,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from parallel import sharding  # noqa: E402
-from trainer.run import job as job_lib  # noqa: E402
 from trainer import data  # noqa: E402
-from trainer.observe import goodput, profiling
-from trainer.safety import guardrails, preemption
-from trainer.run import loop
-from trainer.observe.metrics import MetricsWriter  # noqa: E402
 from trainer.models import llama  # noqa: E402
+from trainer.observe import goodput, profiling
+from trainer.observe.metrics import MetricsWriter  # noqa: E402
+from trainer.run import job as job_lib  # noqa: E402
+from trainer.run import loop
+from trainer.safety import guardrails, preemption
 from benchmarks import minimal_step  # noqa: E402
 
 

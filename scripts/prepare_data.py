@@ -49,9 +49,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from trainer.data import corpus_formats, finetune_jsonl, token_shards, tokenize_job  # noqa: E402
 from trainer.base.errors import UserError  # noqa: E402
-from trainer.data import hf_tokenizer  # noqa: E402
+from trainer.data import corpus_formats, finetune_jsonl, hf_tokenizer, token_shards, tokenize_job  # noqa: E402
 
 load_tokenizer = tokenize_job.load_tokenizer  # The name other scripts and tests use.
 WORK = '.partial'  # Chunks of an unfinished run inside --output; removed once the shards are written.

@@ -18,12 +18,12 @@ from configs import tiny
 from parallel import mesh as mesh_lib
 from parallel import sharding
 from trainer import attention
-from trainer.training import checkpoint
-from trainer.run import job as job_lib
 from trainer.attention import choice as choice_lib
 from trainer.attention import cudnn
 from trainer.base.errors import UserError
 from trainer.models import llama
+from trainer.run import job as job_lib
+from trainer.training import checkpoint
 
 B, L, H, G, K = 2, 128, 2, 1, 16  # Small: splash in interpret mode runs its grid in Python.
 # Row 0: three documents; row 1: one document then a padding run of zeros (its own segment).

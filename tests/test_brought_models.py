@@ -20,9 +20,9 @@ from parallel import sharding
 from tests.third_party import glue
 from scripts import sample
 from trainer import data
+from trainer.base.errors import UserError
 from trainer.run import job, loop
 from trainer.training import task as task_lib
-from trainer.base.errors import UserError
 
 MODELS = ('meshy', 'prefix', 'gemma_style', 'do')
 

@@ -16,10 +16,10 @@ import pytest
 from configs import tiny
 from conftest import REPO, free_port, make_text_dir, xla_flags
 from parallel import sharding
-from trainer.training import checkpoint
 from trainer import data
-from trainer.run import job as job_lib
 from trainer.base.errors import UserError
+from trainer.run import job as job_lib
+from trainer.training import checkpoint
 
 
 @pytest.fixture(scope='module')
@@ -249,9 +249,9 @@ from parallel import distributed
 distributed.initialize('127.0.0.1:{port}', 2, int(sys.argv[1]), 120)
 import jax
 from configs import tiny
-from trainer.training import checkpoint
 from trainer import data
 from trainer.run import job as job_lib
+from trainer.training import checkpoint
 config = tiny.get_config()
 config.data.text_dir = {text_dir!r}
 config.mesh.data, config.mesh.fsdp = 1, 8  # (1, 8, 1) over 2 processes x 4 devices: each holds only its shards.

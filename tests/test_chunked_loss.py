@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from configs import tiny, vit_tiny
+from trainer.base.errors import UserError
 from trainer.run import job as job_lib
 from trainer.training import task as task_lib
 from trainer.training import validation
-from trainer.base.errors import UserError
 
 
 def _config(chunks: int, tie: bool = True, z_loss: float = 0.0, dtype: str = 'float32', packing: bool = False):

@@ -15,11 +15,11 @@ import pytest
 from conftest import read_metrics
 
 from configs import tiny
-from trainer.training import checkpoint
-from trainer.run import job as job_lib
-from trainer.run import loop
 from trainer.base.errors import UserError
 from trainer.models import contract
+from trainer.run import job as job_lib
+from trainer.run import loop
+from trainer.training import checkpoint
 
 RTOL = 1e-5
 TEXT_DIR = pathlib.Path(os.__file__).parent / 'email'

@@ -8,10 +8,10 @@ from configs import tiny, vit_tiny
 from parallel import mesh as mesh_lib
 from parallel import sharding
 from trainer import data
+from trainer.base.errors import UserError
+from trainer.data import arrays
 from trainer.run import job
 from trainer.training import objectives
-from trainer.data import arrays
-from trainer.base.errors import UserError
 
 
 def _classifier(**data_overrides):

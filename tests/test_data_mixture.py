@@ -13,8 +13,8 @@ from conftest import REPO
 from parallel import mesh as mesh_lib
 from parallel import sharding
 from trainer import data
-from trainer.data import mixture, pipeline, token_shards
 from trainer.base.errors import UserError
+from trainer.data import mixture, pipeline, token_shards
 
 sys.path.insert(0, str(REPO / 'scripts'))
 import prepare_data  # noqa: E402

@@ -11,10 +11,10 @@ import pytest
 from configs import tiny
 from conftest import read_metrics, run_launcher
 from parallel import sharding
-from trainer.training import checkpoint
 from trainer import data
-from trainer.run import job as job_lib
 from trainer.data import PackedRows, token_shards
+from trainer.run import job as job_lib
+from trainer.training import checkpoint
 
 NAMES = ('web', 'code', 'math')
 BAND = 80  # Source k's tokens lie in [k*BAND, (k+1)*BAND).

@@ -11,8 +11,8 @@ import pytest
 from absl import logging as absl_logging
 
 from configs import tiny
-from trainer.training import checkpoint
 from trainer import data
+from trainer.training import checkpoint
 from conftest import ApplyTask
 from trainer.base.errors import UserError
 from trainer.models.llama import build as build_model

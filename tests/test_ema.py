@@ -12,11 +12,11 @@ from conftest import REPO, launcher_env, read_metrics
 
 from configs import tiny
 from parallel import sharding
-from trainer.training import checkpoint
+from trainer.base.errors import UserError
 from trainer.run import job as job_lib
 from trainer.run import loop
+from trainer.training import checkpoint
 from trainer.training import state as state_lib
-from trainer.base.errors import UserError
 from test_strategies import TEXT_DIR
 
 DECAY = 0.75

@@ -10,10 +10,10 @@ import pytest
 
 from conftest import read_metrics, run_launcher
 from configs import tiny
-from trainer.run import job as job_lib
 from trainer import evals
 from trainer.base.errors import UserError
 from trainer.evals import tasks
+from trainer.run import job as job_lib
 from test_strategies import TEXT_DIR
 
 # The third question's prompt is longer than a row (tiny: data.seq_len=32): it is cut from the left.

@@ -14,8 +14,8 @@ import pytest
 from conftest import read_metrics
 
 from configs import tiny
-from trainer.run import loop
 from trainer.base.errors import UserError
+from trainer.run import loop
 
 RTOL = 1e-5
 TEXT_DIR = pathlib.Path(os.__file__).parent / 'email'

@@ -12,9 +12,9 @@ from jax.sharding import AxisType
 
 from configs import tiny
 from parallel import mesh as mesh_lib
+from trainer.models import moe
 from trainer.observe import flops
 from trainer.run import job as job_lib
-from trainer.models import moe
 
 E, K, D, F = 8, 2, 12, 16
 B, L = 8, 6

@@ -10,9 +10,9 @@ import numpy as np
 
 from configs import tiny
 from conftest import REPO, launcher_env
-from trainer.training import checkpoint
 from trainer import data
 from trainer.run import job as job_lib
+from trainer.training import checkpoint
 
 READER = '''
 import json, sys

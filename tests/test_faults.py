@@ -19,11 +19,11 @@ import pytest
 from configs import tiny
 from conftest import REPO, make_text_dir, read_metrics, run_launcher
 from parallel import sharding
-from trainer.training import checkpoint
 from trainer import data
-from trainer.run import job as job_lib
 from trainer.base.errors import UserError
+from trainer.run import job as job_lib
 from trainer.safety import disk
+from trainer.training import checkpoint
 
 TINY = '--config=configs/tiny.py'
 

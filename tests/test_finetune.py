@@ -13,10 +13,10 @@ import pytest
 from conftest import REPO, read_metrics
 from configs import base, finetune_llama
 from trainer import data
-from trainer.run import loop
-from trainer.run import job as job_lib
 from trainer.base.errors import UserError
 from trainer.hf import load as hf_load
+from trainer.run import job as job_lib
+from trainer.run import loop
 
 sys.path.insert(0, str(REPO / 'scripts'))
 import prepare_data  # noqa: E402

@@ -10,9 +10,9 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from configs import default, llama_1b, tiny, vit_tiny
+from trainer.models import llama
 from trainer.observe import flops, traced_flops
 from trainer.run import job as job_lib
-from trainer.models import llama
 
 S = jax.ShapeDtypeStruct
 F32 = jnp.float32

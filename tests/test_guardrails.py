@@ -17,9 +17,9 @@ import pytest
 from configs import tiny
 from conftest import REPO, launcher_env, make_text_dir
 from parallel import sharding
-from trainer.training import checkpoint
 from trainer import data
 from trainer.run import job as job_lib
+from trainer.training import checkpoint
 
 LEAF = 'layers/mlp/up/kernel'  # Scanned layers: one stacked leaf for every block.
 DRIVER = f'''

@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 
 from configs import base
-from trainer.run import job as job_lib
 from trainer.base.errors import UserError
-from trainer.hf import architectures
+from trainer.hf import architectures, safetensors_files
 from trainer.hf import load as hf_load
-from trainer.hf import safetensors_files
+from trainer.run import job as job_lib
 
 FIXTURES = pathlib.Path(__file__).parent / 'fixtures' / 'hf'
 NAMES = ('llama', 'llama_tied', 'llama3_rope', 'qwen2', 'qwen3', 'mistral', 'mistral_head_dim')

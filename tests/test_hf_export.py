@@ -13,10 +13,10 @@ from safetensors.numpy import load_file
 
 from conftest import REPO
 from configs import base
-from trainer.training import checkpoint
-from trainer.run import loop, plan
-from trainer.run import job as job_lib
 from trainer.hf import load as hf_load
+from trainer.run import job as job_lib
+from trainer.run import loop, plan
+from trainer.training import checkpoint
 
 from scripts import export_hf
 

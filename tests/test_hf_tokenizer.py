@@ -12,8 +12,8 @@ import pytest
 from conftest import REPO
 from configs import base
 from trainer import data
-from trainer.data import token_shards
 from trainer.base.errors import UserError
+from trainer.data import token_shards
 
 sys.path.insert(0, str(REPO / 'scripts'))
 import prepare_data  # noqa: E402

@@ -13,10 +13,10 @@ import configs.gpt2_124m
 import configs.llama_1b
 import configs.tiny
 from parallel import mesh as mesh_lib
-from trainer.run import job
-from trainer.training import validation
 from trainer.base.errors import UserError
 from trainer.models import layer_scan, llama
+from trainer.run import job
+from trainer.training import validation
 
 
 def _config(**model):

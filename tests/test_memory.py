@@ -17,9 +17,9 @@ import pytest
 
 from configs import tiny
 from conftest import REPO, launcher_env, make_text_dir, xla_flags
-from trainer.run import loop, plan
 from trainer.base.errors import UserError
 from trainer.memory import footprint, remat
+from trainer.run import loop, plan
 
 GIB = footprint.GIB
 

@@ -16,10 +16,10 @@ from absl import logging
 from tensorboard.backend.event_processing import event_accumulator
 
 from configs import tiny
+from trainer.base.errors import UserError
 from trainer.observe import goodput as goodput_lib
 from trainer.observe import metrics, progress
 from trainer.observe.trackers import hparams
-from trainer.base.errors import UserError
 
 GIB = 2**30
 # What jax's memory_stats() returns on a GPU (a subset of its keys), for two local devices.

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import configs.tiny
-from trainer.observe import expert_load
-from trainer.training import task as task_lib
 from trainer.base.errors import UserError
 from trainer.models import llama
+from trainer.observe import expert_load
+from trainer.training import task as task_lib
 
 
 def _config(**model):

@@ -13,9 +13,9 @@ from jax.sharding import PartitionSpec as P
 from conftest import read_metrics
 
 from configs import tiny
+from trainer.base.errors import UserError
 from trainer.run import job as job_lib
 from trainer.run import loop
-from trainer.base.errors import UserError
 from test_strategies import TEXT_DIR
 
 OPTIMIZERS = ['adafactor', 'lion', 'muon', 'sgd']

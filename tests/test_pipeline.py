@@ -19,12 +19,12 @@ from conftest import read_metrics
 from test_context_training import _assert_same, _config as _context_config
 
 from parallel import sharding
-from trainer.run import job as job_lib
-from trainer.observe import flops
-from trainer.run import loop, plan
 from trainer import pipeline
 from trainer.base.errors import UserError
 from trainer.models import llama
+from trainer.observe import flops
+from trainer.run import job as job_lib
+from trainer.run import loop, plan
 
 LAYERS = 8
 

@@ -11,13 +11,12 @@ import pytest
 from configs import tiny
 from parallel import sharding
 from trainer import attention
-from trainer.observe import flops, traced_flops
-from trainer.memory import gpu_targets
-from trainer.run import plan
-from trainer.run import job as job_lib
 from trainer.attention import choice
 from trainer.base.errors import UserError
-from trainer.memory import footprint
+from trainer.memory import footprint, gpu_targets
+from trainer.observe import flops, traced_flops
+from trainer.run import job as job_lib
+from trainer.run import plan
 
 TINY = '--config=configs/tiny.py'
 FAKE = plan.Plan(mesh_shape={'data': 8, 'fsdp': 1, 'pipeline': 1, 'expert': 1, 'context': 1, 'tensor': 1}, device_kind='cpu', params_bytes=0, opt_state_bytes=0,

@@ -15,9 +15,9 @@ import optax
 import pytest
 
 from parallel import sharding
-from trainer.run import job as job_lib
-from trainer.models import layer_scan
 from trainer.memory import remat
+from trainer.models import layer_scan
+from trainer.run import job as job_lib
 
 # Preset -> its parameter count from abstract shapes (never allocated here).
 LARGE = {'gpt2_124m': 124e6, 'llama_1b': 1.24e9, 'llama_1b_long': 1.24e9, 'vit_base': 86e6, 'moe_1b': 0.96e9}

@@ -20,8 +20,8 @@ import pytest
 
 from configs import tiny
 from conftest import launcher_env
-from trainer.observe import profiling
 from trainer.base.errors import UserError
+from trainer.observe import profiling
 
 TINY = '--config=configs/tiny.py'
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,10 +5,9 @@ import jax
 import pytest
 
 from configs import tiny
-from trainer.run import loop
 from trainer.base.errors import UserError
 from trainer.memory import footprint, runtime_oom
-from trainer.run import preflight
+from trainer.run import loop, preflight
 from trainer.supervision import supervisor
 
 XLA_OOM = ('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 34.48GiB with allocator GPU_0_bfc; '

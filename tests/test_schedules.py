@@ -5,8 +5,8 @@ import math
 import pytest
 
 from configs import base
-from trainer.training import optimizer
 from trainer.base.errors import UserError
+from trainer.training import optimizer
 
 PEAK, END_RATIO, WARMUP, STEPS = 1e-3, 0.1, 10, 100
 END = PEAK * END_RATIO

@@ -7,10 +7,10 @@ from ml_collections import config_dict
 from configs import tiny
 from parallel import mesh as mesh_lib
 from parallel import sharding
-from trainer.training import optimizer
-from trainer.training import task as task_lib
-from trainer.training import state as state_lib
 from trainer.base.errors import UserError
+from trainer.training import optimizer
+from trainer.training import state as state_lib
+from trainer.training import task as task_lib
 
 
 def _abstract(mesh_shape):

@@ -12,10 +12,10 @@ import pytest
 from conftest import ApplyTask
 from configs import tiny
 from parallel import sharding
+from trainer.models import llama
 from trainer.run import job as job_lib
 from trainer.training import optimizer
 from trainer.training import step as step_lib
-from trainer.models import llama
 
 CFG = llama.LlamaConfig(num_layers=2, d_model=32, num_heads=2, mlp_dim=64, vocab_size=256)
 

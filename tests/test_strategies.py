@@ -16,8 +16,8 @@ import pytest
 from conftest import read_metrics
 
 from configs import tiny
-from trainer.run import loop
 from trainer.base.errors import UserError
+from trainer.run import loop
 
 RTOL = 1e-5
 # A corner of the standard library: the same text for every run, read in a fraction of the full one's time.

@@ -6,8 +6,8 @@ import pytest
 
 from configs import tiny
 from trainer import data
-from trainer.data import arrays, synthetic_pool
 from trainer.base.errors import UserError
+from trainer.data import arrays, synthetic_pool
 
 
 class _CountingTokens(arrays.SyntheticTokens):

@@ -19,10 +19,10 @@ import custom_models
 from conftest import REPO, read_metrics
 from configs import tiny
 from trainer import data
+from trainer.base.errors import UserError
 from trainer.observe import flops
 from trainer.run import job
 from trainer.training import task as task_lib
-from trainer.base.errors import UserError
 
 STEPS = 5
 

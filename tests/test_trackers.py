@@ -11,9 +11,9 @@ import pytest
 
 from conftest import read_metrics
 from configs import tiny
-from trainer.run import loop
-from trainer.observe import trackers
 from trainer.base.errors import UserError
+from trainer.observe import trackers
+from trainer.run import loop
 from test_strategies import TEXT_DIR
 
 

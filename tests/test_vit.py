@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from configs import base, vit_base, vit_tiny
 from parallel import mesh as mesh_lib
-from trainer.data import arrays
 from trainer.base.errors import UserError
+from trainer.data import arrays
 from trainer.models import layer_scan, vit
 
 RULE_NAMES = {name for name, _ in base.get_config().parallel.logical_axis_rules}

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from trainer.attention import context, cudnn, splash, xla
-from trainer.attention.choice import KERNELS, Call, Choice, choose, log_once
+from trainer.attention.choice import Call, Choice, KERNELS, choose, log_once
 from trainer.base.errors import UserError
 from trainer.base.precision import compute_dtype
 

@@ -25,8 +25,8 @@ from typing import Any
 import grain
 import numpy as np
 
-from trainer.data import pipeline, token_shards
 from trainer.base.errors import UserError
+from trainer.data import pipeline, token_shards
 
 ENDLESS = 1 << 62  # Rows in the last segment: Grain concatenates only finite datasets, and no run reads this many.
 

@@ -13,8 +13,8 @@ import zlib
 import numpy as np
 from absl import logging
 
-from trainer.data.documents import InMemoryDocuments, StreamWindows
 from trainer.base.errors import UserError
+from trainer.data.documents import InMemoryDocuments, StreamWindows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,8 @@ import pathlib
 import grain
 import numpy as np
 
-from trainer.data.documents import Documents
 from trainer.base.errors import UserError
+from trainer.data.documents import Documents
 
 FORMAT = 'jax-launch token shards v1'
 REPREPARE = 're-run scripts/prepare_data.py into a fresh folder and point data.path at it'

@@ -14,11 +14,11 @@ import time
 import jax
 from absl import logging
 
-from trainer.training import state as state_lib
 from trainer.base import storage
 from trainer.base.errors import UserError
 from trainer.evals import codec as codec_lib
 from trainer.evals import scorer, tasks
+from trainer.training import state as state_lib
 
 
 @dataclasses.dataclass

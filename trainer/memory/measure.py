@@ -13,10 +13,9 @@ import jax
 
 from parallel import sharding
 from trainer import attention
-from trainer.observe import flops, traced_flops
-from trainer.memory import gpu_targets
 from trainer.base.errors import UserError
-from trainer.memory import footprint
+from trainer.memory import footprint, gpu_targets
+from trainer.observe import flops, traced_flops
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,10 +39,10 @@ import jax
 from absl import logging
 
 from parallel import mesh as mesh_lib
-from trainer.training import checkpoint
 from trainer.base.errors import UserError
 from trainer.memory import footprint, measure
 from trainer.models import checkpoint_policies
+from trainer.training import checkpoint
 
 RECOMPUTE_ORDER = ('none', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'save_qkv_proj',
                    'save_attention_and_mlp_hidden', 'full')

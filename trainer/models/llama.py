@@ -36,9 +36,9 @@ from jax.sharding import Mesh
 from trainer import attention as attention_lib
 from trainer import pipeline as pipeline_lib
 from trainer.base.errors import UserError
+from trainer.base.precision import compute_dtype
 from trainer.models import checkpoint_policies, kv_cache, layer_scan, sown
 from trainer.models import moe as moe_lib
-from trainer.base.precision import compute_dtype
 
 # What each block keeps for the backward pass; everything else is recomputed there.
 REMAT_POLICIES = {

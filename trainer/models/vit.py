@@ -21,10 +21,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from trainer import attention as attention_lib
-from trainer.data import arrays
 from trainer.base.errors import UserError
-from trainer.models import checkpoint_policies, layer_scan
 from trainer.base.precision import compute_dtype
+from trainer.data import arrays
+from trainer.models import checkpoint_policies, layer_scan
 
 # What each block keeps for the backward pass; everything else is recomputed there.
 REMAT_POLICIES = checkpoint_policies.GENERIC

@@ -43,9 +43,9 @@ import jax
 from absl import logging
 
 from trainer import attention, pipeline
+from trainer.models import expert_parallel, moe
 from trainer.observe import traced_flops
 from trainer.training import step as step_lib
-from trainer.models import expert_parallel, moe
 
 # Dense bfloat16 peak FLOP/s per chip, by the short names plan mode accepts.
 PEAK_FLOPS = {

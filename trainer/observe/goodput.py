@@ -33,8 +33,8 @@ import time
 
 from absl import logging
 
-from trainer.observe import earlier_attempts
 from trainer.base import storage
+from trainer.observe import earlier_attempts
 from trainer.supervision import attempt
 
 CATEGORIES = ('startup_s', 'compile_s', 'data_wait_s', 'checkpoint_s', 'eval_s', 'profiling_s', 'lost_to_restarts_s',

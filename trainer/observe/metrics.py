@@ -24,9 +24,9 @@ import tensorboardX
 from absl import logging
 from tensorboardX import summary as tb_summary
 
+from trainer.base import storage
 from trainer.observe import goodput as goodput_lib
 from trainer.observe import progress
-from trainer.base import storage
 from trainer.observe import trackers as trackers_lib
 from trainer.observe.trackers import hparams
 

@@ -29,9 +29,9 @@ import time
 import jax
 from absl import logging
 
-from trainer.safety import startup_signals
 from trainer.base import storage
 from trainer.base.errors import UserError
+from trainer.safety import startup_signals
 
 
 def check_config(profile) -> None:

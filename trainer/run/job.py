@@ -19,16 +19,15 @@ from jax.sharding import Mesh, NamedSharding
 from configs import base as base_config
 from parallel import mesh as mesh_lib
 from parallel import sharding
-from trainer.training import strategy
-from trainer.safety import guardrails
-from trainer.training import optimizer, validation
 from trainer import pipeline
-from trainer.training import step as step_lib
-from trainer.training import state as state_lib
-from trainer.training import task as task_lib
 from trainer.hf import load as hf_load
 from trainer.memory import footprint, measure, remat
 from trainer.models import contract, registry
+from trainer.safety import guardrails
+from trainer.training import optimizer, strategy, validation
+from trainer.training import state as state_lib
+from trainer.training import step as step_lib
+from trainer.training import task as task_lib
 
 
 @dataclasses.dataclass(frozen=True)

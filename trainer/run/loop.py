@@ -15,26 +15,22 @@ import numpy as np
 from absl import logging
 
 from parallel import sharding
-from trainer.training import checkpoint, objectives
-from trainer.run import compilation_cache
-from trainer import data
-from trainer.observe import flops
-from trainer.safety import guardrails, preemption, startup_signals
-from trainer.observe import goodput as goodput_lib
+from trainer import data, pipeline
 from trainer import evals as evals_lib
-from trainer.observe import trackers as trackers_lib
-from trainer.observe import expert_load, profiling, progress
-from trainer.training import optimizer
-from trainer import pipeline
 from trainer.base import storage
-from trainer.run import job as job_lib
-from trainer.training import state as state_lib
 from trainer.hf import load as hf_load
-from trainer.run import preflight
 from trainer.memory import runtime_oom
 from trainer.models import contract, moe
-from trainer.supervision import attempt, faults, hang, notices, stragglers
+from trainer.observe import expert_load, flops, profiling, progress
+from trainer.observe import goodput as goodput_lib
+from trainer.observe import trackers as trackers_lib
 from trainer.observe.metrics import MetricsWriter
+from trainer.run import compilation_cache, preflight
+from trainer.run import job as job_lib
+from trainer.safety import guardrails, preemption, startup_signals
+from trainer.supervision import attempt, faults, hang, notices, stragglers
+from trainer.training import checkpoint, objectives, optimizer
+from trainer.training import state as state_lib
 
 
 # Step metrics the window summarizes itself, or that are for the guardrails only.

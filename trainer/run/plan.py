@@ -40,15 +40,13 @@ import jax
 from absl import logging as absl_logging
 
 from trainer import attention, pipeline
+from trainer.base.errors import UserError
+from trainer.hf import load as hf_load
+from trainer.memory import footprint, gpu_targets, measure, remat
+from trainer.memory.measure import Plan, Refused, with_overrides  # noqa: F401  (API)
 from trainer.observe import flops
-from trainer.memory import gpu_targets
 from trainer.run import job as job_lib
 from trainer.training import pipeline_checks
-from trainer.base.errors import UserError
-from trainer.memory import footprint
-from trainer.memory import measure, remat
-from trainer.memory.measure import Plan, Refused, with_overrides  # noqa: F401  (API)
-from trainer.hf import load as hf_load
 
 GIB = footprint.GIB
 # HBM per chip in GiB, for --topology runs without --plan_memory_gb.

@@ -9,10 +9,10 @@ the workdir is touched, so a refused launch leaves it as it was.
 
 from absl import logging
 
-from trainer.observe import compiled_flops, flops
-from trainer.run import plan
 from trainer.base.errors import UserError
 from trainer.memory import footprint
+from trainer.observe import compiled_flops, flops
+from trainer.run import plan
 
 
 def compile_checked(job):

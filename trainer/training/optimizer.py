@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from trainer.training import param_groups
 from trainer.base.errors import UserError
+from trainer.training import param_groups
 
 OPTIMIZERS = ('adamw', 'adafactor', 'lion', 'muon', 'sgd')
 SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'rsqrt')

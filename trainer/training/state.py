@@ -17,9 +17,9 @@ import optax
 from jax.sharding import Mesh
 
 from parallel import sharding
-from trainer.training import optimizer
 from trainer.base.errors import UserError
 from trainer.models.adapters import AdaptedModel
+from trainer.training import optimizer
 
 PARAMS_CHOICES = ('raw', 'ema')
 

@@ -39,11 +39,11 @@ from jax.sharding import Mesh
 
 from parallel import context as context_lib
 from parallel import param_names, sharding
-from trainer.training import objectives
 from trainer import pipeline
 from trainer.base import precision
 from trainer.base.errors import UserError
 from trainer.models import adapters, call_convention, registry, sown
+from trainer.training import objectives
 
 Batch = objectives.Batch
 Metrics = objectives.Metrics

@@ -5,12 +5,11 @@ from jax.sharding import Mesh
 
 from parallel import context as context_lib
 from parallel import mesh as mesh_lib
-from trainer.training import strategy
 from trainer import data
-from trainer.training import pipeline_checks
 from trainer.base.errors import UserError
 from trainer.models import layer_scan
 from trainer.supervision import notices
+from trainer.training import pipeline_checks, strategy
 
 DTYPES = ('float32', 'bfloat16')
 
