@@ -25,11 +25,11 @@ import jax
 from absl import logging
 from jax.sharding import NamedSharding
 
+from trainer.base.errors import UserError
 from trainer.data import arrays, mixture, pipeline, synthetic_pool, token_shards
 from trainer.data.device_feed import DeviceFeed  # noqa: F401
 from trainer.data.documents import PackedRows, StreamWindows
 # The names the loop, job and tools use: `from trainer import data; data.build(...)`.
-from trainer.base.errors import UserError
 from trainer.data.pipeline import TrainIterator, eval_batches, to_global, train_iterator, warn_if_stalled  # noqa: F401
 from trainer.data.text import TextCorpus, TextWindows, default_text_dir, load_text_corpus  # noqa: F401
 
