@@ -6,6 +6,7 @@ import pytest
 from configs import tiny
 from trainer import data
 from trainer.base.errors import UserError
+from trainer.data import text
 
 
 def _windows(corpus, config, batch_size, process_index, process_count, seed=0):
@@ -43,6 +44,19 @@ def test_default_text_is_the_standard_library():
   corpus = data.load_text_corpus(config)
   assert (corpus.root / 'os.py').exists()
   assert corpus.num_train_files > 100 and corpus.num_eval_files > 0
+
+
+@pytest.mark.parametrize('file_glob', ['**/*.py', '*.py', '**/sub/*.py', 'a/**/*.py', '**/a/**/*.py', '**/*'])
+def test_listing_keeps_what_one_glob_finds_outside_installed_packages(tmp_path, file_glob):
+  for relative in ['top.py', 'a/one.py', 'a/b/two.py', 'a/sub/three.py', 'a/x/a/four.py', 'sub/five.py', 'notes.txt',
+                   'site-packages/pkg/six.py', 'a/dist-packages/seven.py', 'elsewhere/eight.py']:
+    (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / relative).write_text('x = 1\n')
+  (tmp_path / 'linked').symlink_to(tmp_path / 'elsewhere')
+  expected = sorted(p for p in tmp_path.glob(file_glob)
+                    if p.is_file() and 'site-packages' not in p.parts and 'dist-packages' not in p.parts)
+  assert expected, file_glob
+  assert text._matching_files(tmp_path, file_glob) == expected
 
 
 def test_windows_are_shifted_by_one(text_dir):

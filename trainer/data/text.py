@@ -37,6 +37,28 @@ def default_text_dir() -> pathlib.Path:
   return pathlib.Path(os.__file__).parent
 
 
+_INSTALLED = frozenset({'site-packages', 'dist-packages'})  # Installed packages are not the stdlib's text.
+
+
+def _matching_files(root: pathlib.Path, file_glob: str) -> list[pathlib.Path]:
+  """The files under root that match file_glob, outside installed packages, sorted.
+
+  A leading '**/' is expanded one top-level folder at a time so the glob never
+  walks a top-level site-packages it would then drop: on the CI machine's
+  stdlib (59,425 entries, 1790 files kept) one glob took 0.39 s and this 0.04 s
+  (benchmarks/bench_text_listing.py), at every launch. The files are one glob's.
+  """
+  if file_glob.startswith('**/'):
+    found = set(root.glob(file_glob[3:]))
+    for child in root.iterdir():
+      # pathlib's '**' does not descend into a linked folder either.
+      if child.name not in _INSTALLED and child.is_dir() and not child.is_symlink():
+        found.update(child.glob(file_glob))
+  else:
+    found = set(root.glob(file_glob))
+  return sorted(p for p in found if p.is_file() and not _INSTALLED & set(p.relative_to(root).parts))
+
+
 def _is_eval_file(relative_path: str, eval_percent: int) -> bool:
   return zlib.crc32(relative_path.encode()) % 100 < eval_percent
 
@@ -51,8 +73,7 @@ def load_text_corpus(data_config) -> TextCorpus:
     raise UserError(f'{setting} is not a folder; point data.text_dir at a folder of text files.')
   if not os.access(root, os.R_OK | os.X_OK):
     raise UserError(f'{setting} is not readable by this user; fix its permissions or choose another folder.')
-  paths = sorted(p for p in root.glob(data_config.file_glob)
-                 if p.is_file() and not {'site-packages', 'dist-packages'} & set(p.relative_to(root).parts))
+  paths = _matching_files(root, data_config.file_glob)
   if not paths:
     raise UserError(f'{setting} has no files matching data.file_glob={data_config.file_glob!r}; '
                     f'expected text files there (or change data.file_glob, e.g. "**/*.txt").')
