@@ -154,7 +154,7 @@ def test_bf16_reaches_the_model(builder):
     config = _config(builder, mesh=(8, 1, 1))
     config.train.compute_dtype = dtype
     task = _task(config)
-    params = task.model.init(jax.random.key(0))
+    params = jax.jit(task.model.init)(jax.random.key(0))
     batch = next(data.train_iterator_for(config))
     outputs[dtype] = np.asarray(jax.jit(task.outputs)(params, batch), np.float32)
   gap = np.abs(outputs['bfloat16'] - outputs['float32']).max() / np.abs(outputs['float32']).max()
@@ -167,7 +167,7 @@ def test_remat_reaches_a_model_that_takes_it_and_is_a_warning_for_one_that_does_
   for policy in ('none', 'full'):
     config.train.remat_policy = policy
     task = _task(config)
-    params, batch = task.model.init(jax.random.key(0)), next(data.train_iterator_for(config))
+    params, batch = jax.jit(task.model.init)(jax.random.key(0)), next(data.train_iterator_for(config))
     jaxprs[policy] = str(jax.make_jaxpr(jax.grad(lambda p: task.loss(p, batch)[0]))(params))
   # Under 'full' the backward pass recomputes each block's forward: its matmuls appear twice (51 -> 65 here).
   count = {k: v.count('dot_general[') for k, v in jaxprs.items()}

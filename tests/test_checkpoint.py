@@ -290,3 +290,22 @@ def test_a_two_process_save_restores_its_state_in_one_process(tmp_path, text_dir
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(job.init_state(5)))
     for leaf, target in zip(jax.tree.leaves(restored), jax.tree.leaves(job.shardings)):
       assert leaf.sharding.is_equivalent_to(target, leaf.ndim)
+
+
+def test_the_copy_a_cpu_save_writes_from_outlives_the_donated_state_and_compiles_nothing():
+  mesh = jax.make_mesh((2, 4), ('data', 'fsdp'))
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data', 'fsdp'))
+  state = {'w': jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), spec),
+           'step': jax.numpy.asarray(3, jax.numpy.int32),
+           'rng': jax.random.key_data(jax.random.key(1)), 'bf16': jax.numpy.ones((5, 3), jax.numpy.bfloat16)}
+  expected = jax.tree.map(np.asarray, state)
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, *_, **__: compiles.append(name) if name == '/jax/core/compile/backend_compile_duration' else None)
+  copy = checkpoint._detach_on_cpu(state)
+  assert not compiles
+  for name, leaf in state.items():
+    assert copy[name].sharding == leaf.sharding and copy[name].dtype == leaf.dtype, name
+    leaf.delete()  # What the next step's donation does to the state.
+  for name, value in expected.items():
+    np.testing.assert_array_equal(np.asarray(copy[name]), value)

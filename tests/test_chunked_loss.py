@@ -44,7 +44,7 @@ def _loss_metrics_grads(config, params, batch):
 @pytest.mark.parametrize('tie,z_loss,packing', [(True, 0.0, False), (False, 1e-2, True)])
 def test_chunked_loss_and_gradients_equal_the_whole_logits_ones(tie, z_loss, packing):
   whole = _config(1, tie, z_loss, packing=packing)
-  params = task_lib.build_task(whole).model.init(jax.random.key(1))
+  params = jax.jit(task_lib.build_task(whole).model.init)(jax.random.key(1))
   batch = _batch(whole)
   expected = _loss_metrics_grads(whole, params, batch)
   got = _loss_metrics_grads(_config(4, tie, z_loss, packing=packing), params, batch)
@@ -64,7 +64,7 @@ def test_a_brought_nnx_model_offering_its_head_and_accumulated_microbatches_give
   whole = _config(1)
   whole.model.name = 'tests.custom_models:MlpLMWithHead'
   task = task_lib.build_task(whole)
-  params, batch = task.model.init(jax.random.key(1)), _batch(whole)
+  params, batch = jax.jit(task.model.init)(jax.random.key(1)), _batch(whole)
   expected = _loss_metrics_grads(whole, params, batch)
   chunked = _config(4)
   chunked.model.name = whole.model.name
@@ -79,7 +79,7 @@ def test_a_brought_nnx_model_offering_its_head_and_accumulated_microbatches_give
 
 def test_chunked_loss_in_bfloat16_stays_within_bfloat16_of_the_whole_logits_one():
   whole = _config(1, tie=False, dtype='bfloat16')
-  params = task_lib.build_task(whole).model.init(jax.random.key(1))
+  params = jax.jit(task_lib.build_task(whole).model.init)(jax.random.key(1))
   batch = _batch(whole)
   expected = _loss_metrics_grads(whole, params, batch)
   got = _loss_metrics_grads(_config(8, tie=False, dtype='bfloat16'), params, batch)

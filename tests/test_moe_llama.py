@@ -30,7 +30,7 @@ def _abstract_params(config):
 def test_the_loss_adds_the_mean_router_terms_and_logs_them_per_layer():
   config = _config()
   task = task_lib.build_task(config)
-  params = task.model.init(jax.random.key(0))
+  params = jax.jit(task.model.init)(jax.random.key(0))
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, 256, (8, 32)), jnp.int32)
   loss, metrics = jax.jit(task.loss)(params, {'inputs': tokens, 'targets': tokens})

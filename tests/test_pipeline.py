@@ -98,7 +98,7 @@ def test_one_steps_gradients_equal_a_plain_layer_stack(schedule):
   x = jax.random.normal(jax.random.key(1), (rows, length, 16))
   positions = jnp.broadcast_to(jnp.arange(length), (rows, length))
   keys = jax.random.split(jax.random.key(0), LAYERS)
-  stacked = jax.vmap(lambda k: block.init(k, x[:1], positions[:1])['params'])(keys)
+  stacked = jax.jit(jax.vmap(lambda k: block.init(k, x[:1], positions[:1])['params']))(keys)
 
   @jax.jit  # One compile; run eagerly, the loop compiled each of its ~300 operations on its own (36 s of CPU).
   def plain(params):

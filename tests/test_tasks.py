@@ -135,7 +135,7 @@ def test_a_custom_loss_method_replaces_the_objective():
   config = _config('tests.custom_models:MlpLMWithOwnLoss')
   task = task_lib.build_task(config)
   assert task.custom_loss
-  params = task.model.init(jax.random.key(0))
+  params = jax.jit(task.model.init)(jax.random.key(0))
   batch = _batches(config)[0]
   loss, metrics = task.loss(params, batch)
   assert set(metrics) == {'loss', 'mean_logit'} and np.isfinite(float(loss))

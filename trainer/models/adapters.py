@@ -22,12 +22,12 @@ import contextlib
 import dataclasses
 import inspect
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
-from flax import nnx
 
 from trainer.base.errors import UserError
 from trainer.models import sown
@@ -118,7 +118,7 @@ def call_builder(builder: Callable, config, keywords: dict[str, Any], **extra) -
 def is_nnx_builder(builder: Callable) -> bool:
   """An nnx.Module class, or a function taking `rngs`: built with `rngs=nnx.Rngs(key)`."""
   if isinstance(builder, type):
-    return issubclass(builder, nnx.Module)
+    return issubclass(builder, nnx.Module) if (nnx := _nnx_if_loaded()) else False
   return takes_keyword(builder, 'rngs')
 
 
@@ -134,7 +134,7 @@ def adapt(builder: Callable, config, example_inputs: tuple[tuple, dict], keyword
   if is_nnx_builder(builder):
     return _adapt_nnx(builder, config, keywords)
   module = call_builder(builder, config, keywords)
-  if isinstance(module, nnx.Module):
+  if (nnx := _nnx_if_loaded()) and isinstance(module, nnx.Module):
     raise UserError(f'model.name={name!r} built an NNX module without `rngs`; give its constructor an `rngs` '
                     f'argument (the launcher passes nnx.Rngs seeded from train.seed).')
   if not isinstance(module, nn.Module):
@@ -143,7 +143,17 @@ def adapt(builder: Callable, config, example_inputs: tuple[tuple, dict], keyword
   return _adapt_linen(module, example_inputs, name, init_context)
 
 
+def _nnx_if_loaded():
+  """flax.nnx if anything imported it, else None: no NNX module exists before it is imported.
+
+  Importing it costs every launch of a Linen model (the built-in Llama) about
+  0.2 s of start-up (`python -X importtime`), so only an NNX model pays it.
+  """
+  return sys.modules.get('flax.nnx')
+
+
 def _adapt_nnx(builder, config, keywords) -> AdaptedModel:
+  from flax import nnx  # pylint: disable=import-outside-toplevel  (see _nnx_if_loaded)
   def make(key):
     with nnx.use_eager_sharding(False):  # The launcher shards after init, from the config's rules.
       return call_builder(builder, config, keywords, rngs=nnx.Rngs(key))

@@ -423,10 +423,20 @@ def _detach_on_cpu(state):
   the train step, which donates the state, then waits for the whole write (a
   1 GB state held the next step for ~17 s in benchmarks/bench_checkpoint.py). On
   GPU/TPU Orbax copies to host before save() returns, so no copy is made there.
+  One device_put copies every local shard of every leaf, compiling nothing: a
+  copy per leaf compiled one program per leaf shape (11 for the tiny model, at
+  every launch), and a device_put of a leaf spread over several processes
+  compiles a resharding program too.
   """
   if jax.default_backend() != 'cpu':
     return state
-  return jax.tree.map(lambda x: x.copy(), state)
+  leaves, tree = jax.tree.flatten(state)
+  shards = [[s.data for s in leaf.addressable_shards] for leaf in leaves]
+  copies = iter(jax.device_put([d for ds in shards for d in ds], [d.device for ds in shards for d in ds],
+                               may_alias=False))
+  return jax.tree.unflatten(tree, [jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding,
+                                                                            [next(copies) for _ in ds])
+                                   for leaf, ds in zip(leaves, shards)])
 
 
 def _short(error: Exception) -> str:
