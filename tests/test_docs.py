@@ -2,7 +2,8 @@
 
 Each block runs under `bash -euo pipefail` with `/tmp/` rewritten to a fresh temporary folder, so examples never see
 each other's workdirs. A line `<!-- docs-test: needs X -->` right before a fence skips that block with the reason
-(`needs libtpu` runs where libtpu imports). Pages may hold no runnable block at all.
+(`needs libtpu` runs where libtpu imports); `<!-- docs-test: each command runs on its page -->` marks a block whose
+commands run, word for word, in other blocks. Pages may hold no runnable block at all.
 """
 
 import importlib.util
@@ -25,6 +26,10 @@ COMMAND = re.compile(r'(^|[;&|(]\s*|\s)(\S*\.venv/bin/|/tmp/\S+/bin/)\S+')
 PAGES = [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]
 FENCE = re.compile(r'^```bash\n(.*?)^```', re.S | re.M)
 NEEDS = re.compile(r'<!--\s*docs-test:\s*needs\s+(.+?)\s*-->\s*$')
+# A block whose every command is also, word for word, in a block that runs (the README's list of tasks, each one
+# its page's example): the launch runs once, there, where the page also checks what it did.
+ON_PAGES = re.compile(r'<!--\s*docs-test:\s*each command runs on its page\s*-->\s*$')
+ELSEWHERE = 'its commands run on their pages'
 WORKDIR = re.compile(r'/tmp/[A-Za-z0-9_.-]+')
 # A command word `python`/`python3` not reached through a path: only a venv's interpreter has the packages. Creating
 # that venv (`python3 -m venv`) is the one use of the system interpreter.
@@ -41,8 +46,8 @@ def _blocks():
       line = text.count('\n', 0, match.start()) + 1
       before = text[:match.start()].rstrip('\n').rsplit('\n', 1)[-1]
       needs = NEEDS.search(before)
-      found.append((page.relative_to(REPO).as_posix(), index, line, needs.group(1) if needs else None,
-                    match.group(1)))
+      needs = needs.group(1) if needs else ELSEWHERE if ON_PAGES.search(before) else None
+      found.append((page.relative_to(REPO).as_posix(), index, line, needs, match.group(1)))
   return found
 
 
@@ -54,9 +59,26 @@ def _code_lines(code):
   return [line.split('#', 1)[0] if not line.lstrip().startswith('#') else '' for line in code.splitlines()]
 
 
+def _commands(code) -> list[str]:
+  """The block's commands: continued lines joined, comments and blank lines dropped, runs of spaces made one."""
+  joined = '\n'.join(_code_lines(code)).replace('\\\n', ' ')
+  return [' '.join(line.split()) for line in joined.splitlines() if line.strip()]
+
+
+def test_every_command_of_a_block_run_on_its_pages_is_in_a_block_that_runs():
+  ran = {command for _, _, _, needs, code in BLOCKS if needs is None for command in _commands(code)}
+  listed = [(f'{page}:{line}', command) for page, _, line, needs, code in BLOCKS if needs == ELSEWHERE
+            for command in _commands(code)]
+  assert listed, 'no block is marked <!-- docs-test: each command runs on its page -->'
+  missing = [f'{where}: {command}' for where, command in listed if command not in ran]
+  assert not missing, f'not in any block that runs (copy the page\'s command word for word): {missing}'
+
+
 def test_every_workdir_belongs_to_one_example():
   users = {}
-  for page, index, line, _, code in BLOCKS:
+  for page, index, line, needs, code in BLOCKS:
+    if needs == ELSEWHERE:  # Word-for-word copies of commands that run elsewhere (checked above).
+      continue
     for path in set(WORKDIR.findall('\n'.join(_code_lines(code)))):
       users.setdefault(path, []).append(f'{page}:{line}')
   shared = {path: where for path, where in users.items() if len(where) > 1}
@@ -75,6 +97,8 @@ def test_the_checks_catch_what_they_are_for():
   assert not BARE_PYTHON.search(QUOTED.sub("''", "pkill -f '^python launch'"))
   assert NEEDS.search('<!-- docs-test: needs libtpu -->').group(1) == 'libtpu'
   assert WORKDIR.findall('--workdir=/tmp/a-b_1 --output=/tmp/c') == ['/tmp/a-b_1', '/tmp/c']
+  assert _commands('# x\nA=1 a \\\n   --b  # c\n\nd') == ['A=1 a --b', 'd']
+  assert ON_PAGES.search('<!-- docs-test: each command runs on its page -->')
 
 
 def block_timeout(code: str, needs: str | None) -> int:
@@ -94,6 +118,8 @@ def test_a_blocks_guard_scales_with_the_commands_it_runs():
 @pytest.mark.parametrize('page,index,line,needs,code', BLOCKS,
                          ids=[f'{page}-block{index}-line{line}' for page, index, line, _, _ in BLOCKS])
 def test_block_runs(page, index, line, needs, code, tmp_path):
+  if needs == ELSEWHERE:
+    pytest.skip(f'{ELSEWHERE} (test_every_command_of_a_block_run_on_its_pages_is_in_a_block_that_runs)')
   if needs == 'libtpu':
     if importlib.util.find_spec('libtpu') is None:
       pytest.skip('needs libtpu (pip install -r requirements-tpu-plan.txt)')
