@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -136,6 +137,44 @@ class ApplyTask:
 
   def weight(self, batch):
     return self.objective.weight(batch)
+
+
+# A ```bash block of README.md or docs/*.md; a test that runs one itself (docs_block) says so before its fence, and
+# tests/test_docs.py then leaves the block to it: one launch, checked by both.
+DOCS_FENCE = re.compile(r'^```bash\n(.*?)^```', re.S | re.M)
+DOCS_RUN_BY = re.compile(r'<!--\s*docs-test:\s*run by (tests/\S+\.py)\s*-->\s*$')
+
+
+def docs_block(page: str, contains: str) -> str:
+  """The one bash block of `page` (e.g. 'docs/supervisor.md') whose code holds `contains`; it must be marked
+  `<!-- docs-test: run by tests/<the calling file> -->`, so the page and the test stay one example."""
+  import inspect
+  text = (REPO / page).read_text()
+  found = [m for m in DOCS_FENCE.finditer(text) if contains in m.group(1)]
+  assert len(found) == 1, f'{len(found)} blocks of {page} hold {contains!r}'
+  marker = DOCS_RUN_BY.search(text[:found[0].start()].rstrip('\n').rsplit('\n', 1)[-1])
+  caller = pathlib.Path(inspect.stack()[1].filename).relative_to(REPO).as_posix()
+  assert marker and marker.group(1) == caller, f'mark the block of {page} with <!-- docs-test: run by {caller} -->'
+  return found[0].group(1)
+
+
+def run_docs_block(code: str, tmp_path: pathlib.Path, timeout: float) -> subprocess.CompletedProcess:
+  """Runs a docs block as a reader pastes it: `bash -euo pipefail` from the repository root, with `/tmp/` rewritten
+  to `tmp_path`, the shared compile cache, and the suite's compile flags kept where the block sets XLA_FLAGS itself
+  (the README's 2 x 2 x 2 tiny launch: 13.8 s of CPU at full LLVM optimization, 10.1 s without)."""
+  import signal
+  script = code.replace('/tmp/', f'{tmp_path}/').replace('XLA_FLAGS=', f"XLA_FLAGS='{TEST_XLA_FLAGS} '")
+  command = ['bash', '-euo', 'pipefail', '-c', script]
+  with subprocess.Popen(command, cwd=REPO, env={**os.environ, **CACHE_ENV}, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True, errors='replace',  # A tiny LM samples any bytes.
+                        start_new_session=True) as proc:
+    try:
+      stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, signal.SIGKILL)  # The block's launches and their children too, not bash alone.
+      stdout, stderr = proc.communicate()
+      raise subprocess.TimeoutExpired(command, timeout, stdout, stderr) from None
+  return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def free_port() -> int:

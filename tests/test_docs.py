@@ -7,13 +7,12 @@ commands run, word for word, in other blocks. Pages may hold no runnable block a
 """
 
 import importlib.util
-import os
 import re
 import subprocess
 
 import pytest
 
-from conftest import CACHE_ENV, REPO, TEST_XLA_FLAGS
+from conftest import DOCS_FENCE, DOCS_RUN_BY, REPO, run_docs_block
 
 # Hang guards, never a verdict on speed: a block gets this much per command it runs (a line calling the venv's python
 # or a tool). A flat 300 s a block failed the README's "Main tasks" block (five commands, at step 12 of 12)
@@ -24,12 +23,14 @@ COMMAND_TIMEOUT_S = 600
 LIBTPU_COMMAND_TIMEOUT_S = 1800
 COMMAND = re.compile(r'(^|[;&|(]\s*|\s)(\S*\.venv/bin/|/tmp/\S+/bin/)\S+')
 PAGES = [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]
-FENCE = re.compile(r'^```bash\n(.*?)^```', re.S | re.M)
 NEEDS = re.compile(r'<!--\s*docs-test:\s*needs\s+(.+?)\s*-->\s*$')
 # A block whose every command is also, word for word, in a block that runs (the README's list of tasks, each one
 # its page's example): the launch runs once, there, where the page also checks what it did.
 ON_PAGES = re.compile(r'<!--\s*docs-test:\s*each command runs on its page\s*-->\s*$')
 ELSEWHERE = 'its commands run on their pages'
+# A block a test runs itself (conftest.docs_block), checking more than its exit code: `<!-- docs-test: run by
+# tests/test_x.py -->`.
+RUN_BY = 'run by '
 WORKDIR = re.compile(r'/tmp/[A-Za-z0-9_.-]+')
 # A command word `python`/`python3` not reached through a path: only a venv's interpreter has the packages. Creating
 # that venv (`python3 -m venv`) is the one use of the system interpreter.
@@ -42,11 +43,13 @@ def _blocks():
   found = []
   for page in PAGES:
     text = page.read_text()
-    for index, match in enumerate(FENCE.finditer(text), 1):
+    for index, match in enumerate(DOCS_FENCE.finditer(text), 1):
       line = text.count('\n', 0, match.start()) + 1
       before = text[:match.start()].rstrip('\n').rsplit('\n', 1)[-1]
       needs = NEEDS.search(before)
-      needs = needs.group(1) if needs else ELSEWHERE if ON_PAGES.search(before) else None
+      run_by = DOCS_RUN_BY.search(before)
+      needs = (needs.group(1) if needs else ELSEWHERE if ON_PAGES.search(before)
+               else f'{RUN_BY}{run_by.group(1)}' if run_by else None)
       found.append((page.relative_to(REPO).as_posix(), index, line, needs, match.group(1)))
   return found
 
@@ -74,6 +77,13 @@ def test_every_command_of_a_block_run_on_its_pages_is_in_a_block_that_runs():
   assert not missing, f'not in any block that runs (copy the page\'s command word for word): {missing}'
 
 
+def test_every_block_run_by_a_test_is_read_by_that_test():
+  marked = [(page, needs.removeprefix(RUN_BY)) for page, _, _, needs, _ in BLOCKS if (needs or '').startswith(RUN_BY)]
+  assert marked, 'no block is marked <!-- docs-test: run by tests/... -->'
+  for page, test_file in marked:
+    assert f"docs_block('{page}'" in (REPO / test_file).read_text(), f'{test_file} never runs a block of {page}'
+
+
 def test_every_workdir_belongs_to_one_example():
   users = {}
   for page, index, line, needs, code in BLOCKS:
@@ -99,6 +109,7 @@ def test_the_checks_catch_what_they_are_for():
   assert WORKDIR.findall('--workdir=/tmp/a-b_1 --output=/tmp/c') == ['/tmp/a-b_1', '/tmp/c']
   assert _commands('# x\nA=1 a \\\n   --b  # c\n\nd') == ['A=1 a --b', 'd']
   assert ON_PAGES.search('<!-- docs-test: each command runs on its page -->')
+  assert DOCS_RUN_BY.search('<!-- docs-test: run by tests/test_x.py -->').group(1) == 'tests/test_x.py'
 
 
 def block_timeout(code: str, needs: str | None) -> int:
@@ -120,20 +131,16 @@ def test_a_blocks_guard_scales_with_the_commands_it_runs():
 def test_block_runs(page, index, line, needs, code, tmp_path):
   if needs == ELSEWHERE:
     pytest.skip(f'{ELSEWHERE} (test_every_command_of_a_block_run_on_its_pages_is_in_a_block_that_runs)')
+  if needs and needs.startswith(RUN_BY):
+    pytest.skip(f'{needs}, which checks what it did (conftest.docs_block)')
   if needs == 'libtpu':
     if importlib.util.find_spec('libtpu') is None:
       pytest.skip('needs libtpu (pip install -r requirements-tpu-plan.txt)')
   elif needs:
     pytest.skip(f'needs {needs}')
-  script = code.replace('/tmp/', f'{tmp_path}/')
-  # A block that sets XLA_FLAGS itself (8 fake devices) keeps the suite's compile flags too, as every other launch
-  # of the suite does (the README's 2 x 2 x 2 tiny launch: 13.8 s of CPU at full LLVM optimization, 10.1 s without).
-  script = script.replace('XLA_FLAGS=', f"XLA_FLAGS='{TEST_XLA_FLAGS} '")
-  env = {**os.environ, **CACHE_ENV}
   timeout = block_timeout(code, needs)
   try:
-    result = subprocess.run(['bash', '-euo', 'pipefail', '-c', script], cwd=REPO, env=env, capture_output=True,
-                            text=True, errors='replace', timeout=timeout)  # A tiny LM samples any bytes.
+    result = run_docs_block(code, tmp_path, timeout)
   except subprocess.TimeoutExpired as e:
     pytest.fail(f'{page} block {index} (line {line}) ran over {timeout}s:\n{code}\n{e.stderr or ""}')
   assert result.returncode == 0, (f'{page} block {index} (line {line}) exited {result.returncode}:\n{code}\n'

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO, launcher_env, make_text_dir, read_metrics, watch_command
+from conftest import REPO, docs_block, launcher_env, make_text_dir, read_metrics, run_docs_block, watch_command
 from trainer.supervision import supervisor
 
 TIMEOUT_S = 300
@@ -51,13 +51,21 @@ def _losses(workdir) -> dict[int, float]:
   return {r['step']: r['loss'] for r in read_metrics(workdir) if 'loss' in r}
 
 
+# docs/supervisor.md's two kill examples, run as the page shows them (docs_block), are this file's kill tests: their
+# run, uninterrupted, gives the losses both must repeat. The page's flags (configs/tiny.py saves every 4 steps).
+DOCS_RUN = ['--config=configs/tiny.py', '--config.train.steps=10', '--config.ckpt.async_save=False',
+            '--config.log.every_steps=1']
+
+
 @pytest.fixture(scope='module')
-def uninterrupted(tmp_path_factory, text_dir):
+def uninterrupted(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('uninterrupted')
-  result = _launch(_args(workdir, text_dir))
+  result = _launch([*DOCS_RUN, f'--workdir={workdir}'])
   assert result.returncode == 0, result.stderr[-3000:]
   assert [a['cause'] for a in _attempts(workdir)] == ['finished']
-  return _losses(workdir)
+  losses = _losses(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  return losses
 
 
 def test_exit_codes_are_sorted_into_retried_and_final():
@@ -74,20 +82,24 @@ def test_a_restart_never_starts_over_again():
   assert run.command_for(2) == ['launch.py', '--start_over', '--nostart_over']  # absl: the last one wins.
 
 
-def test_a_killed_process_is_restarted_and_finishes_with_the_uninterrupted_losses(uninterrupted, text_dir, tmp_path):
-  result = _launch(_args(tmp_path, text_dir, '--restart_backoff_s=1'), fault='kill@7,attempt=1')
+def test_a_killed_process_is_restarted_and_finishes_with_the_uninterrupted_losses(uninterrupted, tmp_path):
+  code = docs_block('docs/supervisor.md', 'LAUNCH_TEST_FAULT=kill@7,attempt=1 ')
+  assert all(flag in code for flag in DOCS_RUN)
+  result = run_docs_block(code, tmp_path, TIMEOUT_S)
   assert result.returncode == 0, result.stderr[-3000:]
+  workdir = tmp_path / 'supervisor-kill'
   assert ('attempt 1 ended with killed by SIGKILL (exit -9); restarting from the newest intact checkpoint in 1s '
           '(attempt 2, restart 1 of --max_restarts=2)') in result.stderr
-  first, second = _attempts(tmp_path)
+  assert result.stdout == (workdir / 'attempts.jsonl').read_text()  # The page's `cat`.
+  first, second = _attempts(workdir)
   assert (first['cause'], first['resumed_step'], first['retried']) == ('killed by SIGKILL', 0, True)
   assert (second['cause'], second['resumed_step'], second['exit_code']) == ('finished', 4, 0)
   assert second['steps_redone'] == 1  # Step 5 was logged (metrics come a step late), then redone.
-  losses = _losses(tmp_path)
+  losses = _losses(workdir)
   assert sorted(losses) == list(range(1, STEPS + 1))
-  for step in range(1, STEPS + 1):
-    assert losses[step] == pytest.approx(uninterrupted[step], rel=1e-6), step
-  goodput = json.loads((tmp_path / 'goodput.jsonl').read_text().splitlines()[-1])
+  for step, loss in uninterrupted.items():
+    assert losses[step] == pytest.approx(loss, rel=1e-6), step
+  goodput = json.loads((workdir / 'goodput.jsonl').read_text().splitlines()[-1])
   # The back-off is in the goodput table: 1 s, less up to a clock tick (the process's start time is read in kernel
   # ticks, trainer/observe/goodput.py; 0.9965 s was measured in a CI run).
   assert goodput['restart_s'] >= 0.9 and goodput['lost_steps'] == 1
@@ -169,17 +181,20 @@ def test_the_hang_watch_ends_the_process_with_the_stuck_stack(tmp_path, phase, l
   assert 'wedged_collective' in (tmp_path / 'hangs' / 'attempt-1-process-0.txt').read_text()
 
 
-def test_two_processes_restart_together_after_one_is_killed(uninterrupted, text_dir, tmp_path):
-  args = [sys.executable, str(REPO / 'scripts' / 'launch_local.py'), '--num_processes=2',
-          '--devices_per_process=4', '--timeout_s=280', *_args(tmp_path, text_dir)]
-  result = _launch(None, fault='kill@7,process=1,attempt=1', command=args)
+def test_two_processes_restart_together_after_one_is_killed(uninterrupted, tmp_path):
+  code = docs_block('docs/supervisor.md', 'LAUNCH_TEST_FAULT=kill@7,process=1,attempt=1 ')
+  assert all(flag in code for flag in DOCS_RUN)
+  result = run_docs_block(code, tmp_path, TIMEOUT_S)
   assert result.returncode == 0, result.stderr[-4000:]
-  first, second = _attempts(tmp_path)
+  workdir = tmp_path / 'supervisor-two'
+  assert result.stdout.endswith((workdir / 'attempts.jsonl').read_text())  # The page's `cat` (after Gloo's lines).
+  first, second = _attempts(workdir)
   assert first['cause'] == 'lost peer' and second['cause'] == 'finished' and second['resumed_step'] == 4
   assert '[1] launch.py: restarting: attempt 1 ended with killed by SIGKILL' in result.stderr
-  losses = _losses(tmp_path)
-  for step in range(1, STEPS + 1):
-    assert losses[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
+  losses = _losses(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  for step, loss in uninterrupted.items():
+    assert losses[step] == pytest.approx(loss, rel=1e-5), step
 
 
 def test_a_slowed_process_is_named_the_straggler_with_its_lag(text_dir, tmp_path):
