@@ -23,7 +23,7 @@ import threading
 
 import pytest
 
-from conftest import REPO, free_port, launcher_env, make_text_dir, watch_command
+from conftest import REPO, free_port, launcher_env, make_text_dir, watch_command, xla_flags
 from parallel import distributed
 from trainer.supervision import supervisor
 
@@ -136,7 +136,7 @@ def test_under_slurm_a_killed_member_restarts_and_the_group_resumes_together(tmp
   bin_dir.mkdir()
   (bin_dir / 'srun').write_text(_FAKE_SRUN)
   (bin_dir / 'srun').chmod(0o755)
-  env = launcher_env(JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  env = launcher_env(JAX_PLATFORMS='cpu', XLA_FLAGS=xla_flags(4))
   dry = subprocess.run(
       ['bash', str(REPO / 'scripts' / 'launch_slurm.sh'), '--nodes=2', '--gpus_per_node=4',
        '--config=configs/tiny.py', f'--workdir={workdir}', f'--python={sys.executable}',
@@ -215,7 +215,7 @@ def test_on_a_tpu_pod_a_killed_member_restarts_and_the_group_resumes_together(tm
   for w in range(2):
     (homes / f'w{w}').mkdir(parents=True)
     (homes / f'w{w}' / 'jax-launch-venv').symlink_to(pathlib.Path(sys.prefix))
-  env = {**launcher_env(JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=4'),
+  env = {**launcher_env(JAX_PLATFORMS='cpu', XLA_FLAGS=xla_flags(4)),
          'PATH': f'{bin_dir}{os.pathsep}{os.environ["PATH"]}', 'FAKE_WORKERS': '2', 'FAKE_HOMES': str(homes),
          'FAKE_TPU_TYPE': 'v4-16', 'TMPDIR': str(tmp_path), 'JAX_COORDINATOR_PORT': str(free_port()),
          'LAUNCH_TEST_FAULT': 'kill@7,process=1,attempt=1'}
