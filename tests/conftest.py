@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
-# jax's persistent compilation cache, one folder for the whole session: both xdist workers and every launcher
+# jax's persistent compilation cache, one folder for the whole session: every xdist worker and every launcher
 # subprocess they start read and write it, so a program any of them compiled loads everywhere else (a tiny launch's
 # 9 s of CPU drops to under 5 s). A size limit turns on jax's file lock around each read and write, so no process
 # reads an entry another is still writing. Tests that count or time compilations give their runs a folder of their
@@ -179,7 +179,7 @@ def run_docs_block(code: str, tmp_path: pathlib.Path, timeout: float) -> subproc
 
 def free_port() -> int:
   """A port free on 127.0.0.1 now, for a coordinator of real multi-process runs (tests pick fresh ones, so two test
-  processes under pytest -n 2 do not collide)."""
+  processes under pytest -n 4 do not collide)."""
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
