@@ -425,8 +425,8 @@ def _detach_on_cpu(state):
   GPU/TPU Orbax copies to host before save() returns, so no copy is made there.
   One device_put copies every local shard of every leaf, compiling nothing: a
   copy per leaf compiled one program per leaf shape (11 for the tiny model, at
-  every launch), and a device_put of a leaf spread over several processes
-  compiles a resharding program too.
+  every launch), and a device_put of the whole tree refused arrays spread over
+  several processes (tests/test_checkpoint.py's two-process save).
   """
   if jax.default_backend() != 'cpu':
     return state
