@@ -3,7 +3,8 @@
 Each block runs under `bash -euo pipefail` with `/tmp/` rewritten to a fresh temporary folder, so examples never see
 each other's workdirs. A line `<!-- docs-test: needs X -->` right before a fence skips that block with the reason
 (`needs libtpu` runs where libtpu imports); `<!-- docs-test: each command runs on its page -->` marks a block whose
-commands run, word for word, in other blocks. Pages may hold no runnable block at all.
+commands run, word for word, in other blocks, and `<!-- docs-test: run by tests/X.py -->` one that test runs itself
+(conftest.docs_block) to check what it did. Pages may hold no runnable block at all.
 """
 
 import importlib.util
