@@ -14,7 +14,12 @@ and both ends send a heartbeat line every HEARTBEAT_S seconds:
   stopped or wedged process) is a loss too;
 - process 0 tells every other process which process it lost, then exits;
   the others, on that message or on losing process 0 itself, exit;
-- a process that finishes normally says `bye` first, so it is never reported.
+- a process that finishes normally says `bye` first, so it is never reported;
+- a process stopping on a signal outside its step loop (trainer/safety/startup_signals.py)
+  says `stopping N K` first (signal N, received by process K): the survivors stop with it and name the signal, not a
+  loss (a group-wide preemption during compile reaches the processes a little
+  apart, and a survivor whose own signal was still on its way called the first
+  process to stop lost).
 Every survivor prints `<launcher>: error: process K of N ... was lost ...` and
 exits with PEER_LOST_EXIT_CODE. A collective that fails because its peer is
 gone raises in the main thread at the same moment; `grace()` lets launch.py
@@ -41,12 +46,19 @@ HEARTBEAT_S = 2
 SILENT_AFTER_S = 20
 # 75 is EX_TEMPFAIL in sysexits.h ("try again later"): a scheduler may relaunch; 2 stays "fix the config".
 PEER_LOST_EXIT_CODE = 75
-_exiting = threading.Lock()
+# One line per process: a loss reported here or a stop signal's (trainer/safety/startup_signals.py takes this lock
+# too), whichever comes first; the other path then says nothing.
+EXITING = threading.Lock()
 _watching = threading.Event()
 GRACE_S = 5
 # The same connections carry reports to process 0 (trainer/supervision/stragglers.py): `stat ...` lines.
 _to_coordinator: list['_Line'] = []
 _on_report = None
+_lines: list['_Line'] = []  # Every connection this process holds: to process 0, or (process 0) to each other one.
+_on_peer_stop = None
+_process_index = None
+# How long a stopping process gives its `stopping` line to leave the host before os._exit closes the sockets.
+_SEND_BEFORE_EXIT_S = 0.1
 
 
 def report(line: str) -> None:
@@ -61,6 +73,39 @@ def on_report(callback) -> None:
   _on_report = callback
 
 
+def on_peer_stop(callback) -> None:
+  """`callback(origin, num_processes, signum)` ends this process: process `origin` received stop signal `signum`."""
+  global _on_peer_stop
+  _on_peer_stop = callback
+
+
+def announce_stop(signum: int, origin: int | None = None) -> None:
+  """Tells every watched peer this process stops now on `signum`, received by process `origin` (default: this one).
+
+  It ends with os._exit, so no `bye` follows; the line names the process that received the signal, so that a process
+  stopping with a peer passes on who that was.
+  """
+  origin = _process_index if origin is None else origin
+  for line in _lines:
+    line.finished = True  # Its own reader then takes the closing connection as expected.
+    line.send(f'stopping {signum} {origin}')
+    try:
+      line.conn.shutdown(socket.SHUT_WR)
+    except OSError:
+      pass
+  if _lines:
+    time.sleep(_SEND_BEFORE_EXIT_S)
+
+
+def _peer_stopped(message: str, num_processes: int) -> None:
+  """`stopping N K` from a peer: process K received signal N and stopped."""
+  _, signum, origin = message.split()
+  if _on_peer_stop is not None:
+    _on_peer_stop(int(origin), num_processes, int(signum))  # Returns only when this process is already ending.
+    return
+  _die(_lost(int(origin), num_processes, f'it stopped on signal {signum}'))
+
+
 def grace() -> None:
   """If peers are watched, waits GRACE_S seconds: a lost peer is then reported (and the process ended) by the watchdog."""
   if _watching.is_set():
@@ -69,7 +114,7 @@ def grace() -> None:
 
 def _die(message: str) -> None:
   """Prints the one line and ends this process now: its collectives can never complete."""
-  if not _exiting.acquire(blocking=False):
+  if not EXITING.acquire(blocking=False):
     return  # Another thread is already reporting.
   print(f'{pathlib.Path(sys.argv[0]).name}: error: {message}', file=sys.stderr, flush=True)
   os._exit(PEER_LOST_EXIT_CODE)
@@ -129,11 +174,19 @@ class _Line:
 
 def serve(server: socket.socket, num_processes: int, timeout_s: float) -> None:
   """Process 0: accepts one heartbeat connection per other process on `server`, then watches them all."""
+  global _process_index
+  _process_index = 0
   lines: dict[int, _Line] = {}
 
   def on_message(line: _Line, message: str) -> None:
     if message.startswith('stat ') and _on_report is not None:
       _on_report(line.peer, message)
+    elif message.startswith('stopping '):
+      if not EXITING.locked():  # Else this process's own stop is telling them already.
+        for other in lines.values():
+          if other is not line:
+            other.send(message)
+      _peer_stopped(message, num_processes)
     elif message.startswith('lost '):
       for other in lines.values():
         if other is not line:
@@ -148,12 +201,15 @@ def serve(server: socket.socket, num_processes: int, timeout_s: float) -> None:
       words = conn.makefile('r').readline().split()
       if len(words) == 2 and words[0] == 'peer' and words[1].isdigit():
         lines[int(words[1])] = _Line(conn, int(words[1]), num_processes, on_message)
+        _lines.append(lines[int(words[1])])
   _say_bye_at_exit(lines.values())
 
 
 def join(host: str, port: int, process_id: int, num_processes: int, timeout_s: float) -> None:
   """Process 1..N-1: connects to process 0's heartbeat port and watches it."""
   conn = socket.create_connection((host, port), timeout=timeout_s)
+  global _process_index
+  _process_index = process_id
   conn.sendall(f'peer {process_id}\n'.encode())
   _watching.set()
 
@@ -163,8 +219,11 @@ def join(host: str, port: int, process_id: int, num_processes: int, timeout_s: f
       _die(_lost(int(other), num_processes, how))
     elif message.startswith('lost '):
       _die(_lost(0, num_processes, message[len('lost '):]))
+    elif message.startswith('stopping '):  # From process 0, or passed on by it.
+      _peer_stopped(message, num_processes)
 
   _to_coordinator.append(_Line(conn, 0, num_processes, on_message))
+  _lines.append(_to_coordinator[-1])
   _say_bye_at_exit(_to_coordinator)
 
 

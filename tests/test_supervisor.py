@@ -74,6 +74,7 @@ def test_exit_codes_are_sorted_into_retried_and_final():
   assert supervisor.classify(0, {'stopped': 'preempted'}) == (True, 'preempted (saved)')
   assert supervisor.classify(124, {'stopped': 'data stall'}) == (True, 'data stall')
   assert supervisor.classify(-9, {})[1] == 'killed by SIGKILL'
+  assert supervisor.classify(143, {}) == (True, 'SIGTERM that reached the child or a peer, not this supervisor')
 
 
 def test_a_restart_never_starts_over_again():

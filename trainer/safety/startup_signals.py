@@ -22,15 +22,24 @@ A SIGUSR1 (a profile request; `pkill -USR1` on a pod reaches workers still
 compiling), which would otherwise kill the process, is kept for
 trainer/observe/profiling.py to trace the first steps. This module imports nothing heavy,
 so it is in place within a second of start.
+
+In a multi-process run the processes stop together: one stopping here first tells
+its peers over the watchdog's connections (parallel/watchdog.py), and each peer
+stops at once with the same exit code and a line naming the process that received
+the signal. A group-wide preemption reaches the hosts a little apart; without this
+a survivor whose own signal was still on its way called the first one lost.
 """
 
 import os
 import signal
 import threading
 
+from parallel import watchdog
+
 _profile_requested_early = threading.Event()  # A SIGUSR1 before the profiler's handler: trace from the first step.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-_stopping = threading.Lock()  # The handler and the watcher may both see one signal: one line only.
+# The handler and the watcher may both see one signal, and the watchdog may report a loss: one line only.
+_stopping = watchdog.EXITING
 
 
 class OutsideTheLoop(BaseException):
@@ -45,25 +54,38 @@ class OutsideTheLoop(BaseException):
     self.kept = kept
 
 
-def message(signum: int, kept: str = '') -> str:
-  """The one line for a stop signal outside the step loop."""
+def message(signum: int, kept: str = '', by: str = '') -> str:
+  """The one line for a stop signal outside the step loop; `by` names the peer that received it, if not this process."""
   name = signal.Signals(signum).name
   what = 'Ctrl-C (SIGINT)' if signum == signal.SIGINT else name
   kept = kept or ('No step of this launch was left unsaved by it; every checkpoint complete on disk is intact (a save '
                   'it cut short stays an incomplete folder that a relaunch skips). Relaunch the same command to '
                   'continue.')
-  return (f'launch.py: interrupted: {what} received outside the step loop (while starting, compiling or closing): '
-          f'stopped. {kept}')
+  where = 'outside the step loop (while starting, compiling or closing)'
+  if by:
+    return f'launch.py: interrupted: {what} received {where} by {by}: this process stopped with it. {kept}'
+  return f'launch.py: interrupted: {what} received {where}: stopped. {kept}'
 
 
-def stop_now(signum: int) -> None:
-  """Writes the one line and ends the process at once with 128 + signum (no interpreter shutdown)."""
+def stop_now(signum: int, origin: int | None = None, num_processes: int = 1) -> None:
+  """Writes the one line, tells the peers, and ends the process at once with 128 + signum (no interpreter shutdown).
+
+  `origin`: the peer that received the signal, when this process stops with it.
+  """
   if not _stopping.acquire(blocking=False):
     return  # The other path is already writing the line.
   try:
-    os.write(2, (message(signum) + '\n').encode())  # Not print(): the main thread may hold sys.stderr's lock.
+    by = ''
+    if origin is not None:
+      by = f'{"process 0 (the coordinator)" if origin == 0 else f"process {origin}"} of {num_processes}'
+    os.write(2, (message(signum, by=by) + '\n').encode())  # Not print(): the main thread may hold sys.stderr's lock.
+    watchdog.announce_stop(signum, origin)
   finally:
     os._exit(128 + signum)
+
+
+def _peer_stopped(origin: int, num_processes: int, signum: int) -> None:
+  stop_now(signum, origin, num_processes)
 
 
 def _on_stop_signal(signum, frame) -> None:  # noqa: ARG001
@@ -99,6 +121,7 @@ def install_early() -> None:
   threading.Thread(target=_watch, args=(read_fd,), daemon=True, name='stop-signal-watch').start()
   for sig in STOP_SIGNALS:
     signal.signal(sig, _on_stop_signal)
+  watchdog.on_peer_stop(_peer_stopped)
   signal.signal(signal.SIGUSR1, lambda signum, frame: _profile_requested_early.set())
 
 

@@ -46,6 +46,9 @@ CRASH_LOOP = 3  # Failed attempts in a row resumed from the same step before the
 _MAX_BACKOFF_S = 300.0
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _FORWARDED = _STOP_SIGNALS + (signal.SIGUSR1, signal.SIGUSR2)
+# A child that stopped on a stop signal this parent did not forward stopped with a peer that received it
+# (trainer/safety/startup_signals.py); a group-wide preemption reaches this parent too, a little later.
+_PEER_STOP_GRACE_S = 5.0
 _NOT_RETRIED = {0: 'finished', 2: 'user error', 3: 'non-finite loss', 130: 'interrupted (Ctrl-C)'}
 
 
@@ -65,6 +68,8 @@ def classify(returncode: int, status: dict) -> tuple[bool, str]:
     return True, status.get('stopped', 'hang')
   if returncode == 74:
     return True, 'storage stalled'
+  if returncode - 128 in _STOP_SIGNALS:  # Not forwarded by this parent, or classify's caller would not retry it.
+    return True, f'{signal.Signals(returncode - 128).name} that reached the child or a peer, not this supervisor'
   if returncode < 0:
     return True, f'killed by {signal.Signals(-returncode).name}'
   if returncode in (134, 139):
@@ -160,6 +165,8 @@ class Supervisor:
       # Its own process group: a terminal's Ctrl-C reaches this parent alone, which forwards it once.
       self._child = subprocess.Popen(self.command_for(n), env=env, process_group=0, preexec_fn=_die_with_parent)
       returncode, frozen = self._wait(n, beat_file, started)
+      if returncode - 128 in self._stops and not self._stop.is_set():
+        self._stop.wait(_PEER_STOP_GRACE_S)
       status = attempt.read(status_file)
     finally:
       for path in (status_file, beat_file):
