@@ -50,7 +50,7 @@ def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
   yield
   own_after, children_after = _cpu()
   record = {'id': item.nodeid, 'self': own_after - own, 'children': children_after - children,
-            'wall': time.monotonic() - start, **{k: _EVENTS[k] - before[k] for k in _EVENTS}}
+            'wall': time.monotonic() - start, 'end': time.time(), **{k: _EVENTS[k] - before[k] for k in _EVENTS}}
   path = f"{os.environ.get('PYTEST_CPU_OUT', '/tmp/suite-cpu')}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
   with open(path, 'a', encoding='utf-8') as f:
     f.write(json.dumps(record) + '\n')
@@ -74,6 +74,28 @@ def main(prefix: str, top: int = 15) -> None:
   print('|---|---|---|---|---|')
   for name, (total, children, wall, count) in sorted(files.items(), key=lambda kv: -kv[1][0])[:top]:
     print(f'| {name} | {count} | {total:.0f} | {children:.0f} | {wall:.0f} |')
+  _timeline(prefix)
+
+
+def _timeline(prefix: str) -> None:
+  """Per worker: when its first test started and its last ended, and the files it ran last (the run's tail)."""
+  workers = {}
+  for path in sorted(glob.glob(prefix + '.*')):
+    records = [json.loads(line) for line in open(path, encoding='utf-8')]
+    if records and 'end' in records[0]:
+      workers[path.rsplit('.', 1)[1]] = records
+  if not workers:
+    return
+  zero = min(r['end'] - r['wall'] for records in workers.values() for r in records)
+  print('| worker | first test starts s | last test ends s | its last files (start s) |')
+  print('|---|---|---|---|')
+  for worker, records in workers.items():
+    starts = {}
+    for r in records:
+      starts.setdefault(r['id'].split('::')[0], r['end'] - r['wall'] - zero)
+    last = ', '.join(f'{name.split("/")[-1]} ({start:.0f})' for name, start in list(starts.items())[-3:])
+    print(f'| {worker} | {records[0]["end"] - records[0]["wall"] - zero:.0f} | {records[-1]["end"] - zero:.0f} | '
+          f'{last} |')
 
 
 if __name__ == '__main__':
