@@ -45,7 +45,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
 from jax.sharding import Mesh, PartitionSpec
 
 from parallel import context as context_lib
@@ -114,7 +113,7 @@ def _splash_local(q_BlHK, k_BLGK, v_BLGK, ids_Bl, ids_BL, *, causal: bool, seq_l
     kernel = splash.kernel(chunk, seq_len, heads, causal=causal, offset=first if causal else 0, interpret=interpret)
     if ids_BL is None:
       return jax.vmap(kernel)(q_BHcK, k_BGLK, v_BGLK)
-    return jax.vmap(lambda q, k, v, qi, ki: kernel(q, k, v, segment_ids=splash_lib.SegmentIds(qi, ki)))(
+    return jax.vmap(lambda q, k, v, qi, ki: kernel(q, k, v, segment_ids=splash.segment_ids(qi, ki)))(
         q_BHcK, k_BGLK, v_BGLK, ids_Bc.astype(jnp.int32), ids_BL)
 
   def branch(device: int):  # Device r holds chunks r and 2C-1-r (parallel/context.py).

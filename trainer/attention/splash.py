@@ -17,7 +17,6 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import Mesh
 
 # Block sizes tried, largest first: MaxText's default for long sequences is 512; a block must be a multiple of the
@@ -25,9 +24,22 @@ from jax.sharding import Mesh
 BLOCK_CANDIDATES = (512, 256, 128)
 
 
-def block_sizes(seq_len: int) -> splash.BlockSizes:
+def _splash():
+  """jax's splash-attention package, imported on first use: every launch imports this module, and the import took
+  0.2-0.3 s of CPU on a machine that never runs the kernel (benchmarks/bench_launch_imports.py)."""
+  from jax.experimental.pallas.ops.tpu import splash_attention  # pylint: disable=import-outside-toplevel
+  return splash_attention
+
+
+def segment_ids(q_ids, kv_ids):
+  """Splash's SegmentIds for the queries' and the keys' document ids."""
+  return _splash().SegmentIds(q_ids, kv_ids)
+
+
+def block_sizes(seq_len: int):
+  """Splash's BlockSizes for a row of `seq_len` (its largest block in BLOCK_CANDIDATES that divides it)."""
   block = next(b for b in BLOCK_CANDIDATES if seq_len % b == 0)
-  return splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+  return _splash().BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
 
 
@@ -43,6 +55,7 @@ def kernel(q_len: int, kv_len: int, num_heads: int, *, causal: bool, offset: int
   tokens for v5p:2x2x4 processed masks 96 times (31 s on the 2-core CPU machine) where 16 (4 s) do, and their cost
   grows with the square of the row (BENCHMARKS.md "Long sequences").
   """
+  splash = _splash()
   shape = (q_len, kv_len)
   mask = splash.CausalMask(shape, offset=offset) if causal else splash.FullMask(shape)
   # Called while a step is traced: the kernel's block maps (jnp arrays) would be that trace's values and leak into
@@ -63,7 +76,7 @@ def _local_attention(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, *, causal: bool, in
     out_BHLK = jax.vmap(attend)(q_BHLK, k_BGLK, v_BGLK)
   else:
     ids_BL = segment_ids_BL.astype(jnp.int32)
-    out_BHLK = jax.vmap(lambda q, k, v, ids: attend(q, k, v, segment_ids=splash.SegmentIds(ids, ids)))(
+    out_BHLK = jax.vmap(lambda q, k, v, ids: attend(q, k, v, segment_ids=segment_ids(ids, ids)))(
         q_BHLK, k_BGLK, v_BGLK, ids_BL)
   return jnp.swapaxes(out_BHLK, 1, 2)
 

@@ -19,8 +19,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 NAME = 'Pallas Triton grouped matmul (trainer/models/grouped_matmul.py)'
 _TILE_CHOICES = (128, 64, 32, 16)  # Triton's dot wants power-of-two tiles of at least 16.
@@ -64,7 +62,7 @@ class _Layout:
     starts = ends - sizes
     num_tiles = (sizes + tile - 1) // tile
     first_tile = jnp.cumsum(num_tiles) - num_tiles
-    rows = (pl.cdiv(A, tile) + E) * tile  # Static bound: every group rounded up adds under one tile.
+    rows = (-(-A // tile) + E) * tile  # Static bound: every group rounded up adds under one tile.
     row_A = jnp.arange(A, dtype=jnp.int32)
     group_A = jnp.searchsorted(ends, row_A, side='right').astype(jnp.int32)
     in_group = group_A < E  # Rows past sum(sizes) belong to no group: dropped, and read back as 0.
@@ -95,9 +93,18 @@ def _padded_bwd(interpret, tile_rows, rows, residuals, dy):
 _padded_matmul.defvjp(_padded_fwd, _padded_bwd)
 
 
+def _pallas():
+  """jax's Pallas and its Triton backend, imported when a kernel is first traced: every launch imports this module
+  (trainer/models/moe.py), and the import took 0.1-0.2 s of CPU (benchmarks/bench_launch_imports.py)."""
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+  from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
+  return pl, plgpu
+
+
 def _tiles_times_weights(xp, w, tile_group, interpret: bool, tile_rows: int, useful_rows: int):
   """(rows, F): row tile i times w[tile_group[i]]; declares 2 * useful_rows * D * F FLOPs (the padding is not
   useful work)."""
+  pl, plgpu = _pallas()
   rows, D = xp.shape
   F = w.shape[2]
   bm, bk, bn = tile_rows, _tile(D, 64), _tile(F)
@@ -124,6 +131,7 @@ def _tiles_times_weights(xp, w, tile_group, interpret: bool, tile_rows: int, use
 
 def _weight_gradient(xp, dy, first_tile, num_tiles, dtype, interpret: bool, tile_rows: int, useful_rows: int):
   """(E, D, F): per group, the sum over its row tiles of x_tile^T @ dy_tile; zeros for an empty group."""
+  pl, plgpu = _pallas()
   _, D = xp.shape
   F = dy.shape[1]
   E = first_tile.shape[0]
