@@ -211,8 +211,11 @@ def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> 
     with init_context(), flat_kernels_unpinned():
       return module.init(key, *args, **kwargs)
 
+  # Jitted once, so the state's init (trainer/training/state.py), which calls it inside its own jit, reuses the trace
+  # eval_shape made here: the model's init is traced once per launch, not twice.
+  init_variables = jax.jit(init_variables)
   try:
-    variables = jax.eval_shape(init_variables, jax.random.key(0))
+    variables = init_variables.eval_shape(jax.random.key(0))
   except TypeError as e:
     raise call_error(e, name, example_inputs[1]) from e
   others = sorted(set(variables) - {'params', *sown.COLLECTIONS})
