@@ -1,8 +1,13 @@
 """Every bad value of the keys added by MoE, the context axis, Hugging Face import, optimizers, schedules, storage and
 the supervisor: one line naming the key, exit 2, and no retry, from a supervised launch (issue 39, item 4).
 
-Each row is a real launch (configs/tiny.py, 8 fake CPU devices, --max_restarts=2), so a value that slipped past the
-checks would show here as a traceback, a crash retried by the supervisor, or a run that trains.
+Each row of ROWS is a real launch (configs/tiny.py, 8 fake CPU devices, --max_restarts=2), so a value that slipped
+past the checks would show here as a traceback, a crash retried by the supervisor, or a run that trains.
+
+The rows of CHECKED_AFTER_JAX fail where the launch builds its Job (hf_load.configure, then build_job), after jax
+loaded: 2 s of CPU each as a launch. They are checked in this process, on the config the launch's own flag parsing
+builds: the UserError must name the key. launch.py turns every UserError into one line and exit 2, never retried,
+which the launched rows prove, two of them of this kind (a MoE key and an optimizer key) as a launch.
 """
 
 import json
@@ -11,6 +16,8 @@ import subprocess
 import sys
 
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
 from conftest import REPO, launcher_env
 
@@ -18,33 +25,10 @@ NONE_CONFIG = 'def get_config():\n  c = None\n  return c\n'
 
 # (flags, words the one line must hold). The workdir is added unless a row gives its own.
 ROWS = [
-    # Mixtures of experts.
+    # Checked after jax loads, as a launch (the others of their kind are in CHECKED_AFTER_JAX).
     (['--config.model.num_experts=3', '--config.mesh.expert=2', '--config.mesh.data=4'],
      'model.num_experts=3 must be a multiple of mesh.expert=2'),
-    (['--config.model.num_experts=4', '--config.model.experts_per_token=5'], 'model.experts_per_token=5'),
-    (['--config.model.num_experts=-2'], 'model.num_experts=-2'),
-    (['--config.model.num_experts=4', '--config.model.moe_layers=3'], 'model.moe_layers=3'),
-    (['--config.model.num_experts=4', '--config.model.expert_capacity_factor=-1'], 'model.expert_capacity_factor'),
-    (['--config.model.num_experts=4', '--config.model.router_aux_loss_weight=-1'], 'model.router_aux_loss_weight=-1'),
-    # The context axis.
-    (['--config.mesh.context=2', '--config.mesh.data=4', '--config.data.seq_len=30'], 'data.seq_len=30'),
-    (['--config.mesh.context=2', '--config.mesh.data=4', '--config.parallel.strategy=pmap'], 'mesh.context=2'),
-    (['--config.model.context_scheme=bogus'], 'model.context_scheme'),
-    # Hugging Face import.
-    (['--config.model.init_from=hf:/nonexistent-issue-39'], 'model.init_from'),
-    (['--config.model.init_from=/nonexistent-issue-39'], "give 'hf:'"),
-    # Optimizers and schedules.
     (['--config.train.optimizer=adamx'], "train.optimizer='adamx'"),
-    (['--config.train.adam_b1=1.5'], 'train.adam_b1=1.5 must be in [0, 1)'),
-    (['--config.train.optimizer=lion', '--config.train.lion_b1=2'], 'train.lion_b1=2'),
-    (['--config.train.optimizer=muon', '--config.train.muon_beta=-1'], 'train.muon_beta=-1'),
-    (['--config.train.optimizer=sgd', '--config.train.sgd_momentum=-1'], 'train.sgd_momentum=-1'),
-    (['--config.train.optimizer=adafactor', '--config.train.adafactor_decay_rate=-1'], 'train.adafactor_decay_rate'),
-    (['--config.train.weight_decay=-1'], 'train.weight_decay=-1'),
-    (['--config.train.schedule=cosinus'], "train.schedule='cosinus'"),
-    (['--config.train.end_learning_rate_ratio=-1'], 'train.end_learning_rate_ratio=-1'),
-    (['--config.train.schedule=wsd', '--config.train.decay_fraction=1.5'], 'train.decay_fraction=1.5'),
-    (['--config.train.ema_decay=1.5'], 'train.ema_decay=1.5'),
     # Storage.
     (['--workdir=gs://tb/run'], "'tb' cannot be a Cloud Storage bucket"),
     (['--workdir=gs://My_Bucket/run'], "'My_Bucket' cannot be a Cloud Storage bucket"),
@@ -60,6 +44,33 @@ ROWS = [
     (['LAUNCH_MAX_RESTARTS=-1'], "LAUNCH_MAX_RESTARTS='-1' is not a count"),
     # The config file itself.
     (['CONFIG_RETURNS_NONE'], 'get_config() returned None'),
+]
+
+CHECKED_AFTER_JAX = [
+    # Mixtures of experts.
+    (['--config.model.num_experts=4', '--config.model.experts_per_token=5'], 'model.experts_per_token=5'),
+    (['--config.model.num_experts=-2'], 'model.num_experts=-2'),
+    (['--config.model.num_experts=4', '--config.model.moe_layers=3'], 'model.moe_layers=3'),
+    (['--config.model.num_experts=4', '--config.model.expert_capacity_factor=-1'], 'model.expert_capacity_factor'),
+    (['--config.model.num_experts=4', '--config.model.router_aux_loss_weight=-1'], 'model.router_aux_loss_weight=-1'),
+    # The context axis.
+    (['--config.mesh.context=2', '--config.mesh.data=4', '--config.data.seq_len=30'], 'data.seq_len=30'),
+    (['--config.mesh.context=2', '--config.mesh.data=4', '--config.parallel.strategy=pmap'], 'mesh.context=2'),
+    (['--config.model.context_scheme=bogus'], 'model.context_scheme'),
+    # Hugging Face import.
+    (['--config.model.init_from=hf:/nonexistent-issue-39'], 'model.init_from'),
+    (['--config.model.init_from=/nonexistent-issue-39'], "give 'hf:'"),
+    # Optimizers and schedules.
+    (['--config.train.adam_b1=1.5'], 'train.adam_b1=1.5 must be in [0, 1)'),
+    (['--config.train.optimizer=lion', '--config.train.lion_b1=2'], 'train.lion_b1=2'),
+    (['--config.train.optimizer=muon', '--config.train.muon_beta=-1'], 'train.muon_beta=-1'),
+    (['--config.train.optimizer=sgd', '--config.train.sgd_momentum=-1'], 'train.sgd_momentum=-1'),
+    (['--config.train.optimizer=adafactor', '--config.train.adafactor_decay_rate=-1'], 'train.adafactor_decay_rate'),
+    (['--config.train.weight_decay=-1'], 'train.weight_decay=-1'),
+    (['--config.train.schedule=cosinus'], "train.schedule='cosinus'"),
+    (['--config.train.end_learning_rate_ratio=-1'], 'train.end_learning_rate_ratio=-1'),
+    (['--config.train.schedule=wsd', '--config.train.decay_fraction=1.5'], 'train.decay_fraction=1.5'),
+    (['--config.train.ema_decay=1.5'], 'train.ema_decay=1.5'),
 ]
 
 
@@ -88,3 +99,20 @@ def test_a_bad_value_is_one_line_exit_2_and_never_retried(tmp_path, flags, expec
     [record] = [json.loads(l) for l in attempts.read_text().splitlines()]
     assert (record['exit_code'], record['cause'], record['retried']) == (2, 'user error', False)
   assert not (workdir / 'checkpoints').exists() or not any((workdir / 'checkpoints').iterdir())
+
+
+@pytest.mark.filterwarnings('ignore:the load_module')  # config_flags loads the config file as launch.py's does.
+@pytest.mark.parametrize('overrides, expected', CHECKED_AFTER_JAX,
+                         ids=[' '.join(r[0])[:60] for r in CHECKED_AFTER_JAX])
+def test_a_bad_value_checked_after_jax_loads_is_a_user_error_naming_the_key(overrides, expected):
+  from trainer.base.errors import UserError
+  from trainer.hf import load as hf_load
+  from trainer.run import job as job_lib
+  argv = ['launch.py', f'--config={REPO / "configs/tiny.py"}', '--config.train.steps=4', *overrides]
+  parsed = flags.FlagValues()
+  config_flags.DEFINE_config_file('config', None, flag_values=parsed, sys_argv=argv)
+  parsed(argv)
+  with pytest.raises(UserError) as raised:  # What launch.py runs up to the Job, in its order.
+    config = hf_load.configure(parsed.config, config_flags.get_override_values(parsed['config']))
+    job_lib.build_job(config)
+  assert expected in str(raised.value), raised.value
