@@ -55,6 +55,30 @@ def compile_cache():
   compilation_cache.enable(CACHE_ENV['JAX_COMPILATION_CACHE_DIR'])
 
 
+# Each file's wall seconds in a fresh-clone run of the README's test command (run 18, `-n 3`, 2-core machine;
+# benchmarks/pytest_cpu.py's timeline). `--dist loadfile` hands whole files to the test processes in collection
+# order; pytest-xdist's own order (most tests first) left test_faults_gcs.py (3 tests, 132 s of waiting on a lost
+# bucket) to start last, and one process ran alone for its last 70 s. Longest first, the rest after them as collected.
+FILE_WALL_S = {
+    'test_supervisor.py': 257, 'test_brought_models.py': 256, 'test_docs.py': 220, 'test_faults_group.py': 186,
+    'test_faults_gcs.py': 132, 'test_pipeline.py': 113, 'test_optimizers.py': 95, 'test_context_training.py': 77,
+    'test_sample.py': 71, 'test_multiprocess.py': 68, 'test_presets.py': 66, 'test_plan.py': 64, 'test_memory.py': 61,
+    'test_faults_group_signals.py': 60, 'test_gcs.py': 56, 'test_bench_gpu.py': 51, 'test_strategies.py': 50,
+    'test_faults_more.py': 50, 'test_guardrails.py': 47, 'test_expert_axis.py': 45, 'test_preemption.py': 44,
+    'test_faults_config_sweep.py': 42, 'test_faults_advice.py': 41, 'test_context_attention.py': 40,
+    'test_faults.py': 40,
+}
+
+
+def pytest_configure(config):
+  if hasattr(config.option, 'loadscopereorder'):  # pytest-xdist's reordering of whole files by their test count.
+    config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
+  items.sort(key=lambda item: -FILE_WALL_S.get(item.path.name, 0))  # Stable: a file's tests keep their order.
+
+
 def pytest_sessionfinish(session):
   if not hasattr(session.config, 'workerinput'):  # The controller (or a run without xdist), after every worker.
     shutil.rmtree(os.environ['TEST_JAX_CACHE_DIR'], ignore_errors=True)
@@ -179,7 +203,7 @@ def run_docs_block(code: str, tmp_path: pathlib.Path, timeout: float) -> subproc
 
 def free_port() -> int:
   """A port free on 127.0.0.1 now, for a coordinator of real multi-process runs (tests pick fresh ones, so two test
-  processes under pytest -n 2 do not collide)."""
+  processes under pytest -n 3 do not collide)."""
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
