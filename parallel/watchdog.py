@@ -88,7 +88,7 @@ def announce_stop(signum: int, origin: int | None = None) -> None:
   origin = _process_index if origin is None else origin
   for line in _lines:
     line.finished = True  # Its own reader then takes the closing connection as expected.
-    line.send(f'stopping {signum} {origin}')
+    line.send(f'stopping {signum} {origin}', timeout=1)
     try:
       line.conn.shutdown(socket.SHUT_WR)
     except OSError:
@@ -136,12 +136,16 @@ class _Line:
     threading.Thread(target=self._beat, daemon=True, name=f'peer-{peer}-heartbeat').start()
     threading.Thread(target=self._watch, daemon=True, name=f'peer-{peer}-watch').start()
 
-  def send(self, line: str) -> None:
-    with self._send_lock:
-      try:
-        self.conn.sendall(line.encode() + b'\n')
-      except OSError:
-        pass  # The reader reports the loss.
+  def send(self, line: str, timeout: float = -1) -> None:
+    """Sends one line; with a `timeout`, gives up if the connection stays busy that long (a stop must not wait)."""
+    if not self._send_lock.acquire(timeout=timeout):
+      return
+    try:
+      self.conn.sendall(line.encode() + b'\n')
+    except OSError:
+      pass  # The reader reports the loss.
+    finally:
+      self._send_lock.release()
 
   def _beat(self) -> None:
     while not self.finished:
