@@ -40,7 +40,7 @@ def block_sizes(seq_len: int):
   """Splash's BlockSizes for a row of `seq_len` (its largest block in BLOCK_CANDIDATES that divides it)."""
   block = next(b for b in BLOCK_CANDIDATES if seq_len % b == 0)
   return _splash().BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                           block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
 
 
 @functools.lru_cache(maxsize=64)
