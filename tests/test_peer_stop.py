@@ -102,3 +102,11 @@ def test_without_its_own_signal_the_supervisor_restarts_after_the_grace(monkeypa
   assert [(r['attempt'], r['retried']) for r in run.records] == [(1, True), (2, False)], run.records
   assert ('attempt 1 ended with SIGTERM that reached the child or a peer, not this supervisor (exit 143); '
           'restarting') in capfd.readouterr().err
+
+
+def test_a_child_stopped_by_ctrl_c_is_never_retried_so_the_supervisor_does_not_wait():
+  run = supervisor.Supervisor(_child_exiting(130), '/tmp/unused', max_restarts=3, backoff_s=0, writes_record=False)
+  started = time.monotonic()
+  assert run.run() == 130
+  assert time.monotonic() - started < supervisor._PEER_STOP_GRACE_S  # pylint: disable=protected-access
+  assert [(r['attempt'], r['retried'], r['cause']) for r in run.records] == [(1, False, 'interrupted (Ctrl-C)')]

@@ -165,7 +165,7 @@ class Supervisor:
       # Its own process group: a terminal's Ctrl-C reaches this parent alone, which forwards it once.
       self._child = subprocess.Popen(self.command_for(n), env=env, process_group=0, preexec_fn=_die_with_parent)
       returncode, frozen = self._wait(n, beat_file, started)
-      if returncode - 128 in self._stops and not self._stop.is_set():
+      if returncode - 128 in self._stops and returncode not in _NOT_RETRIED and not self._stop.is_set():
         self._stop.wait(_PEER_STOP_GRACE_S)
       status = attempt.read(status_file)
     finally:
