@@ -179,9 +179,10 @@ def main(argv):
   if not _TOPOLOGY.value:  # No TPU asked for: libtpu's start-up lines stay off a machine without one.
     platforms.skip_absent_tpu()
   from trainer.observe import console
-  from trainer.run import loop
+  from trainer.run import collector, loop
   from trainer.safety import preemption, sigterm_handoff
   from trainer.safety import disk, lock
+  collector.freeze_imports()  # jax, flax, optax, Orbax, grain and the trainer: out of every collection from here on.
   console.quiet_library_info()
   if not _PLAN.value:
     console.divert_library_errors(_WORKDIR.value)
@@ -244,6 +245,8 @@ def _exit_within(code: int) -> None:
 
 
 if __name__ == '__main__':
+  from trainer.run import collector
+  collector.tune()  # Before the imports and the traces (why: trainer/run/collector.py).
   from trainer.safety import startup_signals
   startup_signals.install_early()  # Before flags and jax: SIGTERM, SIGHUP, SIGINT or SIGUSR1 never kill without a word.
   try:

@@ -204,4 +204,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  from trainer.run import collector
+  collector.tune()  # Fewer collections while the model traces (trainer/run/collector.py).
   app.run(main)

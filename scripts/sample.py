@@ -466,5 +466,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  from trainer.run import collector
+  collector.tune()  # Fewer collections while the model traces (trainer/run/collector.py).
   from trainer.observe import console
   app.run(main, flags_parser=console.one_line_flag_errors('sample.py'))  # Flag errors: one line, exit 2.

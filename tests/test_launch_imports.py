@@ -1,6 +1,7 @@
-"""A launch imports no kernel it may never run: splash attention (TPU) and the Triton grouped matmul load on first use.
+"""A launch's start: it imports no kernel it may never run (splash attention for TPUs and the Triton grouped matmul load
+on first use), and its garbage collector runs rarely, its imports left out.
 
-Their imports took 0.2 and 0.18 s of CPU after jax's own 0.8 s (benchmarks/bench_launch_imports.py), on every launch,
+The kernels' imports took 0.2 and 0.18 s of CPU after jax's own 0.8 s (benchmarks/bench_launch_imports.py), on every launch,
 on every host, whatever the model. Run in a fresh interpreter: this test process has imported everything already.
 """
 
@@ -27,3 +28,23 @@ def test_the_kernels_load_when_first_used():
   result = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True, text=True, timeout=120,
                           check=True)
   assert result.stdout.strip() == repr(list(LAZY)), result.stdout
+
+
+def test_a_launch_collects_rarely_and_leaves_its_imports_out_of_every_collection(tmp_path):
+  """trainer/run/collector.py's settings reach a real launch: read as it exits, after jax and the trainer loaded.
+
+  The config fails where the Job is built, after the imports, so the launch costs its imports and no trace.
+  """
+  import conftest
+  from trainer.run import collector
+  code = ('import atexit, gc, runpy, sys\n'
+          'atexit.register(lambda: print("GC", gc.get_threshold(), gc.get_freeze_count(), flush=True))\n'
+          f'sys.argv = ["launch.py", "--config=configs/tiny.py", "--workdir={tmp_path / "run"}", '
+          '"--config.model.num_experts=-2"]\n'
+          'runpy.run_path("launch.py", run_name="__main__")\n')
+  result = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=conftest.launcher_env())
+  assert result.returncode == 2 and 'model.num_experts=-2' in result.stderr, result.stderr[-2000:]
+  threshold, frozen = result.stdout.split('GC ', 1)[1].rsplit(' ', 1)
+  assert threshold == str(collector.THRESHOLD)
+  assert int(frozen) > 100_000  # jax, flax, optax, Orbax, grain and the trainer: 189,799 objects on the pinned versions.
