@@ -13,6 +13,7 @@ from configs import default, llama_1b, tiny, vit_tiny
 from trainer.models import llama
 from trainer.observe import flops, traced_flops
 from trainer.run import job as job_lib
+from trainer.training import step as step_lib
 
 S = jax.ShapeDtypeStruct
 F32 = jnp.float32
@@ -260,7 +261,7 @@ def test_a_step_that_only_traces_under_its_strategy_gets_no_throughput_and_one_w
   config = tiny.get_config()
   config.model.name = 'tests.custom_models:Collective'
   job = types.SimpleNamespace(config=config, task=CollectiveLoss(), abstract=types.SimpleNamespace(
-      params={'w': S((4, 4), F32)}), mesh=None)  # The mesh is only read once the count succeeded.
+      params={'w': S((4, 4), F32)}), mesh=None, traced={})  # The mesh is only read once the count succeeded.
   with caplog.at_level('WARNING'):
     assert flops.Throughput.for_job(job) is None
   assert ("FLOPs not counted, so no TFLOP/s or MFU: the train step of model.name='tests.custom_models:Collective' "
@@ -272,3 +273,26 @@ def test_the_count_is_the_same_under_every_strategy_and_mesh(strategy, mesh):
   config = _config(tiny, parallel__strategy=strategy, mesh__data=mesh[0], mesh__fsdp=mesh[1], mesh__tensor=mesh[2])
   counted = flops.job_step_flops(job_lib.build_job(config))
   assert counted == flops.job_step_flops(job_lib.build_job(_config(tiny), jax.devices()[:1]))
+
+
+@pytest.mark.parametrize('settings,from_the_step', [
+    ({'mesh__data': 2, 'mesh__fsdp': 2, 'mesh__tensor': 2}, True),
+    ({'num_experts': 4, 'experts_per_token': 2, 'train__remat_policy': 'full', 'train__grad_accum_steps': 2,
+      'train__batch_size': 16}, True),
+    ({'name': 'tests.custom_models:MlpLM'}, True),
+    ({'num_experts': 4, 'experts_per_token': 2, 'mesh__data': 4, 'mesh__expert': 2}, False),
+    ({'mesh__data': 4, 'mesh__context': 2}, False),
+    ({'mesh__data': 4, 'mesh__pipeline': 2, 'train__pipeline_microbatches': 2}, False),
+    ({'parallel__strategy': 'shard_map'}, False),
+])
+def test_a_compiled_steps_own_jaxpr_gives_the_count_of_a_trace_of_its_own(settings, from_the_step):
+  """Once the step is compiled, its jaxpr (kept by Job.compile_train_step) is counted instead of tracing the model
+  again, where the counting contexts would change nothing; the count is the same either way, and is made once."""
+  config = _config(tiny, **settings)
+  job = job_lib.build_job(config)
+  expected = flops.traced_step_flops(job.task, job.abstract.params, job.task.batch_shapes(),
+                                     step_lib.StepOptions.from_config(config.train))
+  job.compile_train_step()
+  assert (flops._from_the_step(job) is not None) == from_the_step
+  assert flops.job_step_flops(job) == expected
+  assert flops.job_step_flops(job) is job.traced['flops']  # Counted once.

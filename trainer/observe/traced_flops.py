@@ -65,11 +65,14 @@ def count(fn: Callable, *args) -> Count:
   return count_jaxpr(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
-def count_jaxpr(jaxpr: extend.core.Jaxpr) -> Count:
+def count_jaxpr(jaxpr: extend.core.Jaxpr, scope: str | None = None) -> Count:
+  """FLOPs of `jaxpr`'s equations; with `scope`, of those traced inside `jax.named_scope(scope)` only (a train
+  step's gradient computation, its optimizer update left out)."""
   total = Count()
   for eqn in jaxpr.eqns:
+    name_stack = str(eqn.source_info.name_stack)
     # A recomputed call (a `jit` inside a rematted block) carries the name itself; what is inside it is skipped with it.
-    if RECOMPUTED not in str(eqn.source_info.name_stack):
+    if RECOMPUTED not in name_stack and (scope is None or name_stack.split('/', 1)[0] == scope):
       total += _equation(eqn)
   return total
 

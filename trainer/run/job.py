@@ -43,6 +43,10 @@ class Job:
   train_step: Any  # Partitioned by the strategy; `.lower(state, batch).compile()`.
   eval_step: Any
   memory: remat.Choice | None = None  # What train.remat_policy resolved to ('auto' or not), for the run manifest.
+  # What tracing this Job left to reuse: 'train_step', the step's jaxpr, which compile_train_step keeps under the 'jit'
+  # strategy, and 'flops', the step's FLOPs once counted (trainer/observe/flops.py counts from that jaxpr where it
+  # can, instead of tracing the model once more).
+  traced: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
   @property
   def brought_model(self) -> bool:
@@ -51,7 +55,12 @@ class Job:
 
   def compile_train_step(self):
     """Ahead-of-time compile for the configured mesh: the one compile of the run."""
-    return self.train_step.lower(sharding.with_shardings(self.abstract, self.shardings), self.abstract_batch).compile()
+    args = (sharding.with_shardings(self.abstract, self.shardings), self.abstract_batch)
+    if self.config.parallel.strategy != 'jit':
+      return self.train_step.lower(*args).compile()
+    traced = self.train_step.trace(*args)  # What `lower` runs first: the jaxpr comes at no extra cost.
+    self.traced['train_step'] = traced.jaxpr
+    return traced.lower().compile()
 
   def init_state(self, seed: int) -> state_lib.TrainState:
     """The fresh state: random parameters, or model.init_from's weights read straight into their shardings."""

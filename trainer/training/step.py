@@ -37,6 +37,9 @@ class LossTask(Protocol):
   def weight(self, batch: Batch) -> jax.Array: ...
 
 
+GRADS_SCOPE = 'grads_and_metrics'
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
   """The static settings of the gradient computation, from `config.train`."""
@@ -100,7 +103,8 @@ def apply_gradients(state: TrainState, grads, metrics: Metrics, *, tx: optax.Gra
 
 def train_step(state: TrainState, batch: Batch, *, task: LossTask, tx: optax.GradientTransformation,
                schedule: optax.Schedule, options: StepOptions = StepOptions()) -> tuple[TrainState, Metrics]:
-  grads, metrics = grads_and_metrics(state.params, batch, task, options)
+  with jax.named_scope(GRADS_SCOPE):  # Where trainer/observe/flops.py finds the step's model FLOPs in its jaxpr.
+    grads, metrics = grads_and_metrics(state.params, batch, task, options)
   return apply_gradients(state, grads, metrics, tx=tx, schedule=schedule)
 
 
