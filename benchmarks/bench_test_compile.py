@@ -1,4 +1,5 @@
-"""What tests/conftest.py's XLA flags (LLVM at -O0, XLA's older CPU fusion emitters) change, for BENCHMARKS.md.
+"""What tests/conftest.py's XLA flags (LLVM at -O0, XLA's older CPU fusion emitters, one codegen module) change, for
+BENCHMARKS.md.
 
   python benchmarks/bench_test_compile.py [--rounds=3] [--steps=5]
 
@@ -18,6 +19,7 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parent.parent
 LEVEL_0 = '--xla_backend_optimization_level=0'
 OLDER_FUSIONS = '--xla_cpu_use_fusion_emitters=false'
+ONE_MODULE = '--xla_cpu_parallel_codegen_split_count=1'  # LLVM's code generated as one module, not split for threads.
 
 ONE_PROCESS = '''
 import json, resource, sys, time
@@ -64,7 +66,8 @@ def main():
   parser.add_argument('--steps', type=int, default=5)
   args = parser.parse_args()
   flag_sets = {'default': '', 'level 0': LEVEL_0,
-               'level 0, older fusion emitters (the suite)': f'{LEVEL_0} {OLDER_FUSIONS}'}
+               'level 0, older fusion emitters': f'{LEVEL_0} {OLDER_FUSIONS}',
+               'level 0, older fusion emitters, one codegen module (the suite)': f'{LEVEL_0} {OLDER_FUSIONS} {ONE_MODULE}'}
   runs = {name: [] for name in flag_sets}
   for _ in range(args.rounds):
     for name, flags in flag_sets.items():
@@ -81,10 +84,11 @@ def main():
     print(f'| {name} | {compile_s:.2f} | {compile_cpu_s:.2f} | {step_ms:.1f} | '
           f'{" / ".join(map(str, next(iter(memory))))} | {", ".join(f"{l:.6f}" for l in next(iter(losses)))} |')
     assert len(memory) == 1 and len(losses) == 1, 'varied between rounds'
-  for name in list(flag_sets)[1:]:
-    same_memory = runs['default'][0]['memory'] == runs[name][0]['memory']
-    same_losses = runs['default'][0]['losses'] == runs[name][0]['losses']
-    print(f'{name} against the default: memory analysis identical: {same_memory}; '
+  names = list(flag_sets)
+  for base, name in [('default', n) for n in names[1:]] + [(names[2], names[3])]:
+    same_memory = runs[base][0]['memory'] == runs[name][0]['memory']
+    same_losses = runs[base][0]['losses'] == runs[name][0]['losses']
+    print(f'{name} against {base}: memory analysis identical: {same_memory}; '
           f'losses bitwise identical: {same_losses}')
 
 

@@ -13,8 +13,12 @@ import tempfile
 # The suite compiles a few hundred small steps on a 2-core CPU. LLVM at -O0 and XLA's older CPU fusion emitters
 # compile the tiny train step in 1.24 s of CPU instead of 5.57 s and run it in 20 ms instead of 13; its memory
 # analysis moves by 128 bytes of temporaries (of 488,824), and its losses are those of -O0 alone to 6 decimals
-# (benchmarks/bench_test_compile.py; BENCHMARKS.md, "The suite, fourth session"). Subprocesses inherit both.
-TEST_XLA_FLAGS = '--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false'
+# (benchmarks/bench_test_compile.py; BENCHMARKS.md, "The suite, fourth session"). LLVM's code kept in one module
+# instead of split for compiler threads, which three test processes on two cores leave no room for: 0.86 s of CPU
+# instead of 1.00, the same memory analysis and bitwise the same losses ("The suite, seventh session").
+# Subprocesses inherit all three.
+TEST_XLA_FLAGS = ('--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false '
+                  '--xla_cpu_parallel_codegen_split_count=1')
 
 # Must happen before jax initializes its backends: every test sees 8 CPU devices. Once: pytest-xdist's workers inherit
 # the controller's environment, where this already ran.
