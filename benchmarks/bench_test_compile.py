@@ -67,7 +67,8 @@ def main():
   args = parser.parse_args()
   flag_sets = {'default': '', 'level 0': LEVEL_0,
                'level 0, older fusion emitters': f'{LEVEL_0} {OLDER_FUSIONS}',
-               'level 0, older fusion emitters, one codegen module (the suite)': f'{LEVEL_0} {OLDER_FUSIONS} {ONE_MODULE}'}
+               'level 0, older fusion emitters, one codegen module (the suite)':
+                   f'{LEVEL_0} {OLDER_FUSIONS} {ONE_MODULE}'}
   runs = {name: [] for name in flag_sets}
   for _ in range(args.rounds):
     for name, flags in flag_sets.items():

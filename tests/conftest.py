@@ -14,7 +14,7 @@ import tempfile
 # compile the tiny train step in 1.24 s of CPU instead of 5.57 s and run it in 20 ms instead of 13; its memory
 # analysis moves by 128 bytes of temporaries (of 488,824), and its losses are those of -O0 alone to 6 decimals
 # (benchmarks/bench_test_compile.py; BENCHMARKS.md, "The suite, fourth session"). LLVM's code kept in one module
-# instead of split for compiler threads, which three test processes on two cores leave no room for: 0.86 s of CPU
+# instead of split for compiler threads, which test processes outnumbering the cores leave no room for: 0.86 s of CPU
 # instead of 1.00, the same memory analysis and bitwise the same losses ("The suite, seventh session").
 # Subprocesses inherit all three.
 TEST_XLA_FLAGS = ('--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false '
@@ -216,7 +216,7 @@ def run_docs_block(code: str, tmp_path: pathlib.Path, timeout: float) -> subproc
 
 def free_port() -> int:
   """A port free on 127.0.0.1 now, for a coordinator of real multi-process runs (tests pick fresh ones, so two test
-  processes under pytest -n 3 do not collide)."""
+  processes under pytest -n 4 do not collide)."""
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]

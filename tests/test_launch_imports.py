@@ -1,8 +1,9 @@
 """A launch's start: it imports no kernel it may never run (splash attention for TPUs and the Triton grouped matmul load
 on first use), and its garbage collector runs rarely, its imports left out.
 
-The kernels' imports took 0.2 and 0.18 s of CPU after jax's own 0.8 s (benchmarks/bench_launch_imports.py), on every launch,
-on every host, whatever the model. Run in a fresh interpreter: this test process has imported everything already.
+The kernels' imports took 0.2 and 0.18 s of CPU after jax's own 0.8 s (benchmarks/bench_launch_imports.py), on every
+launch, on every host, whatever the model. Run in a fresh interpreter: this test process has imported everything
+already.
 """
 
 import subprocess
@@ -47,4 +48,4 @@ def test_a_launch_collects_rarely_and_leaves_its_imports_out_of_every_collection
   assert result.returncode == 2 and 'model.num_experts=-2' in result.stderr, result.stderr[-2000:]
   threshold, frozen = result.stdout.split('GC ', 1)[1].rsplit(' ', 1)
   assert threshold == str(collector.THRESHOLD)
-  assert int(frozen) > 100_000  # jax, flax, optax, Orbax, grain and the trainer: 189,799 objects on the pinned versions.
+  assert int(frozen) > 100_000  # jax, flax, optax, Orbax, grain and the trainer: 189,799 objects at the pins.
