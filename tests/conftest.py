@@ -216,7 +216,7 @@ def run_docs_block(code: str, tmp_path: pathlib.Path, timeout: float) -> subproc
 
 def free_port() -> int:
   """A port free on 127.0.0.1 now, for a coordinator of real multi-process runs (tests pick fresh ones, so two test
-  processes under pytest -n 4 do not collide)."""
+  processes under pytest -n 3 do not collide)."""
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
