@@ -61,7 +61,7 @@ CACHE_ENV: dict[str, str] = {
 @pytest.fixture(scope='session', autouse=True)
 def compile_cache():
   import jax
-  from trainer.run import collector, compilation_cache
+  from trainer.run import compilation_cache
   collector.freeze_imports()  # What collection imported (conftest's tune() is at its top).
   jax.config.update('jax_compilation_cache_max_size', int(CACHE_ENV['JAX_COMPILATION_CACHE_MAX_SIZE']))
   compilation_cache.enable(CACHE_ENV['JAX_COMPILATION_CACHE_DIR'])
