@@ -36,6 +36,8 @@ if str(REPO) not in sys.path:
 
 from trainer.run import collector  # noqa: E402
 
+import forked_python  # noqa: E402
+
 # A launch's collector settings (trainer/run/collector.py) for the tests that trace in their own process too: before
 # collection imports jax. test_optimizers.py alone: 57.2 s of CPU instead of 61.0 (medians of 3 alternated runs; the
 # runs with them spread from 55.0 to 67.3 s on this 2-core machine).
@@ -120,10 +122,19 @@ def read_metrics(workdir: pathlib.Path) -> list[dict]:
   return [json.loads(line) for line in (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines()]
 
 
+def run_python(argv: list[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike = REPO,
+               timeout: float = 300, text: bool = True,
+               read_at_run_time: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+  """`subprocess.run(argv, capture_output=True, ...)` for `python SCRIPT ...` or `python -c ...`, forked from a
+  process that has imported the trainer where that gives the same run (tests/forked_python.py); the launcher's
+  environment unless `env`. Never hangs past `timeout`."""
+  return forked_python.run(argv, cwd=cwd, env=launcher_env() if env is None else env, timeout=timeout, text=text,
+                           read_at_run_time=read_at_run_time)
+
+
 def run_launcher(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-  """Runs `python launch.py ARGS` in a subprocess with 8 fake devices; never hangs past `timeout`."""
-  return subprocess.run([sys.executable, str(REPO / 'launch.py'), *args], cwd=REPO, capture_output=True,
-                        text=True, timeout=timeout, env=launcher_env())
+  """Runs `python launch.py ARGS` with 8 fake devices (run_python); never hangs past `timeout`."""
+  return run_python([sys.executable, str(REPO / 'launch.py'), *args], timeout=timeout)
 
 
 @pytest.fixture

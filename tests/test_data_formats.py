@@ -3,7 +3,6 @@ resumed after an interruption, with counts in meta.json, and its user errors (on
 
 import json
 import pathlib
-import subprocess
 import sys
 import zlib
 
@@ -12,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_python
 from trainer.data import corpus_formats, token_shards
 
 sys.path.insert(0, str(REPO / 'scripts'))
@@ -75,8 +74,7 @@ def _shards(root: pathlib.Path) -> dict[str, bytes]:
 
 
 def _run(*args):
-  return subprocess.run([sys.executable, str(REPO / 'scripts/prepare_data.py'), *map(str, args)],
-                        capture_output=True, text=True, timeout=300)
+  return run_python([sys.executable, str(REPO / 'scripts/prepare_data.py'), *map(str, args)], timeout=300)
 
 
 @pytest.mark.parametrize('tokenizer', [None, TOKENIZER])

@@ -3,14 +3,13 @@ synthetic tokens; and one clear error for each kind of bad input, before trainin
 
 import json
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from configs import tiny
-from conftest import REPO
+from conftest import REPO, run_python
 from parallel import mesh as mesh_lib
 from parallel import sharding
 from trainer import data
@@ -222,7 +221,6 @@ def test_prepare_data_errors_name_the_flag(tmp_path, args, expected):
   args = [a.format(tmp=tmp_path) for a in args]
   if not any(a.startswith('--output') for a in args):
     args.append(f'--output={tmp_path}/out')
-  result = subprocess.run([sys.executable, str(REPO / 'scripts/prepare_data.py'), *args], capture_output=True,
-                          text=True, timeout=600)
+  result = run_python([sys.executable, str(REPO / 'scripts/prepare_data.py'), *args], timeout=600)
   assert result.returncode == 2 and result.stderr.startswith('prepare_data.py: error: '), result.stderr
   assert expected.format(tmp=tmp_path) in result.stderr

@@ -1,6 +1,5 @@
 """train.ema_decay: a float32 moving average of the parameters, updated by the step and evaluated."""
 
-import subprocess
 import sys
 
 import jax
@@ -8,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, launcher_env, read_metrics
+from conftest import REPO, read_metrics, run_python
 
 from configs import tiny
 from parallel import sharding
@@ -78,11 +77,10 @@ def test_ema_is_evaluated_and_survives_resume_bit_exactly(tmp_path):
   import orbax.checkpoint as ocp
 
   from scripts import sample  # Imported once per process: its absl flags can be defined only once.
-  export = subprocess.run([sys.executable, str(REPO / 'scripts/export_params.py'), '--config=configs/tiny.py',
-                           f'--config.data.text_dir={TEXT_DIR}', f'--config.train.ema_decay={DECAY}',
-                           '--config.train.compute_dtype=float32', f'--workdir={straight}',
-                           f'--output={tmp_path / "ema_export"}', '--params=ema'],
-                          cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300)
+  export = run_python([sys.executable, str(REPO / 'scripts/export_params.py'), '--config=configs/tiny.py',
+                       f'--config.data.text_dir={TEXT_DIR}', f'--config.train.ema_decay={DECAY}',
+                       '--config.train.compute_dtype=float32', f'--workdir={straight}',
+                       f'--output={tmp_path / "ema_export"}', '--params=ema'], timeout=300)
   assert export.returncode == 0, export.stderr[-2000:]
   meta = ocp.PyTreeCheckpointer().metadata(tmp_path / 'ema_export').item_metadata.tree
   exported = ocp.PyTreeCheckpointer().restore(

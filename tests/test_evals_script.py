@@ -8,13 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, launcher_env
+from conftest import REPO, run_python
 from test_evals import _config, _trained_task_dir, _write
 
 
 def _script(name: str, *args: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, str(REPO / 'scripts' / name), *args], cwd=REPO, capture_output=True,
-                        text=True, timeout=300, env=launcher_env())
+  return run_python([sys.executable, str(REPO / 'scripts' / name), *args], timeout=300)
 
 
 @pytest.fixture(scope='module')

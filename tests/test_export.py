@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from configs import tiny
-from conftest import REPO, launcher_env
+from conftest import REPO, run_python
 from trainer import data
 from trainer.run import job as job_lib
 from trainer.training import checkpoint
@@ -48,10 +48,9 @@ def test_export_writes_params_only_readable_by_plain_orbax(tmp_path):
               for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]}
 
   out = tmp_path / 'exported'
-  export = subprocess.run([sys.executable, str(REPO / 'scripts/export_params.py'), '--config=configs/tiny.py',
-                           '--config.mesh.fsdp=4', f'--config.data.text_dir={text_dir}',
-                           f'--workdir={tmp_path / "run"}', f'--output={out}'],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, env=launcher_env())
+  export = run_python([sys.executable, str(REPO / 'scripts/export_params.py'), '--config=configs/tiny.py',
+                       '--config.mesh.fsdp=4', f'--config.data.text_dir={text_dir}',
+                       f'--workdir={tmp_path / "run"}', f'--output={out}'], timeout=600)
   assert export.returncode == 0, export.stderr[-3000:]
   assert 'Exported the parameters of step 6' in export.stderr
   # Only this project's INFO lines (Orbax logs dozens per restore and save): each names a file of this repository.
@@ -69,7 +68,6 @@ def test_export_writes_params_only_readable_by_plain_orbax(tmp_path):
   for key, value in expected.items():
     np.testing.assert_array_equal(got[key], value, err_msg=key)
 
-  again = subprocess.run([sys.executable, str(REPO / 'scripts/export_params.py'), '--config=configs/tiny.py',
-                          f'--workdir={tmp_path / "run"}', f'--output={out}'],
-                         cwd=REPO, capture_output=True, text=True, timeout=600, env=launcher_env())
+  again = run_python([sys.executable, str(REPO / 'scripts/export_params.py'), '--config=configs/tiny.py',
+                      f'--workdir={tmp_path / "run"}', f'--output={out}'], timeout=600)
   assert again.returncode == 2 and f'--output={out} exists' in again.stderr

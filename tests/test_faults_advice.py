@@ -8,12 +8,11 @@
 """
 
 import re
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, launcher_env, make_text_dir
+from conftest import REPO, make_text_dir, run_python
 from test_guardrails import _run, _saved
 from test_workdir_lock import _hold
 
@@ -30,10 +29,9 @@ def test_the_non_finite_stops_advice_followed_as_printed_resumes(tmp_path, text_
   assert 'Lower train.learning_rate (a relaunch with a lower --config.train.learning_rate resumes with it)' in line
   assert _saved(tmp_path) == [4]
 
-  followed = subprocess.run([sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py',
-                             f'--workdir={tmp_path}', f'--config.data.text_dir={text_dir}',
-                             '--config.log.every_steps=1', '--config.train.learning_rate=1e-4'],
-                            cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=240)
+  followed = run_python([sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py',
+                         f'--workdir={tmp_path}', f'--config.data.text_dir={text_dir}',
+                         '--config.log.every_steps=1', '--config.train.learning_rate=1e-4'], timeout=240)
   assert followed.returncode == 0, followed.stderr[-3000:]
   assert 'Resuming from checkpoint at step 4 ' in followed.stderr
   assert re.search(r'Resuming step 4: train.learning_rate 0.003 -> 0.0001 since checkpoint 4 move the '
@@ -45,10 +43,9 @@ def test_the_non_finite_stops_advice_followed_as_printed_resumes(tmp_path, text_
 def test_a_schedule_change_not_typed_on_the_command_line_still_needs_consent(tmp_path, text_dir):
   good = _run(tmp_path, text_dir, 'stop', '--config.train.steps=8', bad_step=100)
   assert good.returncode == 0, good.stderr[-3000:]
-  extended = subprocess.run([sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py',
-                             f'--workdir={tmp_path}', f'--config.data.text_dir={text_dir}', '--config.train.steps=16',
-                             '--config.train.learning_rate=1e-4'],
-                            cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=240)
+  extended = run_python([sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py',
+                         f'--workdir={tmp_path}', f'--config.data.text_dir={text_dir}', '--config.train.steps=16',
+                         '--config.train.learning_rate=1e-4'], timeout=240)
   assert extended.returncode == 2, extended.stderr[-3000:]
   assert 'accept_schedule_change=True' in extended.stderr  # steps changed too: not only the typed learning rate.
 
@@ -60,9 +57,8 @@ def test_a_refused_launch_writes_nothing_into_the_live_runs_attempts(tmp_path, e
   (tmp_path / 'checkpoints').mkdir()
   holder = _hold(tmp_path)
   try:
-    result = subprocess.run([sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py',
-                             f'--workdir={tmp_path}', '--max_restarts=2', *extra], cwd=REPO, capture_output=True,
-                            text=True, timeout=240, env=launcher_env())
+    result = run_python([sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py',
+                         f'--workdir={tmp_path}', '--max_restarts=2', *extra], timeout=240)
   finally:
     holder.kill()
     holder.wait()

@@ -12,14 +12,13 @@ which the launched rows prove, two of them of this kind (a MoE key and an optimi
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from conftest import REPO, launcher_env
+from conftest import REPO, launcher_env, run_python
 
 NONE_CONFIG = 'def get_config():\n  c = None\n  return c\n'
 
@@ -86,9 +85,9 @@ def test_a_bad_value_is_one_line_exit_2_and_never_retried(tmp_path, flags, expec
   workdir = tmp_path / 'run'
   if not any(f.startswith('--workdir=') for f in flags):
     flags = [*flags, f'--workdir={workdir}']
-  result = subprocess.run([sys.executable, str(REPO / 'launch.py'), f'--config={config}', '--config.train.steps=4',
-                           '--restart_backoff_s=0', *flags], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+  result = run_python([sys.executable, str(REPO / 'launch.py'), f'--config={config}', '--config.train.steps=4',
+                       '--restart_backoff_s=0', *flags], env=env,
+                      timeout=300)
   assert result.returncode == 2, result.stderr[-3000:]
   # Only absl INFO lines ("I1126 ...") may come before the one line: no warning, traceback or restart.
   lines = [l for l in result.stderr.splitlines() if l.strip() and not re.match(r'I\d{4} ', l)]

@@ -14,12 +14,11 @@ import os
 import pathlib
 import re
 import signal
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, free_port, launcher_env, make_text_dir, watch_command
+from conftest import REPO, free_port, launcher_env, make_text_dir, run_python, watch_command
 
 TIMEOUT_S = 400  # A hang guard only.
 
@@ -201,8 +200,7 @@ print('taken back:', saw)
 
 
 def test_the_handoff_moves_sigterm_between_the_launcher_and_jaxs_sync_point():
-  result = subprocess.run([sys.executable, '-c', HANDOFF, str(free_port())], cwd=REPO, env=launcher_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+  result = run_python([sys.executable, '-c', HANDOFF, str(free_port())], timeout=TIMEOUT_S)
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.splitlines() == ["held back: ['launcher']",
                                         "in the loop: sync point True ['launcher']",
@@ -232,7 +230,6 @@ watch.close()
 
 
 def test_a_signal_between_the_last_check_and_a_rollback_goes_to_jaxs_sync_point():
-  result = subprocess.run([sys.executable, '-c', REENTRY, str(free_port())], cwd=REPO, env=launcher_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+  result = run_python([sys.executable, '-c', REENTRY, str(free_port())], timeout=TIMEOUT_S)
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.splitlines() == ['step 1: False', 're-entered: sync point True None'], result.stdout

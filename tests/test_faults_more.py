@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import REPO, launcher_env, make_text_dir, watch_command
+from conftest import REPO, launcher_env, make_text_dir, run_python, watch_command
 
 TIMEOUT_S = 600  # A hang guard only.
 
@@ -71,9 +71,9 @@ runpy.run_path({str(REPO / 'launch.py')!r}, run_name='__main__')
 
 def test_a_stuck_non_daemon_thread_cannot_hold_the_exit_after_the_error_line(text_dir, tmp_path):
   (tmp_path / 'checkpoints').mkdir()
-  result = subprocess.run([sys.executable, '-c', HELD_SHUTDOWN, '--config=configs/tiny.py', f'--workdir={tmp_path}',
-                           '--config.mesh.data=3'], cwd=REPO, env=launcher_env(), capture_output=True, text=True,
-                          timeout=600)  # Held for good, the thread would reach this hang guard and fail the test.
+  result = run_python([sys.executable, '-c', HELD_SHUTDOWN, '--config=configs/tiny.py', f'--workdir={tmp_path}',
+                       '--config.mesh.data=3'],
+                      timeout=600)  # Held for good, the thread would reach this hang guard and fail the test.
   assert result.returncode == 2 and 'launch.py: error: ' in result.stderr
 
 
@@ -162,10 +162,9 @@ def test_extending_a_cosine_run_on_resume_names_the_learning_rate_jump_and_needs
 
 
 def test_launch_local_names_the_process_that_was_killed_not_the_one_that_lost_it(text_dir, tmp_path):
-  result = subprocess.run([sys.executable, str(REPO / 'scripts' / 'launch_local.py'), '--num_processes=2',
-                           '--devices_per_process=4', '--timeout_s=200', '--config=configs/tiny.py',
-                           f'--workdir={tmp_path}', '--config.train.steps=100000', f'--config.data.text_dir={text_dir}'],
-                          cwd=REPO, env=launcher_env(LAUNCH_TEST_FAULT='kill@3,process=1'), capture_output=True,
-                          text=True, timeout=600)
+  result = run_python([sys.executable, str(REPO / 'scripts' / 'launch_local.py'), '--num_processes=2',
+                       '--devices_per_process=4', '--timeout_s=200', '--config=configs/tiny.py',
+                       f'--workdir={tmp_path}', '--config.train.steps=100000', f'--config.data.text_dir={text_dir}'],
+                      env=launcher_env(LAUNCH_TEST_FAULT='kill@3,process=1'), timeout=600)
   assert result.returncode == 137, result.stderr[-3000:]
   assert result.stderr.strip().splitlines()[-1].startswith('launch_local.py: error: process 1 was killed by SIGKILL')

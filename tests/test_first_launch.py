@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, launcher_env, make_text_dir, read_metrics, run_launcher, watch_command
+from conftest import REPO, launcher_env, make_text_dir, read_metrics, run_python, watch_command
 from trainer.observe import earlier_attempts
 from trainer.observe import goodput as goodput_lib
 
@@ -84,13 +84,12 @@ def test_a_finished_run_relaunched_says_so_before_compiling(step_bound, text_dir
 def test_the_tools_name_the_checkpoint_they_read(step_bound):
   import subprocess
   workdir, _ = step_bound
-  sample = subprocess.run([sys.executable, 'scripts/sample.py', f'--workdir={workdir}', '--prompt=a', '--num_tokens=2'],
-                          cwd=REPO, env=launcher_env(), capture_output=True, timeout=TIMEOUT_S)
+  sample = run_python([sys.executable, 'scripts/sample.py', f'--workdir={workdir}', '--prompt=a', '--num_tokens=2'],
+                      timeout=TIMEOUT_S, text=False)
   assert sample.returncode == 0, sample.stderr[-3000:]
   assert f'sample.py: raw parameters of checkpoint step 4 in {workdir}' in sample.stderr.decode()
-  export = subprocess.run([sys.executable, 'scripts/export_params.py', '--config=configs/tiny.py', f'--workdir={workdir}',
-                           f'--output={workdir}-params', '--config.train.steps=6'], cwd=REPO, env=launcher_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+  export = run_python([sys.executable, 'scripts/export_params.py', '--config=configs/tiny.py', f'--workdir={workdir}',
+                       f'--output={workdir}-params', '--config.train.steps=6'], timeout=TIMEOUT_S)
   assert export.returncode == 0, export.stderr[-3000:]
   assert re.search(r'Reading step 4 with \d setting\(s\) changed since it was saved: .*config.train.steps: 4 -> 6',
                    export.stderr) and 'Resuming' not in export.stderr  # An export trains nothing.

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port, launcher_env, run_launcher, start_fake_gcs
+from conftest import REPO, free_port, launcher_env, run_launcher, run_python, start_fake_gcs
 
 if importlib.util.find_spec('gcsfs') is None:  # Not imported here: trainer/base/storage.py configures it first.
   pytest.skip('needs requirements-gcs.txt (requirements-test.txt includes it)', allow_module_level=True)
@@ -72,7 +72,7 @@ def _records(prefix: str) -> list[dict]:
 def _two_processes(*args: str) -> subprocess.CompletedProcess:
   cmd = [sys.executable, str(REPO / 'scripts/launch_local.py'), '--num_processes=2', '--devices_per_process=4',
          f'--timeout_s={RUN_TIMEOUT_S - 30}', *args]
-  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=launcher_env())
+  return run_python(cmd, timeout=RUN_TIMEOUT_S)
 
 
 @pytest.fixture(scope='module')
@@ -137,21 +137,19 @@ def test_start_over_moves_the_previous_run_aside_within_the_bucket(runs):
 
 
 def test_sample_and_export_read_the_run_from_the_bucket(runs, tmp_path):
-  sample = subprocess.run([sys.executable, str(REPO / 'scripts/sample.py'), f'--workdir={RUN}', '--prompt=def ',
-                           '--num_tokens=5', '--temperature=0'], cwd=REPO, capture_output=True, timeout=600,
-                          env=launcher_env())
+  sample = run_python([sys.executable, str(REPO / 'scripts/sample.py'), f'--workdir={RUN}', '--prompt=def ',
+                       '--num_tokens=5', '--temperature=0'], timeout=600, text=False)
   assert sample.returncode == 0, sample.stderr[-3000:].decode(errors='replace')
   assert sample.stdout.startswith(b'def ') and len(sample.stdout) == len('def ') + 5 + 1  # Bytes, then '\n'.
-  export = subprocess.run([sys.executable, str(REPO / 'scripts/export_params.py'), '--config=configs/tiny.py',
-                           f'--workdir={RUN}', f'--output={RUN}-params'], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env=launcher_env())
+  export = run_python([sys.executable, str(REPO / 'scripts/export_params.py'), '--config=configs/tiny.py',
+                       f'--workdir={RUN}', f'--output={RUN}-params'],
+                      timeout=600)
   assert export.returncode == 0, export.stderr[-3000:]
   assert 'Exported the parameters of step 6' in export.stderr
   assert 'run-params/_METADATA' in _objects(f'{BUCKET}/run-params')
   # The Hugging Face export (issue 26) reads a bucket workdir the same way.
-  hf = subprocess.run([sys.executable, str(REPO / 'scripts/export_hf.py'), f'--workdir={RUN}',
-                       f'--output={tmp_path / "hf"}'], cwd=REPO, capture_output=True, text=True, timeout=600,
-                      env=launcher_env())
+  hf = run_python([sys.executable, str(REPO / 'scripts/export_hf.py'), f'--workdir={RUN}',
+                   f'--output={tmp_path / "hf"}'], timeout=600)
   assert hf.returncode == 0, hf.stderr[-3000:]
   assert json.loads((tmp_path / 'hf' / 'config.json').read_text())['architectures'] == ['LlamaForCausalLM']
   assert (tmp_path / 'hf' / 'model.safetensors').stat().st_size > 0

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from conftest import REPO, launcher_env, make_text_dir
+from conftest import REPO, launcher_env, make_text_dir, run_python
 from parallel import sharding
 from trainer import data
 from trainer.run import job as job_lib
@@ -61,10 +61,10 @@ def _run(workdir, text_dir, mode: str, *extra: str, bad_step: int = 6) -> subpro
   for _ in range(bad_step):
     row = next(iterator)['inputs'][0]
   env = launcher_env(POISON_ROW=json.dumps(row.tolist()))
-  return subprocess.run([sys.executable, '-c', DRIVER, '--config=configs/tiny.py', f'--workdir={workdir}',
-                         f'--config.data.text_dir={text_dir}', '--config.log.every_steps=1',
-                         f'--config.train.on_nonfinite={mode}', *extra],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  return run_python([sys.executable, '-c', DRIVER, '--config=configs/tiny.py', f'--workdir={workdir}',
+                     f'--config.data.text_dir={text_dir}', '--config.log.every_steps=1',
+                     f'--config.train.on_nonfinite={mode}', *extra], env=env, timeout=600,
+                    read_at_run_time=('POISON_ROW',))
 
 
 def _saved(workdir) -> list[int]:

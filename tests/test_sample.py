@@ -6,12 +6,11 @@ import sys
 
 import pytest
 
-from conftest import REPO, launcher_env, make_text_dir, run_launcher
+from conftest import REPO, make_text_dir, run_launcher, run_python
 
 
 def _sample(*args: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, str(REPO / 'scripts/sample.py'), *args], cwd=REPO, capture_output=True,
-                        timeout=600, env=launcher_env())
+  return run_python([sys.executable, str(REPO / 'scripts/sample.py'), *args], timeout=600, text=False)
 
 
 @pytest.fixture(scope='module')
@@ -91,9 +90,9 @@ def test_a_run_tokenized_with_a_tiktoken_file_samples_text(tmp_path):
   text = tmp_path / 'text'
   text.mkdir()
   (text / 'a.txt').write_text('def the_thing(): return the other thing\n' * 20)
-  prepared = subprocess.run([sys.executable, str(REPO / 'scripts/prepare_data.py'), f'--input={text}',
-                             f'--output={tmp_path / "data"}', f'--tokenizer={tmp_path / "tiny.tiktoken"}',
-                             '--glob=*.txt', '--eval_percent=0'], capture_output=True, text=True, timeout=600)
+  prepared = run_python([sys.executable, str(REPO / 'scripts/prepare_data.py'), f'--input={text}',
+                         f'--output={tmp_path / "data"}', f'--tokenizer={tmp_path / "tiny.tiktoken"}',
+                         '--glob=*.txt', '--eval_percent=0'], timeout=600)
   assert prepared.returncode == 0, prepared.stderr
   assert (tmp_path / 'data' / 'tokenizer' / 'tiny.tiktoken').read_bytes() == (tmp_path / 'tiny.tiktoken').read_bytes()
   config = config_dict.ConfigDict({'data': {'source': 'array_record', 'path': str(tmp_path / 'data')},
@@ -118,9 +117,9 @@ def test_a_mixture_run_reads_its_tokenizer_from_its_sources(tmp_path):
   text.mkdir()
   (text / 'a.txt').write_text('def the_thing(): return the other thing\n' * 20)
   for name in ('web', 'code'):
-    prepared = subprocess.run([sys.executable, str(REPO / 'scripts/prepare_data.py'), f'--input={text}',
-                               f'--output={tmp_path / name}', f'--tokenizer={HF / "tokenizer"}', '--glob=*.txt',
-                               '--eval_percent=0'], capture_output=True, text=True, timeout=600)
+    prepared = run_python([sys.executable, str(REPO / 'scripts/prepare_data.py'), f'--input={text}',
+                           f'--output={tmp_path / name}', f'--tokenizer={HF / "tokenizer"}', '--glob=*.txt',
+                           '--eval_percent=0'], timeout=600)
     assert prepared.returncode == 0, prepared.stderr
   config = config_dict.ConfigDict({'data': {'source': 'mixture', 'path': None,
                                             'mixture': ((str(tmp_path / 'web'), 0.7), (str(tmp_path / 'code'), 0.3))},
@@ -295,9 +294,9 @@ def test_a_run_on_npy_tokens_past_255_samples_ids(tmp_path):
   (tmp_path / 'npy').mkdir()
   for i in range(4):
     np.save(tmp_path / 'npy' / f'{i}.npy', np.random.default_rng(i).integers(0, 300, 400))
-  prepared = subprocess.run([sys.executable, str(REPO / 'scripts/prepare_data.py'), f'--input={tmp_path / "npy"}',
-                             f'--output={tmp_path / "data"}', '--glob=*.npy', '--eval_percent=0', '--vocab_size=300'],
-                            capture_output=True, text=True, timeout=120)
+  prepared = run_python([sys.executable, str(REPO / 'scripts/prepare_data.py'), f'--input={tmp_path / "npy"}',
+                         f'--output={tmp_path / "data"}', '--glob=*.npy', '--eval_percent=0', '--vocab_size=300'],
+                        timeout=120)
   assert prepared.returncode == 0, prepared.stderr
   run = run_launcher('--config=configs/tiny.py', f'--workdir={tmp_path / "run"}', '--config.data.source=array_record',
                      f'--config.data.path={tmp_path / "data"}', '--config.model.vocab_size=300',

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, launcher_env
+from conftest import REPO, run_python
 from trainer.base.errors import UserError
 from trainer.safety import lock
 
@@ -76,9 +76,9 @@ def test_a_second_launch_and_start_over_stop_before_compiling_and_touch_nothing(
   proc = _hold(tmp_path)
   try:
     before = sorted(p.name for p in tmp_path.iterdir())
-    result = subprocess.run([sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py',
-                             f'--workdir={tmp_path}', '--start_over'], cwd=REPO, capture_output=True, text=True,
-                            timeout=600, env=launcher_env())  # A hang guard; 'Compiled' below shows it was early.
+    result = run_python([sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py',
+                         f'--workdir={tmp_path}', '--start_over'],
+                        timeout=600)  # A hang guard; 'Compiled' below shows it was early.
   finally:
     proc.kill()
     proc.wait()

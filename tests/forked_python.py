@@ -1,0 +1,271 @@
+"""`python launch.py ...` (or another of the repository's scripts) for the suite, forked from a process that has
+already imported the trainer.
+
+A launch spends about 1.4 s of CPU importing jax, flax, optax, Orbax, grain and tensorboardX before it reads its
+flags, and the suite starts a few hundred launches on a 2-core machine. Each test process keeps a server (this file,
+run as a script) that imports what launch.py imports, in launch.py's order, and then waits; a command asked of it is
+a `fork()` of that server which runs the script (or `-c` code) as `__main__` from its first line, as a fresh
+`python SCRIPT ARGS` would: the same argv, sys.path[0], environment, working directory, stdin/stdout/stderr, exit
+code, uncaught-exception traceback and interpreter shutdown, in its own process group.
+
+What the fork cannot give, the command gets from a fresh interpreter instead (`run` falls back to subprocess.run):
+- the first command of an environment (a server is started for it then, and serves its later ones): jax and the
+  libraries read the environment as they import, so a server serves only commands whose environment equals its own
+  but for variables read at run time (`_READ_AT_RUN_TIME`, and those a caller names);
+- --plan or --topology: launch.py sets library variables (TF_CPP_MIN_LOG_LEVEL, JAX_SKIP_CUDA_CONSTRAINTS_CHECK)
+  before jax loads;
+- stdin text, a script outside the repository, or any other interpreter option.
+Tests of the process itself (its start-up and imports, signals sent to it, the supervisor's restarts, several
+processes of one job) start their processes with subprocess, as before.
+
+jax starts no backend as it imports: XLA_FLAGS, with the device count, is read when the backend starts, in the fork.
+The server holds no device, compiler thread pool or compilation cache to share.
+"""
+
+import atexit
+import io
+import json
+import locale
+import os
+import pathlib
+import selectors
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+# Read by the trainer or XLA once the command runs, never as a module imports: a fork may differ in them.
+_READ_AT_RUN_TIME = ('PYTEST_CURRENT_TEST', 'XLA_FLAGS', 'LAUNCH_TEST_FAULT', 'LAUNCH_MAX_RESTARTS')
+_NOT_FORKED = ('--plan', '--topology')  # Flags launch.py acts on before jax loads (above).
+_HEADER = struct.Struct('!Q')
+
+
+def _recv_exactly(conn: socket.socket, size: int) -> bytes:
+  data = b''
+  while len(data) < size:
+    chunk = conn.recv(size - len(data))
+    if not chunk:
+      raise ConnectionError('the forked-python server closed the connection')
+    data += chunk
+  return data
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The server: `python tests/forked_python.py FD`, FD its listening socket, its test process at the other end of stdin.
+
+
+def _preload() -> None:
+  """What launch.py's `__main__` and `main` import before training, in their order."""
+  sys.path[0] = str(REPO)
+  from trainer.run import collector  # pylint: disable=import-outside-toplevel
+  collector.tune()
+  # pylint: disable=import-outside-toplevel,unused-import
+  from trainer.safety import startup_signals
+  from absl import app, flags
+  from ml_collections import config_flags
+  from trainer.base import config_keys, errors, storage
+  from trainer.run import gpu_env
+  from trainer.safety import workdir
+  from trainer.supervision import attempt, settings
+  from parallel import distributed, platforms, watchdog
+  from trainer.observe import console
+  from trainer.run import loop
+  from trainer.safety import preemption, sigterm_handoff, disk, lock
+  from trainer.hf import load
+  # pylint: enable=import-outside-toplevel,unused-import
+  collector.freeze_imports()
+
+
+def _serve(listener: socket.socket) -> dict:
+  """Answers requests until the test process goes; in each forked child, returns its request."""
+  selector = selectors.DefaultSelector()
+  selector.register(listener, selectors.EVENT_READ)
+  selector.register(sys.stdin, selectors.EVENT_READ)  # EOF: the test process is gone.
+  running: dict[int, socket.socket] = {}
+  while True:
+    for key, _ in selector.select(timeout=0.05 if running else None):
+      if key.fileobj is sys.stdin:
+        os._exit(0)  # pylint: disable=protected-access  (nothing to shut down: the children are the tests')
+      conn, _ = listener.accept()
+      message, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+      (size,) = _HEADER.unpack(message)
+      request = json.loads(_recv_exactly(conn, size))
+      sys.stdout.flush()
+      sys.stderr.flush()
+      pid = os.fork()
+      if pid == 0:
+        selector.close()
+        listener.close()
+        conn.close()
+        for other in running.values():
+          other.close()
+        os.setpgid(0, 0)  # A command that signals its own group does not reach this server.
+        for target, fd in enumerate(fds):
+          os.dup2(fd, target)
+          os.close(fd)
+        os.chdir(request['cwd'])
+        os.environ.clear()
+        os.environ.update(request['env'])
+        return request
+      for fd in fds:
+        os.close(fd)
+      conn.sendall(_HEADER.pack(pid))
+      running[pid] = conn
+    while running:  # Each finished child's status and CPU go back to its test.
+      pid, status, usage = os.wait4(-1, os.WNOHANG)
+      if pid == 0:
+        break
+      conn = running.pop(pid)
+      reply = json.dumps({'returncode': os.waitstatus_to_exitcode(status),
+                          'cpu': usage.ru_utime + usage.ru_stime}).encode()
+      try:
+        conn.sendall(_HEADER.pack(len(reply)) + reply)
+      except OSError:  # The test stopped waiting (its timeout).
+        pass
+      conn.close()
+
+
+def _main() -> None:
+  listener = socket.socket(fileno=int(sys.argv[1]))
+  _preload()
+  request = _serve(listener)
+  # The child: from here on it is `python ARGV...`.
+  argv = request['argv']
+  if argv[0] == '-c':
+    import types  # pylint: disable=import-outside-toplevel
+    sys.argv, sys.path[0] = ['-c', *argv[2:]], ''
+    main = types.ModuleType('__main__')
+    sys.modules['__main__'] = main
+    exec(compile(argv[1], '<string>', 'exec'), main.__dict__)  # pylint: disable=exec-used
+  else:
+    import runpy  # pylint: disable=import-outside-toplevel
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+    runpy.run_path(argv[0], run_name='__main__')
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The client: the test process.
+
+
+def _key(env: dict[str, str], read_at_run_time: tuple[str, ...]) -> str:
+  return json.dumps({k: v for k, v in env.items() if k not in (*_READ_AT_RUN_TIME, *read_at_run_time)},
+                    sort_keys=True)
+
+
+class _Server:
+
+  def __init__(self, env: dict[str, str]):
+    self.path = f'/tmp/forked-python-{os.getpid()}-{time.monotonic_ns()}.sock'
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(self.path)
+    listener.listen(16)
+    self.process = subprocess.Popen(  # pylint: disable=consider-using-with  (lives as long as the test process)
+        [sys.executable, __file__, str(listener.fileno())], cwd=REPO, env=env, stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, pass_fds=(listener.fileno(),))
+    listener.close()
+
+  def alive(self) -> bool:
+    return self.process.poll() is None
+
+
+_SERVERS: dict[str, _Server] = {}
+_ASKED: dict[str, int] = {}
+_MAX_SERVERS = 3
+_LOCK = threading.Lock()
+CHILD_CPU = [0.0]  # CPU seconds of the commands forked for this process: not its children, so not in its rusage.
+
+
+@atexit.register
+def _stop_servers() -> None:
+  for server in _SERVERS.values():
+    server.process.stdin.close()  # The server's EOF.
+    pathlib.Path(server.path).unlink(missing_ok=True)
+  for server in _SERVERS.values():  # Waited for: the CPU of what it forked counts in this process's children.
+    try:
+      server.process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      server.process.kill()
+
+
+def _server(env: dict[str, str], read_at_run_time: tuple[str, ...]) -> _Server | None:
+  """The server for `env`, started at its second command: an environment asked for once runs fresh."""
+  key = _key(env, read_at_run_time)
+  with _LOCK:
+    _ASKED[key] = _ASKED.get(key, 0) + 1
+    if key in _SERVERS and not _SERVERS[key].alive():
+      del _SERVERS[key]
+    if key not in _SERVERS and _ASKED[key] >= 2 and len(_SERVERS) < _MAX_SERVERS:
+      _SERVERS[key] = _Server(env)
+    return _SERVERS.get(key)
+
+
+def _command(argv: list[str], cwd: str | os.PathLike) -> list[str] | None:
+  """What the fork runs: [script, args...] or ['-c', code, args...]; None where it must be a fresh process."""
+  if len(argv) < 2 or argv[0] != sys.executable or any(a.split('=')[0] in _NOT_FORKED for a in argv[2:]):
+    return None
+  if argv[1] == '-c':
+    return argv[1:] if len(argv) >= 3 else None
+  script = pathlib.Path(cwd, argv[1]).resolve()
+  if script.suffix != '.py' or not script.is_file() or REPO not in script.parents:
+    return None
+  return [str(pathlib.Path(cwd, argv[1])) if not os.path.isabs(argv[1]) else argv[1], *argv[2:]]
+
+
+def run(argv: list[str], *, cwd: str | os.PathLike, env: dict[str, str], timeout: float, text: bool = True,
+        read_at_run_time: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+  """subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=text, timeout=timeout), forked where it can
+  be (above); `read_at_run_time` names the command's own variables that no module reads as it imports."""
+  command = _command(argv, cwd)
+  server = _server(env, read_at_run_time) if command else None
+  if server is None:
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=text, timeout=timeout, check=False)
+  out_r, out_w = os.pipe()
+  err_r, err_w = os.pipe()
+  null = os.open(os.devnull, os.O_RDONLY)
+  conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  try:
+    conn.connect(server.path)
+    payload = json.dumps({'argv': command, 'cwd': str(cwd), 'env': env}).encode()
+    socket.send_fds(conn, [_HEADER.pack(len(payload))], [null, out_w, err_w])
+    conn.sendall(payload)
+  finally:
+    for fd in (null, out_w, err_w):
+      os.close(fd)
+  (pid,) = _HEADER.unpack(_recv_exactly(conn, _HEADER.size))
+  outputs: dict[int, list[bytes]] = {out_r: [], err_r: []}
+
+  def drain(fd):
+    with os.fdopen(fd, 'rb') as f:
+      outputs[fd].append(f.read())
+
+  readers = [threading.Thread(target=drain, args=(fd,), daemon=True) for fd in outputs]
+  for reader in readers:
+    reader.start()
+  conn.settimeout(timeout)
+  try:
+    (size,) = _HEADER.unpack(_recv_exactly(conn, _HEADER.size))
+    reply = json.loads(_recv_exactly(conn, size))
+  except (TimeoutError, socket.timeout) as e:
+    try:
+      os.killpg(pid, 9)
+    except ProcessLookupError:  # Not in its own group yet.
+      os.kill(pid, 9)
+    raise subprocess.TimeoutExpired(argv, timeout) from e
+  finally:
+    conn.close()
+  for reader in readers:
+    reader.join(timeout)
+  CHILD_CPU[0] += reply['cpu']
+  out, err = b''.join(outputs[out_r]), b''.join(outputs[err_r])
+  if text:  # As subprocess's text mode reads: the locale's encoding, universal newlines.
+    out, err = (io.TextIOWrapper(io.BytesIO(b), encoding=locale.getpreferredencoding(False)).read()
+                for b in (out, err))
+  return subprocess.CompletedProcess(argv, reply['returncode'], out, err)
+
+
+if __name__ == '__main__':
+  _main()
