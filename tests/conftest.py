@@ -69,19 +69,17 @@ def compile_cache():
   compilation_cache.enable(CACHE_ENV['JAX_COMPILATION_CACHE_DIR'])
 
 
-# Each file's wall seconds in a fresh-clone run of the README's test command (run 18, `-n 3`, 2-core machine;
+# Each file's wall seconds in a fresh-clone run of the README's test command (run 35, `-n 3`, 2-core machine;
 # benchmarks/pytest_cpu.py's timeline). `--dist loadfile` hands whole files to the test processes in collection
 # order; pytest-xdist's own order (most tests first) left test_faults_gcs.py (3 tests, 132 s of waiting on a lost
 # bucket) to start last, and one process ran alone for its last 70 s. Longest first, the rest after them as collected.
-# (test_faults_config_sweep.py, 110 s in run 18, left the list: its in-process rows made it 14 s in run 19.)
 FILE_WALL_S = {
-    'test_supervisor.py': 257, 'test_brought_models.py': 256, 'test_docs.py': 220, 'test_faults_group.py': 186,
-    'test_faults_gcs.py': 132, 'test_pipeline.py': 113, 'test_optimizers.py': 95, 'test_context_training.py': 77,
-    'test_sample.py': 71, 'test_multiprocess.py': 68, 'test_presets.py': 66, 'test_plan.py': 64, 'test_memory.py': 61,
-    'test_faults_group_signals.py': 60, 'test_gcs.py': 56, 'test_bench_gpu.py': 51, 'test_strategies.py': 50,
-    'test_faults_more.py': 50, 'test_guardrails.py': 47, 'test_expert_axis.py': 45, 'test_preemption.py': 44,
-    'test_faults_advice.py': 41, 'test_context_attention.py': 40,
-    'test_faults.py': 40,
+    'test_supervisor.py': 271, 'test_docs.py': 233, 'test_brought_models.py': 154, 'test_faults_group.py': 152,
+    'test_faults_gcs.py': 134, 'test_pipeline.py': 90, 'test_context_training.py': 61, 'test_gcs.py': 58,
+    'test_strategies.py': 56, 'test_memory.py': 53, 'test_optimizers.py': 53, 'test_presets.py': 51,
+    'test_multiprocess.py': 49, 'test_bench_gpu.py': 43, 'test_faults_group_signals.py': 40, 'test_step.py': 37,
+    'test_sample.py': 37, 'test_faults_more.py': 34, 'test_expert_axis.py': 33, 'test_preemption.py': 30,
+    'test_faults_signals.py': 28, 'test_context_attention.py': 27,
 }
 
 

@@ -176,10 +176,10 @@ _SERVERS: dict[str, _Server] = {}
 _ASKED: dict[str, int] = {}
 _MAX_SERVERS = 3
 _LOCK = threading.Lock()
+_STOPPING: list = []
 CHILD_CPU = [0.0]  # CPU seconds of the commands forked for this process: not its children, so not in its rusage.
 
 
-@atexit.register
 def _stop_servers() -> None:
   for server in _SERVERS.values():
     server.process.stdin.close()  # The server's EOF.
@@ -199,6 +199,8 @@ def _server(env: dict[str, str], read_at_run_time: tuple[str, ...]) -> _Server |
     if key in _SERVERS and not _SERVERS[key].alive():
       del _SERVERS[key]
     if key not in _SERVERS and _ASKED[key] >= 2 and len(_SERVERS) < _MAX_SERVERS:
+      if not _STOPPING:  # Here, not at import: a server's forks exit as a fresh interpreter would.
+        _STOPPING.append(atexit.register(_stop_servers))
       _SERVERS[key] = _Server(env)
     return _SERVERS.get(key)
 

@@ -9,14 +9,13 @@ import hashlib
 import re
 import logging
 import pathlib
-import subprocess
 import sys
 
 import jax
 import pytest
 
 from configs import tiny
-from conftest import REPO, launcher_env, make_text_dir, xla_flags
+from conftest import REPO, launcher_env, make_text_dir, run_python, xla_flags
 from trainer.base.errors import UserError
 from trainer.memory import footprint, remat
 from trainer.run import loop, plan
@@ -125,11 +124,10 @@ def test_over_budget_launch_exits_2_with_fixes_and_leaves_the_workdir_untouched(
   limit_gb = (full + half) / 2 / GIB  # 'full' does not fit; 'full' over 2 microbatches does.
   before = _tree_digest(workdir)
   env = launcher_env(XLA_FLAGS=xla_flags(1))
-  result = subprocess.run(
+  result = run_python(
       [sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py', f'--workdir={workdir}', '--start_over',
        '--config.data.seq_len=128', f'--config.data.text_dir={config.data.text_dir}',
-       '--config.train.remat_policy=full', f'--config.train.device_memory_gb={limit_gb}'],
-      cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+       '--config.train.remat_policy=full', f'--config.train.device_memory_gb={limit_gb}'], env=env, timeout=300)
   assert result.returncode == 2, result.stderr[-3000:]
   error = [line for line in result.stderr.splitlines() if line.startswith('launch.py: error:')]
   assert len(error) == 1, result.stderr[-3000:]
