@@ -167,28 +167,34 @@ class _Server:
         [sys.executable, __file__, str(listener.fileno())], cwd=REPO, env=env, stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL, pass_fds=(listener.fileno(),))
     listener.close()
+    self.busy = 0  # Commands under way.
 
   def alive(self) -> bool:
     return self.process.poll() is None
 
 
-_SERVERS: dict[str, _Server] = {}
+_SERVERS: dict[str, _Server] = {}  # The least recently used first.
 _ASKED: dict[str, int] = {}
+# Tests that set variables in their own process (a tracker's, a tokenizer's) change the environment later commands
+# get: a new server then takes the place of the one used least recently.
 _MAX_SERVERS = 3
 _LOCK = threading.Lock()
 _STOPPING: list = []
 CHILD_CPU = [0.0]  # CPU seconds of the commands forked for this process: not its children, so not in its rusage.
 
 
+def _stop(server: _Server) -> None:
+  server.process.stdin.close()  # The server's EOF.
+  pathlib.Path(server.path).unlink(missing_ok=True)
+  try:  # Waited for: the CPU of what it forked counts in this process's children.
+    server.process.wait(timeout=10)
+  except subprocess.TimeoutExpired:
+    server.process.kill()
+
+
 def _stop_servers() -> None:
-  for server in _SERVERS.values():
-    server.process.stdin.close()  # The server's EOF.
-    pathlib.Path(server.path).unlink(missing_ok=True)
-  for server in _SERVERS.values():  # Waited for: the CPU of what it forked counts in this process's children.
-    try:
-      server.process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-      server.process.kill()
+  while _SERVERS:
+    _stop(_SERVERS.pop(next(iter(_SERVERS))))
 
 
 def _server(env: dict[str, str], read_at_run_time: tuple[str, ...]) -> _Server | None:
@@ -198,11 +204,19 @@ def _server(env: dict[str, str], read_at_run_time: tuple[str, ...]) -> _Server |
     _ASKED[key] = _ASKED.get(key, 0) + 1
     if key in _SERVERS and not _SERVERS[key].alive():
       del _SERVERS[key]
-    if key not in _SERVERS and _ASKED[key] >= 2 and len(_SERVERS) < _MAX_SERVERS:
-      if not _STOPPING:  # Here, not at import: a server's forks exit as a fresh interpreter would.
-        _STOPPING.append(atexit.register(_stop_servers))
-      _SERVERS[key] = _Server(env)
-    return _SERVERS.get(key)
+    if key not in _SERVERS and _ASKED[key] >= 2:
+      idle = [k for k, server in _SERVERS.items() if not server.busy]
+      if len(_SERVERS) >= _MAX_SERVERS and idle:
+        _stop(_SERVERS.pop(idle[0]))
+      if len(_SERVERS) < _MAX_SERVERS:
+        if not _STOPPING:  # Here, not at import: a server's forks exit as a fresh interpreter would.
+          _STOPPING.append(atexit.register(_stop_servers))
+        _SERVERS[key] = _Server(env)
+    server = _SERVERS.pop(key, None)
+    if server is not None:
+      _SERVERS[key] = server  # Now the most recently used.
+      server.busy += 1
+    return server
 
 
 def _command(argv: list[str], cwd: str | os.PathLike) -> list[str] | None:
@@ -225,6 +239,15 @@ def run(argv: list[str], *, cwd: str | os.PathLike, env: dict[str, str], timeout
   server = _server(env, read_at_run_time) if command else None
   if server is None:
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=text, timeout=timeout, check=False)
+  try:
+    return _forked(server, argv, command, cwd=cwd, env=env, timeout=timeout, text=text)
+  finally:
+    with _LOCK:
+      server.busy -= 1
+
+
+def _forked(server: _Server, argv: list[str], command: list[str], *, cwd: str | os.PathLike, env: dict[str, str],
+            timeout: float, text: bool) -> subprocess.CompletedProcess:
   out_r, out_w = os.pipe()
   err_r, err_w = os.pipe()
   null = os.open(os.devnull, os.O_RDONLY)

@@ -81,6 +81,18 @@ def test_what_the_fork_cannot_give_runs_in_a_fresh_interpreter():
   assert forked_python._command([sys.executable, '/usr/lib/x.py'], REPO) is None  # pylint: disable=protected-access
 
 
+def test_an_environment_that_changed_under_the_test_process_gets_a_server_of_its_own(monkeypatch):
+  # In-process tests may set variables for good (a tracker's, a tokenizer's): one more environment than there are
+  # servers, each asked for twice; the second command of each is forked, the least recently used server giving way.
+  preloaded = [sys.executable, '-c', 'import os, sys; print("jax" in sys.modules, os.environ["FORKED_DRIFT"])']
+  environments = range(forked_python._MAX_SERVERS + 1)  # pylint: disable=protected-access
+  seen = []
+  for i in environments:
+    monkeypatch.setenv('FORKED_DRIFT', str(i))
+    seen.append([run_python(preloaded, timeout=120).stdout for _ in range(2)])
+  assert seen == [[f'False {i}\n', f'True {i}\n'] for i in environments]
+
+
 def test_a_forked_command_past_its_timeout_is_killed():
   start = time.monotonic()
   with pytest.raises(subprocess.TimeoutExpired):
