@@ -228,7 +228,7 @@ def _command(argv: list[str], cwd: str | os.PathLike) -> list[str] | None:
   script = pathlib.Path(cwd, argv[1]).resolve()
   if script.suffix != '.py' or not script.is_file() or REPO not in script.parents:
     return None
-  return [str(pathlib.Path(cwd, argv[1])) if not os.path.isabs(argv[1]) else argv[1], *argv[2:]]
+  return argv[1:]  # The script as given: the fork moves to `cwd` before it runs it, as sys.argv[0] reads fresh.
 
 
 def run(argv: list[str], *, cwd: str | os.PathLike, env: dict[str, str], timeout: float, text: bool = True,

@@ -47,12 +47,14 @@ def test_a_forked_command_sees_its_argv_folder_and_environment_as_a_fresh_one_do
 
 def test_a_script_gets_its_own_folder_first_on_the_path_and_the_same_error_and_exit_code(tmp_path):
   # launch.py refuses a misspelled key before jax loads: the whole of both outputs is compared.
-  argv = [sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py', f'--workdir={tmp_path}',
+  argv = [sys.executable, 'launch.py', '--config=configs/tiny.py', f'--workdir={tmp_path}',  # Relative, from REPO.
           '--config.train.stpes=5']
   forked, fresh = run_python(argv, timeout=120), _fresh(argv, cwd=REPO, env=launcher_env())
   assert forked.returncode == fresh.returncode == 2
   assert forked.stderr == fresh.stderr and 'train.stpes' in forked.stderr
   assert forked.stdout == fresh.stdout
+  # sys.argv[0] as given, relative: the fork moves to its folder first.
+  assert forked_python._command(argv, REPO) == argv[1:]  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize('code, returncode, last_line', [
