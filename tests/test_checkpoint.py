@@ -215,7 +215,7 @@ def test_manifest_records_the_run_and_logs_the_changes(saved_2x4, text_dir, capl
     assert checkpoint.Checkpointer(str(tmp_path), other.ckpt).resumable_steps(
         checkpoint.run_manifest(other, job.abstract, job.mesh)) == [7]
   assert "config.train.steps: 8 -> 50" in caplog.text
-  assert 'train.steps 8 -> 50 since checkpoint 7 move the learning-rate schedule' in caplog.text
+  assert 'train.steps 8 -> 50 since checkpoint 7: the learning-rate schedule moves' in caplog.text
   assert "strategy: 'jit' -> 'pmap'" in caplog.text
   assert 'device_count: 8 -> 4' in caplog.text
 

@@ -186,3 +186,36 @@ def test_a_run_transfers_nothing_while_its_first_step_or_an_eval_runs(tmp_path, 
   assert [e[0] for e in events[1:]] == ['eval', 'eval']
   assert all(before == after for _, before, after in events[1:])
   assert len(transfers) >= 6
+
+
+class _SlowHost(_CountingHost):
+  """A pipeline slower than its consumer: every batch takes `delay_s` to read."""
+
+  def __init__(self, delay_s: float):
+    super().__init__()
+    self.delay_s = delay_s
+
+  def __next__(self):
+    time.sleep(self.delay_s)
+    return super().__next__()
+
+
+def test_the_feed_says_whether_the_batches_were_ready_when_asked_for(shardings):
+  fast = data.DeviceFeed(_CountingHost(), shardings, process_count=1, depth=2)
+  next(fast)
+  fast.release()
+  assert fast.ready_share() == 0.0  # The first batch is read only once asked for.
+  for _ in range(5):
+    assert _wait_for(lambda: fast._queued == 2)  # A step long enough for the feed to fill up.
+    next(fast)
+  assert fast.ready_share() == 1.0
+  assert fast.ready_share() is None  # Counted since the last call.
+  fast.close()
+  slow = data.DeviceFeed(_SlowHost(0.1), shardings, process_count=1, depth=2)
+  next(slow)
+  slow.release()
+  slow.ready_share()
+  for _ in range(4):
+    next(slow)  # Asked for at once: the pipeline is the bottleneck.
+  assert slow.ready_share() <= 0.25
+  slow.close()

@@ -153,7 +153,7 @@ def test_extending_a_cosine_run_on_resume_names_the_learning_rate_jump_and_needs
   for steps in (8, 16):
     train.steps = steps
     lrs.append(float(optimizer.learning_rate_schedule(ml_collections.ConfigDict(train.to_dict()))(8)))
-  assert (f'train.steps 8 -> 16 since checkpoint 8 move the learning-rate schedule: at step 9 it becomes '
+  assert (f'train.steps 8 -> 16 since checkpoint 8: the learning-rate schedule moves: at step 9 it becomes '
           f'{lrs[1]:.3g} instead of {lrs[0]:.3g}') in line, line
   assert '--config.train.accept_schedule_change=True' in line and 'safe' not in refused.stderr
   accepted, _ = _watch([*args, '--config.train.steps=16', '--config.train.accept_schedule_change=True'])

@@ -56,21 +56,23 @@ def test_every_numeric_key_reaches_jsonl_and_tensorboard_with_memory_where_repor
   writer = metrics.MetricsWriter(str(tmp_path), enabled=True, total_steps=10)
   # tflops_per_device and mfu are what the loop adds on known accelerators; they need no change here.
   with caplog.at_level(py_logging.INFO):
+    writer.write(1, {'loss': 2.75, 'step_time_s': 60.0})  # An attempt's first step: no ETA from its one slow step.
     writer.write(5, {'loss': 2.5, 'tokens_per_s': 1000.0, 'step_time_s': 0.5, 'tflops_per_device': 312.5,
                      'mfu': 0.41, 'eval_loss': 2.75, 'not_known_here': None})
   writer.close()
+  assert 'step 1/10 | loss 2.7500\n' in caplog.text + '\n' and 'ETA 9m' not in caplog.text
   assert ('step 5/10 | loss 2.5000 | eval_loss 2.7500 | 1,000 tok/s | 312 TFLOP/s/device | MFU 41.0% | ETA 0m02s'
           in caplog.text)
   assert 'reports no memory statistics' not in caplog.text
-  record = read_metrics(tmp_path)[0]
+  record = read_metrics(tmp_path)[1]
   assert record == {'step': 5, 'loss': 2.5, 'tokens_per_s': 1000.0, 'step_time_s': 0.5, 'tflops_per_device': 312.5,
                     'mfu': 0.41, 'eval_loss': 2.75, 'device_memory_in_use_gib': 4.0, 'device_memory_peak_gib': 5.0,
                     'device_memory_limit_gib': 69.0}
   scalars = _tb_scalars(tmp_path)
   assert scalars['train/tflops_per_device'] == {5: 312.5}
+  assert scalars['eval/loss'][5] == 2.75
   assert scalars['train/mfu'][5] == pytest.approx(0.41)
-  assert scalars['eval/loss'] == {5: 2.75}
-  assert scalars['train/device_memory_peak_gib'] == {5: 5.0}
+  assert scalars['train/device_memory_peak_gib'][5] == 5.0
 
 
 def test_cpu_memory_is_said_once_and_never_logged_as_zeros(tmp_path, monkeypatch, caplog):

@@ -58,6 +58,7 @@ class DeviceFeed:
     # `_transferring` while the thread puts one on the devices (hold() waits for it to end).
     self._turn = threading.Condition()
     self._held, self._waiting, self._queued, self._transferring = True, 0, 0, False
+    self._takes, self._ready_takes = 0, 0  # Batches handed out, and how many of them were queued when asked for.
 
   def __iter__(self) -> 'DeviceFeed':
     return self
@@ -66,6 +67,8 @@ class DeviceFeed:
     if self._thread is None:
       self._start()
     with self._turn:
+      self._takes += 1
+      self._ready_takes += self._queued > 0
       self._waiting += 1
       self._turn.notify_all()
     try:
@@ -85,6 +88,14 @@ class DeviceFeed:
       raise item  # A read error in the thread surfaces in the loop, with its traceback.
     batch, self._state = item
     return batch
+
+  def ready_share(self) -> float | None:
+    """The share of the batches handed out since the last call that were already queued when asked for (None if
+    none was): a wait for a batch that was ready is the host not scheduling the loop, not a slow pipeline."""
+    with self._turn:
+      takes, ready = self._takes, self._ready_takes
+      self._takes, self._ready_takes = 0, 0
+    return ready / takes if takes else None
 
   def get_state(self) -> dict[str, Any]:
     return self._host.get_state() if self._state is None else self._state

@@ -69,6 +69,10 @@ class MetricsWriter:
     self._bar = progress.ProgressBar(total_steps, progress_bar if enabled else 'off')
     self._memory_reported = None  # Whether the backend reports device memory; asked once.
     self._last_step = 0
+    # The first logged step of an attempt times one step that pays first-run costs (a restore's first reads, the
+    # executable's first run): an ETA from it said 20 minutes for a resumed run's 40 seconds. Later lines average
+    # a window of steps.
+    self._eta_ready = False
     self._workdir = storage.path(workdir)
     self._cloud = storage.is_cloud(self._workdir)
     if enabled:
@@ -143,8 +147,9 @@ class MetricsWriter:
       parts.append(f'{record["tflops_per_device"]:.3g} TFLOP/s/device')
     if 'mfu' in record:
       parts.append(f'MFU {record["mfu"]:.1%}')
-    if 'step_time_s' in record:
+    if 'step_time_s' in record and self._eta_ready:
       parts.append(f'ETA {progress.duration(record["step_time_s"] * (self._total_steps - step))}')
+    self._eta_ready = self._eta_ready or 'step_time_s' in record
     logging.info(' | '.join(parts))
 
   def write_text(self, tag: str, text: str) -> None:

@@ -121,7 +121,8 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   needs = data.Needs.of(config.model, config.train)  # The few model and train settings the input side reads.
   inputs = data.build(config.data, needs, job.batch_shardings, process_index, process_count)
   # Global batches reach the devices while the step before them runs; checkpointed by what steps consumed.
-  train_iter, eval_set = data.DeviceFeed(inputs.train, job.batch_shardings, process_count), inputs.eval_batches
+  host_batches = faults.slow_reads(faults.for_process(process_index), inputs.train, config.train.batch_size)
+  train_iter, eval_set = data.DeviceFeed(host_batches, job.batch_shardings, process_count), inputs.eval_batches
   logging.info('Data: %s (read in %.1fs)', inputs.description, time.perf_counter() - t_data)
   downstream = evals_lib.build(config.eval, job, workdir) if 'eval' in config else None  # Task files checked now.
   trackers = trackers_lib.build(config.log, workdir, enabled=process_index == 0)  # log.trackers checked now.
@@ -241,6 +242,7 @@ def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
   logging.info('Mesh %s over %d devices (%d processes); model: %s (%s, %s), %s parameters', dict(mesh.shape),
                mesh.size, jax.process_count(), config.model.name, job.task.model.framework, config.model.task,
                f'{num_params:,}' + _active_params(config, num_params))
+  logging.info('%s', optimizer.describe(config.train))
   if stages := pipeline.summary(config.model, config.train, dict(mesh.shape)):
     logging.info('%s', stages)
   table, totals = sharding.sharding_table(job.abstract, job.shardings, job.task.param_notes,
@@ -371,8 +373,9 @@ def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_
   if is_log_step(step):
     attempt.progress(step)
     summary = window.summary(metrics, objective.units_per_step, objective.unit, run.throughput)
+    ready_share = run.train_iter.ready_share()
     if not window.first:
-      data.warn_if_stalled(step, summary)
+      data.warn_if_stalled(step, summary, ready_share)
     if run.examples_per_epoch:  # Passes over the training data so far: every step takes one global batch.
       summary['epochs'] = step * run.config.train.batch_size / run.examples_per_epoch
     if run.sources:  # A mixture: tokens each source has given so far.

@@ -8,7 +8,8 @@ LAUNCH_TEST_FAULT='KIND@STEP[,process=P][,attempt=A][,seconds=S]' acts at step S
 - stall: sleeps S seconds (default: for ever) inside the step (a wedged collective);
 - stall_data: the same while waiting for the batch (a stalled input pipeline);
 - slow: sleeps S seconds before every step from STEP on (a straggler);
-- slow_data: sleeps S seconds while waiting for every batch from STEP on (an input-bound run).
+- slow_data: every batch from STEP's on takes S seconds longer to read, in the input pipeline's own thread (an
+  input-bound run, as a slow source makes one: the device feed has no batch ready when the loop asks).
 """
 
 import dataclasses
@@ -54,7 +55,7 @@ def inject(fault: Fault | None, step: int, where: str) -> None:
   """Called by the loop with where='data' (before the batch) and where='step' (before the step)."""
   if fault is None or step < fault.step:
     return
-  if (fault.kind, where) in (('slow', 'step'), ('slow_data', 'data')):
+  if (fault.kind, where) == ('slow', 'step'):
     time.sleep(fault.seconds)
   if step != fault.step:
     return
@@ -67,3 +68,27 @@ def inject(fault: Fault | None, step: int, where: str) -> None:
       raise RuntimeError(f'{_ENV}: injected crash at step {step}')
     elif fault.kind == 'stall':
       time.sleep(fault.seconds)
+
+
+class _SlowReads:
+  """The host batches of a 'slow_data' fault: each batch for step `fault.step` or later sleeps before it is read."""
+
+  def __init__(self, batches, fault: Fault, global_batch: int):
+    self._batches, self._fault, self._global_batch = batches, fault, global_batch
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    consumed = self._batches.get_state()['examples_consumed']
+    if consumed // self._global_batch + 1 >= self._fault.step:
+      time.sleep(self._fault.seconds)
+    return next(self._batches)
+
+  def __getattr__(self, name):  # get_state, set_state, close: the wrapped iterator's.
+    return getattr(self._batches, name)
+
+
+def slow_reads(fault: Fault | None, batches, global_batch: int):
+  """`batches` as they are, or slowed as a 'slow_data' fault asks."""
+  return _SlowReads(batches, fault, global_batch) if fault is not None and fault.kind == 'slow_data' else batches

@@ -124,7 +124,7 @@ def _check_schedule(step: int, saved: dict[str, Any], manifest: dict[str, Any]) 
     return
   changed = ', '.join(f'train.{k} {saved_train.get(k)!r} -> {v!r}' for k, v in sorted(train.items())
                       if k in saved_train and saved_train[k] != v and k != 'accept_schedule_change')
-  what = (f'{changed or "train.* settings"} since checkpoint {step} move the learning-rate schedule: at step '
+  what = (f'{changed or "train.* settings"} since checkpoint {step}: the learning-rate schedule moves: at step '
           f'{step + 1} it becomes {moved[1]:.3g} instead of {moved[0]:.3g}')
   if config.get('accept_schedule_change', False):
     logging.warning('Resuming step %d: %s (accepted: train.accept_schedule_change=True).', step, what)

@@ -94,6 +94,17 @@ def learning_rate_schedule(train_config) -> optax.Schedule:
   return optax.join_schedules([ramp, after], [warmup])
 
 
+def describe(train_config) -> str:
+  """The optimizer and its schedule in one line for the console: what a run trains with, without opening the config."""
+  t = train_config
+  decay = 'constant' if t.schedule == 'constant' else f'{t.schedule} to {t.end_learning_rate_ratio:g}x'
+  if t.schedule == 'rsqrt':
+    decay = 'rsqrt'
+  clip = f'gradients clipped to global norm {t.grad_clip_norm:g}' if t.grad_clip_norm > 0 else 'no gradient clipping'
+  return (f'Optimizer: {t.optimizer}, learning rate {t.learning_rate:g} after {min(t.warmup_steps, t.steps)} warmup '
+          f'steps, then {decay} over {t.steps} steps; weight decay {t.weight_decay:g}; {clip}')
+
+
 def schedule_change(saved_train: dict, train_config, step: int) -> tuple[float, float] | None:
   """(saved, new) learning rate for the update after `step` if the config's schedule moves it, else None.
 
