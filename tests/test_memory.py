@@ -134,6 +134,7 @@ def test_over_budget_launch_exits_2_with_fixes_and_leaves_the_workdir_untouched(
   assert f'the compiled train step needs {footprint.gib(full)} per device, over the {footprint.gib(limit_gb * GIB)} ' \
          f'available (train.device_memory_gb=' in error[0]
   assert 'Changes that fit: ' in error[0] and '--config.train.grad_accum_steps=2' in error[0]
+  assert 'no step was run and no checkpoint was written' in error[0]  # What it says is what happened:
   # --start_over moved nothing, no config.json/metrics/sharding.txt written; the launch's own lock file (taken before
   # anything else, trainer/safety/lock.py) stays behind empty, released.
   after = _tree_digest(workdir)

@@ -58,4 +58,4 @@ def dense_experts(job, compiled) -> str | None:
 def _refuse(job, needed: str, limit: footprint.Limit, devices) -> None:
   advice = plan.fixes(job.config, dict(job.mesh.shape), limit.bytes, devices, print_fn=logging.info)
   raise UserError(f'the compiled train step needs {needed} per device, over the {footprint.gib(limit.bytes)} '
-                  f'available ({limit.source}); no step was run and the workdir was not touched. {advice}')
+                  f'available ({limit.source}); no step was run and no checkpoint was written. {advice}')

@@ -465,6 +465,11 @@ def newest_manifest(workdir: str) -> tuple[int, dict[str, Any]] | None:
   return None
 
 
+# What `--start_over` moves aside: everything a run writes into its workdir but the lock (docs/checkpoints.md).
+START_OVER_NAMES = ('checkpoints', 'metrics.jsonl', 'goodput.jsonl', 'tensorboard', 'plugins', 'memory_profiles',
+                    'config.json', 'sharding.txt', 'attempts.jsonl', 'hangs', damaged_lib.FOLDER)
+
+
 def start_over(workdir: str) -> storage.Path | None:
   """`--start_over`: moves the previous run's checkpoints and logs into WORKDIR/previous_run_<UTC time>/.
 
@@ -473,9 +478,7 @@ def start_over(workdir: str) -> storage.Path | None:
   """
   from jax.experimental import multihost_utils
   workdir = storage.path(workdir)
-  names = ('checkpoints', 'metrics.jsonl', 'goodput.jsonl', 'tensorboard', 'plugins', 'memory_profiles',
-           'config.json', 'sharding.txt', 'attempts.jsonl', 'hangs', damaged_lib.FOLDER)
-  found = [workdir / n for n in names if (workdir / n).exists()]
+  found = [workdir / n for n in START_OVER_NAMES if (workdir / n).exists()]
   target = workdir / time.strftime('previous_run_%Y%m%dT%H%M%SZ', time.gmtime()) if found else None
   if found and jax.process_index() == 0:
     for path in found:
