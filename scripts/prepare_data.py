@@ -37,7 +37,6 @@ counted. Then train with:
 """
 
 import argparse
-import hashlib
 import json
 import os
 import pathlib
@@ -254,10 +253,7 @@ def main(argv=None) -> None:
       (out / 'tokenizer').mkdir()
       shutil.copy2(args.tokenizer, out / 'tokenizer' / pathlib.Path(args.tokenizer).name)
     if (out / 'tokenizer').is_dir():  # What data.mixture compares: the same files wherever they were read from.
-      digest = hashlib.sha256()
-      for file in sorted((out / 'tokenizer').iterdir()):
-        digest.update(file.name.encode() + b'\0' + file.read_bytes())
-      meta['tokenizer_sha256'] = digest.hexdigest()
+      meta['tokenizer_sha256'] = hf_tokenizer.files_sha256((out / 'tokenizer').iterdir())
       token_shards.write_meta(out, meta)
   except UserError as e:
     print(f'prepare_data.py: error: {e}', file=sys.stderr)

@@ -10,10 +10,12 @@ model learns to stop. Nothing is downloaded.
 """
 
 import dataclasses
+import hashlib
 import json
 import pathlib
 
 from trainer.base.errors import UserError
+from trainer.data.chat_template import render as render_template
 
 FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja')
 
@@ -48,19 +50,10 @@ class HfTokenizer:
     jinja = next((f for f in self.files if f.name == 'chat_template.jinja'), None)
     return template or (jinja.read_text() if jinja else None)
 
-  def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
-    """`messages` rendered by the chat template, as transformers' apply_chat_template(tokenize=False) does."""
-    import jinja2.sandbox
-
-    def raise_exception(message):
-      raise UserError(f'the chat template refused the conversation: {message}')
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals['raise_exception'] = raise_exception
-    specials = {k: (v.get('content') if isinstance(v, dict) else v) for k, v in self.config.items()
-                if k.endswith('_token') and isinstance(v, (str, dict))}
-    return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                      **specials)
+  def render_chat(self, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
+    """`messages` rendered by the chat template, as transformers' apply_chat_template(tokenize=False) does
+    (trainer/data/chat_template.py); `kwargs` are extra template variables."""
+    return render_template(self.chat_template, messages, add_generation_prompt, self.config, **kwargs)
 
 
 def run_folder(config) -> pathlib.Path | None:
@@ -74,6 +67,20 @@ def run_folder(config) -> pathlib.Path | None:
   if init_from and init_from.startswith('hf:'):
     folders.append(pathlib.Path(init_from[len('hf:'):]).expanduser())
   return next((f for f in folders if (f / 'tokenizer.json').is_file()), None)
+
+
+def files_sha256(files) -> str:
+  """One hash of a tokenizer's files, by name and content (the order given does not matter): what meta.json's
+  tokenizer_sha256 records of the files scripts/prepare_data.py kept, and what an imported model's are compared by."""
+  digest = hashlib.sha256()
+  for file in sorted(files, key=lambda f: f.name):
+    digest.update(file.name.encode() + b'\0' + file.read_bytes())
+  return digest.hexdigest()
+
+
+def folder_files(folder: pathlib.Path) -> tuple[pathlib.Path, ...]:
+  """The tokenizer files (FILES) a folder holds: what prepare_data.py keeps of a tokenizer read from it."""
+  return tuple(folder / name for name in FILES if (folder / name).is_file())
 
 
 def is_hf_tokenizer(path: str) -> bool:
@@ -125,7 +132,7 @@ def load(path: str, flag: str = '--tokenizer') -> HfTokenizer:
     raise UserError(f'{flag}={path!r}: {file} is not a readable tokenizer.json ({str(e)[:160]}).') from e
   config_file = file.parent / 'tokenizer_config.json'
   config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-  files = tuple(file.parent / name for name in FILES if (file.parent / name).is_file())
+  files = folder_files(file.parent)
   where = f'{flag}={path!r}'
   prefix, suffix = _around(tok, config, where)
   return HfTokenizer(tok, prefix, suffix, _special_id(tok, config, 'eos', where), files, config)

@@ -19,6 +19,7 @@ checkpoint and says that init_from was not read (trainer/run/loop.py).
 
 import collections
 import copy
+import json
 import pathlib
 
 import jax
@@ -27,6 +28,7 @@ from absl import logging
 
 from configs import base as base_config
 from trainer.base.errors import UserError
+from trainer.data import hf_tokenizer, prepared
 from trainer.hf import architectures, layout, safetensors_files
 
 PREFIX = 'hf:'
@@ -45,6 +47,20 @@ def _where(config) -> str:
   return f'model.init_from={config.model.init_from!r}'
 
 
+def _check_tokenizer(data, folder: pathlib.Path, where: str) -> None:
+  """UserError when the prepared data's tokenizer is not the imported model's: its ids would mean other tokens to
+  the model, the export would ship the model's tokenizer and sample.py would decode with the data's."""
+  root = prepared.folder(data)
+  if root is None or not (folder / 'tokenizer.json').is_file() or not (root / 'meta.json').is_file():
+    return
+  meta = json.loads((root / 'meta.json').read_text())
+  made = meta.get('tokenizer_sha256') or ('bytes' if meta.get('tokenizer') == 'bytes' else None)
+  if made is not None and made != hf_tokenizer.files_sha256(hf_tokenizer.folder_files(folder)):
+    raise UserError(f'{where}: the data in {str(root)!r} was prepared with another tokenizer ({meta.get("tokenizer")})'
+                    f' than the model\'s ({folder}); prepare it again with scripts/prepare_data.py '
+                    f'--tokenizer={folder}.')
+
+
 def configure(config, command_line: dict | None = None):
   """`config` with the model.* keys of init_from's config.json; `config` itself when init_from is None.
 
@@ -61,6 +77,7 @@ def configure(config, command_line: dict | None = None):
     raise UserError(f"{where} loads into the built-in Llama, but model.name={config.model.name!r}; set "
                     f"--config.model.name=llama.")
   keys = architectures.model_keys(architectures.read_config(folder, where), config.data.seq_len, where)
+  _check_tokenizer(config.data, folder, where)
   defaults = base_config.get_config().model
   differ = {k: v for k, v in keys.items() if config.model[k] != v}
   overridden = ({k for k in differ if config.model[k] != defaults[k]} if command_line is None else
