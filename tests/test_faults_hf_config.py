@@ -55,13 +55,28 @@ def test_every_field_read_refuses_a_hostile_value_of_every_type_naming_config_js
   assert 'rope_scaling.low_freq_factor is missing' in said
 
 
+def test_any_json_value_of_any_field_read_is_taken_or_refused_in_one_line_never_a_traceback():
+  values = (None, True, False, 0, 1, 1.5, 'x', [], ['x'], {}, {'rope_type': 'llama3'})
+  for value in values:
+    for field in config_fields.FIELDS:
+      try:
+        architectures.model_keys({**LLAMA, field: value}, 24, 'X')
+      except UserError:
+        pass
+    for field in config_fields.ROPE_FIELDS:
+      try:
+        architectures.model_keys({**LLAMA3_ROPE, 'rope_scaling': {**LLAMA3_ROPE['rope_scaling'], field: value}}, 24, 'X')
+      except UserError:
+        pass
+
+
 @pytest.mark.parametrize('field, value, said', [
     ('vocab_size', 10**12, 'vocab_size=1000000000000 must be an integer >= 1 and <= 2147483647'),
     ('num_attention_heads', -4, 'num_attention_heads=-4 must be an integer >= 1 and <= 2147483647'),
     ('hidden_size', '64', "hidden_size='64' must be an integer >= 1 and <= 2147483647"),
     ('hidden_size', True, 'hidden_size=True must be an integer'),
     ('tie_word_embeddings', 'no', "tie_word_embeddings='no' must be None or one of True, False"),
-    ('rms_norm_eps', 2, 'rms_norm_eps=2 must be None or in (0, 1)'),
+    ('rms_norm_eps', 2, 'rms_norm_eps=2 must be in (0, 1)'),
     ('hidden_size', 10**9, 'num_hidden_layers=2 x hidden_size=1000000000 x hidden_size=1000000000 makes the stacked '
                            "layers' attention weights 2e+18 elements, more than 4.4e+12"),
     ('hidden_size', 66, 'hidden_size=66 must divide by num_attention_heads=4'),

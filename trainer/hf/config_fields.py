@@ -11,26 +11,25 @@ must be, exit 2, never retried.
 from trainer.base import config_schema as schema
 from trainer.base.errors import UserError
 
-_ROPE_FACTOR = schema.optional(schema.POSITIVE)
-# Field -> check, for every field architectures.model_keys and _rope read (None: the field may be null or absent).
+# Field -> check, for every field architectures.model_keys and _rope read when present (optional: it may be null).
 FIELDS = {
     'architectures': schema.sequence(schema.TEXT),
     'hidden_size': schema.COUNT, 'num_attention_heads': schema.COUNT, 'num_hidden_layers': schema.COUNT,
     'intermediate_size': schema.COUNT, 'vocab_size': schema.COUNT,
     'head_dim': schema.optional(schema.COUNT), 'num_key_value_heads': schema.optional(schema.COUNT_OR_OFF),
-    'rms_norm_eps': schema.optional(schema.number(0, 1, low_open=True, high_open=True)),
+    'rms_norm_eps': schema.number(0, 1, low_open=True, high_open=True),  # Present: read as a float, so not null.
     'tie_word_embeddings': schema.optional(schema.BOOL), 'hidden_act': schema.optional(schema.TEXT),
     'attention_bias': schema.optional(schema.BOOL), 'mlp_bias': schema.optional(schema.BOOL),
     'sliding_window': schema.optional(schema.COUNT), 'use_sliding_window': schema.optional(schema.BOOL),
-    'rope_theta': _ROPE_FACTOR,
+    'rope_theta': schema.POSITIVE,
     'rope_scaling': schema.optional(schema.Check('an object', lambda v: isinstance(v, dict))),
     'rope_parameters': schema.optional(schema.Check('an object', lambda v: isinstance(v, dict))),
 }
 # Inside rope_scaling / rope_parameters.
 ROPE_FIELDS = {
-    'rope_type': schema.optional(schema.TEXT), 'type': schema.optional(schema.TEXT), 'rope_theta': _ROPE_FACTOR,
-    'factor': _ROPE_FACTOR, 'low_freq_factor': _ROPE_FACTOR, 'high_freq_factor': _ROPE_FACTOR,
-    'original_max_position_embeddings': schema.optional(schema.COUNT),
+    'rope_type': schema.optional(schema.TEXT), 'type': schema.optional(schema.TEXT), 'rope_theta': schema.POSITIVE,
+    'factor': schema.POSITIVE, 'low_freq_factor': schema.POSITIVE, 'high_freq_factor': schema.POSITIVE,
+    'original_max_position_embeddings': schema.COUNT,
 }
 LLAMA3_FIELDS = ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings')
 # config_schema.PRODUCTS are in model.* keys: the field each stands for.
