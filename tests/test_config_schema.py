@@ -58,8 +58,9 @@ def test_integers_stop_at_int32_and_choices_at_their_names():
 
 @pytest.mark.parametrize('path, value, said', [
     ('train.steps', 10**20, 'train.steps=100000000000000000000 must be an integer >= 1 and <= 2147483647'),
-    ('train.learning_rate', math.inf, 'train.learning_rate=inf must be a finite number > 0'),
-    ('train.learning_rate', math.nan, 'train.learning_rate=nan must be a finite number > 0'),
+    ('train.learning_rate', math.inf, 'train.learning_rate=inf must be a number > 0 and <= 3.4e+38'),
+    ('train.learning_rate', math.nan, 'train.learning_rate=nan must be a number > 0 and <= 3.4e+38'),
+    ('train.learning_rate', 1e39, 'train.learning_rate=1e+39 must be a number > 0 and <= 3.4e+38'),  # inf in float32.
     ('log.wandb_mode', 'sometimes', "log.wandb_mode='sometimes' must be one of 'online', 'offline'"),
     ('train.adam_b1', 1.5, 'train.adam_b1=1.5 must be in [0, 1)'),
     ('model.scan_layers', 1, "model.scan_layers=1 must be one of True, False, 'auto'"),  # 1 is not True here.

@@ -48,7 +48,7 @@ ROWS = [
     # Every key's type and range, before anything starts (issue 54; the whole table: tests/test_config_schema.py).
     (['--config.train.steps=100000000000000000000'], 'train.steps=100000000000000000000 must be an integer >= 1 '
                                                       'and <= 2147483647 (--config file configs/tiny.py'),
-    (['--config.train.learning_rate=inf'], 'train.learning_rate=inf must be a finite number > 0'),
+    (['--config.train.learning_rate=inf'], 'train.learning_rate=inf must be a number > 0 and <= 3.4e+38'),
     (['--config.log.wandb_mode=sometimes'], "log.wandb_mode='sometimes' must be one of 'online', 'offline'"),
     (['--config.model.d_model=1000000000'], "model.d_model=1000000000 makes the stacked layers' attention weights"),
     # get_config() raising or returning something else: the file, the line and the error in its own words.

@@ -22,6 +22,7 @@ from trainer.base.errors import UserError
 
 INT32_MAX = 2**31 - 1  # Step counters are int32 in jax; tensorboardX and jnp arrays take every count below it.
 PARAM_ELEMENTS_MAX = 2**42  # One tensor of 4.4e12 elements, 17.6 TB in float32: 16x the largest published tensor.
+FLOAT32_MAX = 3.4028234663852886e38  # A larger learning rate or weight is inf in the step: nan by step 2.
 EXTENT_MAX = 2**61  # Elements of one array whose bytes (up to 4 a float32 element) still fit an int64.
 
 
@@ -43,10 +44,10 @@ def integer(low: int = 0, high: int = INT32_MAX) -> Check:
   return Check(f'an integer >= {low} and <= {high}', lambda v: _is_int(v) and low <= v <= high)
 
 
-def number(low: float = 0, high: float = math.inf, low_open: bool = False, high_open: bool = False) -> Check:
-  """A finite int or float in the interval; `high` inf: no upper bound."""
-  if high == math.inf:
-    expected = f'a finite number {">" if low_open else ">="} {low:g}'
+def number(low: float = 0, high: float = FLOAT32_MAX, low_open: bool = False, high_open: bool = False) -> Check:
+  """An int or float in the interval; without a `high`, any that float32 (the step's arithmetic) holds."""
+  if high == FLOAT32_MAX:
+    expected = f'a number {">" if low_open else ">="} {low:g} and <= {high:.3g}'
   else:
     expected = f'in {"(" if low_open else "["}{low:g}, {high:g}{")" if high_open else "]"}'
   return Check(expected, lambda v: _is_number(v) and (low < v if low_open else low <= v)
