@@ -5,6 +5,7 @@ In process and cheap: the table is pure Python. The launched rows of tests/test_
 same refusals as one line and exit 2 from a supervised launch, before anything starts.
 """
 
+import copy
 import importlib
 import math
 import pathlib
@@ -22,8 +23,11 @@ HOSTILE = (math.nan, math.inf, -math.inf, -10**20, b'bytes', {'a': 1}, object())
 CONFIGS = sorted(p.stem for p in (pathlib.Path(__file__).parent.parent / 'configs').glob('*.py') if p.stem != '__init__')
 
 
+DEFAULTS = base.get_config().to_dict()
+
+
 def _with(path, value) -> dict:
-  config = base.get_config().to_dict()
+  config = copy.deepcopy(DEFAULTS)
   section, key = path.split('.')
   config[section][key] = value
   return config
