@@ -69,22 +69,75 @@ def _parse_flags(argv: list[str]) -> list[str]:
   quiet = logging.Filter()
   quiet.filter = lambda record: said.append(record.getMessage()) if record.pathname.endswith('config_flags.py') else 1
   logging.getLogger('absl').addFilter(quiet)
+  # What get_config() returned, kept as it is parsed: a dict fails in the overrides before the flag holds it.
+  parser = flags.FLAGS['config'].parser
+  load = parser.parse
+  parser.parse = lambda path: _loaded.append(load(path)) or _loaded[-1]
   try:
     argv = flags.FLAGS(argv)
+    _returned_a_config_dict(given)
     _CONFIG.value.keys()  # config_flags defers a failed file load to the first access.
+  except (SystemExit, KeyboardInterrupt) as e:  # Raised by the config file itself, or absl's --help: re-raised.
+    _config_file_stopped(given, e)
+    raise
   except Exception as e:  # pylint: disable=broad-except  (sorted into one line by _parse_error)
     if any('returned None' in s for s in said) and _config_path(given) != '(none)':  # Overrides of it fail too.
       _fail(f'--config file {_config_path(given)}: get_config() returned None; it must return the ConfigDict it '
             f'built (end it with `return c`, as configs/tiny.py does).')
+    # config_flags re-raises the file's TypeError or ValueError with its whole traceback as the message: the
+    # file's own exception, further down the chain, says it in its words.
+    raised = next((c for c in _chain(e) if _failed_in_config_file(given, c)), None)
+    if raised is not None:
+      _config_file_error(given, raised)
+    _returned_a_config_dict(given)  # A dict returned: its overrides failed first.
     _parse_error(given, argv, e)
   finally:
     logging.getLogger('absl').removeFilter(quiet)
-  from trainer.base import config_keys
+    parser.parse = load
+  from trainer.base import config_keys, config_schema
   unknown = config_keys.unknown(_CONFIG.value)
   if unknown:
     _fail(f'--config file {_config_path(given)} sets {"a key" if len(unknown) == 1 else "keys"} that no code reads: '
           f'{"; ".join(unknown)}. Every key is declared in configs/base.py.')
+  bad = config_schema.problems(_CONFIG.value)  # Every key's type and range, before anything starts.
+  if bad:
+    _fail(f'{"; ".join(bad)} (--config file {_config_path(given)} and its overrides).')
   return argv
+
+
+_loaded: list = []  # What the --config file's get_config() returned.
+
+
+def _returned_a_config_dict(given: list[str]) -> None:
+  """One line when get_config() returned something other than a ConfigDict (a dict, a list)."""
+  from ml_collections import config_dict
+  value = _loaded[-1] if _loaded else None
+  # None is said by the caller; _ErrorConfig is config_flags' stand-in for a file that failed to load.
+  if value is None or isinstance(value, config_dict.ConfigDict) or type(value).__name__ == '_ErrorConfig':
+    return
+  _fail(f'--config file {_config_path(given)}: get_config() returned a {type(value).__name__}, not an '
+        f'ml_collections ConfigDict; start from configs/base.get_config() (or build a ConfigDict) and return it, as '
+        f'configs/tiny.py does.')
+
+
+def _config_file_stopped(given: list[str], stop: BaseException) -> None:
+  """One line for a SystemExit or KeyboardInterrupt raised while the config file ran; nothing else is answered.
+
+  A SystemExit (any code, 0 too) is a config file that exited instead of returning a config: exit 2, since a
+  silent exit 0 reads as a launched run. A KeyboardInterrupt keeps Ctrl-C's exit 130 (the supervisor does not
+  retry it): a real Ctrl-C is answered by trainer/safety/startup_signals.py before it could raise one, so this is
+  almost always the file's own `raise KeyboardInterrupt`, but the two cannot be told apart for sure and the line
+  says both.
+  """
+  frames = _frames_in_config_file(given, stop)
+  if not frames:
+    return
+  where = f'--config file {_config_path(given)}, line {frames[-1].lineno}'
+  if isinstance(stop, KeyboardInterrupt):
+    _fail(f'{where}: KeyboardInterrupt while the file ran (a Ctrl-C, or raised by the file); nothing was started.',
+          130, 'interrupted')
+  _fail(f'{where}: the file raised SystemExit({stop.code!r}) instead of returning a config; nothing was started. '
+        f'Return a ConfigDict, or raise an error that says what is wrong.')
 
 
 def _parse_error(given: list[str], argv: list[str], error: BaseException) -> None:
@@ -133,7 +186,8 @@ def _config_file_error(argv: list[str], error: BaseException) -> None:
           f'ml_collections.ConfigDict (see configs/tiny.py).')
   frames = _frames_in_config_file(argv, error)
   where = f'{path}, line {frames[-1].lineno}' if frames else path
-  _fail(f'--config file {where}: {type(error).__name__}: {" ".join(str(error).split())}; fix the file.')
+  raised = 'get_config() raised ' if any(f.name == 'get_config' for f in frames) else ''
+  _fail(f'--config file {where}: {raised}{type(error).__name__}: {" ".join(str(error).split())}; fix the file.')
 
 
 def _chain(error: BaseException) -> list[BaseException]:

@@ -15,8 +15,9 @@ RUN = {'loop.run', 'loop._run', 'loop._active_params', 'plan.run', 'plan._run', 
 # The config's own checks, which relate keys of several sections (parallel.strategy against the mesh, the pipeline
 # against model and train).
 CHECKS = {'validation.validate_config', 'validation.validate_strategy', 'validation.validate_grad_accum',
-          'validation._check_context', 'validation._check_loss_chunks', 'validation._check_ranges',
-          'validation._positive_int', 'pipeline_checks.check_config', 'pipeline_checks._check_layers'}
+          'validation._check_context', 'validation._check_loss_chunks', 'pipeline_checks.check_config',
+          'pipeline_checks._check_layers',
+          'config_schema.check', 'config_schema.problems', 'config_schema._get'}  # Every key's type and range.
 # remat 'auto', made while the Job is built: candidates are copies of the config with other train settings, and
 # the memory-relevant keys of every section are its fingerprint.
 MEMORY = {'remat.resolve', 'remat.fingerprint', 'remat._with', 'remat._search', 'remat.step_bytes',

@@ -7,7 +7,8 @@ past the checks would show here as a traceback, a crash retried by the superviso
 The rows of CHECKED_AFTER_JAX fail where the launch builds its Job (hf_load.configure, then build_job), after jax
 loaded: 2 s of CPU each as a launch. They are checked in this process, on the config the launch's own flag parsing
 builds: the UserError must name the key. launch.py turns every UserError into one line and exit 2, never retried,
-which the launched rows prove, two of them of this kind (a MoE key and an optimizer key) as a launch.
+which the launched rows prove, one of them of this kind (a MoE key) as a launch. Each key alone (its type and range,
+issue 54) is refused before anything starts, the whole table in tests/test_config_schema.py.
 """
 
 import json
@@ -27,6 +28,7 @@ ROWS = [
     # Checked after jax loads, as a launch (the others of their kind are in CHECKED_AFTER_JAX).
     (['--config.model.num_experts=3', '--config.mesh.expert=2', '--config.mesh.data=4'],
      'model.num_experts=3 must be a multiple of mesh.expert=2'),
+    # A name outside its choices: refused with every key's range, before jax (trainer/base/config_schema.py).
     (['--config.train.optimizer=adamx'], "train.optimizer='adamx'"),
     # Storage.
     (['--workdir=gs://tb/run'], "'tb' cannot be a Cloud Storage bucket"),
@@ -43,7 +45,26 @@ ROWS = [
     (['LAUNCH_MAX_RESTARTS=-1'], "LAUNCH_MAX_RESTARTS='-1' is not a count"),
     # The config file itself.
     (['CONFIG_RETURNS_NONE'], 'get_config() returned None'),
+    # Every key's type and range, before anything starts (issue 54; the whole table: tests/test_config_schema.py).
+    (['--config.train.steps=100000000000000000000'], 'train.steps=100000000000000000000 must be an integer >= 1 '
+                                                      'and <= 2147483647 (--config file configs/tiny.py'),
+    (['--config.train.learning_rate=inf'], 'train.learning_rate=inf must be a number > 0 and <= 3.4e+38'),
+    (['--config.log.wandb_mode=sometimes'], "log.wandb_mode='sometimes' must be one of 'online', 'offline'"),
+    (['--config.model.d_model=1000000000'], "model.d_model=1000000000 makes the stacked layers' attention weights"),
+    # get_config() raising or returning something else: the file, the line and the error in its own words.
+    (['CONFIG_EXITS_0'], 'line 2: the file raised SystemExit(0) instead of returning a config; nothing was started'),
+    (['CONFIG_EXITS_3'], 'line 2: the file raised SystemExit(3) instead of returning a config'),
+    (['CONFIG_RAISES_VALUE_ERROR'], 'line 2: get_config() raised ValueError: no preset named x; fix the file.'),
+    (['CONFIG_RETURNS_DICT'], 'get_config() returned a dict, not an ml_collections ConfigDict'),
 ]
+# The config files of the rows named CONFIG_*.
+CONFIG_FILES = {
+    'CONFIG_RETURNS_NONE': NONE_CONFIG,
+    'CONFIG_EXITS_0': 'def get_config():\n  raise SystemExit(0)\n',
+    'CONFIG_EXITS_3': 'def get_config():\n  raise SystemExit(3)\n',
+    'CONFIG_RAISES_VALUE_ERROR': 'def get_config():\n  raise ValueError("no preset named x")\n',
+    'CONFIG_RETURNS_DICT': 'from configs import tiny\n\ndef get_config():\n  return tiny.get_config().to_dict()\n',
+}
 
 CHECKED_AFTER_JAX = [
     # Mixtures of experts.
@@ -77,9 +98,10 @@ CHECKED_AFTER_JAX = [
 def test_a_bad_value_is_one_line_exit_2_and_never_retried(tmp_path, flags, expected):
   env = launcher_env(LAUNCH_MAX_RESTARTS='2')
   config = 'configs/tiny.py'
-  if flags == ['CONFIG_RETURNS_NONE']:
-    config, flags = tmp_path / 'none_config.py', []
-    config.write_text(NONE_CONFIG)
+  if flags[0] in CONFIG_FILES:
+    config = tmp_path / 'config_file.py'
+    config.write_text(CONFIG_FILES[flags[0]])
+    flags = []
   if flags and flags[0].startswith('LAUNCH_MAX_RESTARTS='):
     env['LAUNCH_MAX_RESTARTS'], flags = flags[0].split('=', 1)[1], []
   workdir = tmp_path / 'run'
@@ -98,6 +120,20 @@ def test_a_bad_value_is_one_line_exit_2_and_never_retried(tmp_path, flags, expec
     [record] = [json.loads(l) for l in attempts.read_text().splitlines()]
     assert (record['exit_code'], record['cause'], record['retried']) == (2, 'user error', False)
   assert not (workdir / 'checkpoints').exists() or not any((workdir / 'checkpoints').iterdir())
+
+
+def test_a_keyboard_interrupt_raised_by_the_config_file_is_one_line_and_exit_130(tmp_path):
+  """Ctrl-C's exit code, which the supervisor does not retry: a real Ctrl-C is answered before it could raise one
+  (trainer/safety/startup_signals.py), so this is almost always the file's own, but the line says both."""
+  config = tmp_path / 'config_file.py'
+  config.write_text('def get_config():\n  raise KeyboardInterrupt\n')
+  result = run_python([sys.executable, str(REPO / 'launch.py'), f'--config={config}', f'--workdir={tmp_path / "run"}'],
+                      env=launcher_env(LAUNCH_MAX_RESTARTS='2'), timeout=300)
+  assert result.returncode == 130, result.stderr[-3000:]
+  lines = [l for l in result.stderr.splitlines() if l.strip() and not re.match(r'I\d{4} ', l)]
+  assert lines == [f'launch.py: interrupted: --config file {config}, line 2: KeyboardInterrupt while the file ran (a '
+                   f'Ctrl-C, or raised by the file); nothing was started.'], lines
+  assert not (tmp_path / 'run').exists()
 
 
 @pytest.mark.filterwarnings('ignore:the load_module')  # config_flags loads the config file as launch.py's does.

@@ -41,11 +41,11 @@ def test_a_launch_collects_rarely_and_leaves_its_imports_out_of_every_collection
   code = ('import atexit, gc, runpy, sys\n'
           'atexit.register(lambda: print("GC", gc.get_threshold(), gc.get_freeze_count(), flush=True))\n'
           f'sys.argv = ["launch.py", "--config=configs/tiny.py", "--workdir={tmp_path / "run"}", '
-          '"--config.model.num_experts=-2"]\n'
+          '"--config.model.num_experts=4", "--config.model.experts_per_token=5"]\n'
           'runpy.run_path("launch.py", run_name="__main__")\n')
   result = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env=conftest.launcher_env())
-  assert result.returncode == 2 and 'model.num_experts=-2' in result.stderr, result.stderr[-2000:]
+  assert result.returncode == 2 and 'model.experts_per_token=5' in result.stderr, result.stderr[-2000:]
   threshold, frozen = result.stdout.split('GC ', 1)[1].rsplit(' ', 1)
   assert threshold == str(collector.THRESHOLD)
   assert int(frozen) > 100_000  # jax, flax, optax, Orbax, grain and the trainer: 189,799 objects at the pins.

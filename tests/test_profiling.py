@@ -206,7 +206,7 @@ def test_bad_profile_settings_name_the_key(key, value, message):
 def test_bad_profile_setting_stops_the_launch_before_compiling(launcher, tmp_path):
   result = launcher(TINY, f'--workdir={tmp_path}', '--config.profile.num_steps=0', timeout=600)
   assert result.returncode == 2
-  assert 'launch.py: error: profile.num_steps=0: a trace needs at least 1 step' in result.stderr
+  assert 'launch.py: error: profile.num_steps=0 must be an integer >= 1' in result.stderr  # Before anything starts.
   assert 'Compiled the train step' not in result.stderr
 
 

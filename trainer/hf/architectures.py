@@ -14,6 +14,7 @@ import json
 import pathlib
 
 from trainer.base.errors import UserError
+from trainer.hf import config_fields
 
 SUPPORTED = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3',
              'MistralForCausalLM': 'mistral'}
@@ -64,6 +65,7 @@ def _rope(hf: dict, where: str) -> dict:
 
 def model_keys(hf: dict, seq_len: int, where: str) -> dict:
   """The model.* values config.json stands for; UserError for what the built-in Llama cannot be."""
+  config_fields.check(hf, where)  # Each field's type and range, and the sizes they make, before any is used.
   arch = architecture(hf, where)
   d, heads = hf['hidden_size'], hf['num_attention_heads']
   refusals = []

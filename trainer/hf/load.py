@@ -109,6 +109,11 @@ def _check_tensors(placements: list[layout.Placement], tensors: dict, tied: bool
                     f'{extra[0]!r} (in {tensors[extra[0]].file.name}); the model would not be the checkpoint '
                     f'(config.json and the weights disagree, or the architecture has parts this Llama lacks).')
   for name, placement in wanted.items():
+    if tensors[name].dtype not in safetensors_files.FLOATS:  # Read and cast, I32 codes would train as weights.
+      raise UserError(f'{where}: tensor {name!r} in {tensors[name].file.name} has dtype {tensors[name].dtype}, but '
+                      f'the model\'s parameters are floating point (expected one of '
+                      f'{", ".join(safetensors_files.FLOATS)}); the weights are not of this model (a quantized or '
+                      f'damaged checkpoint): download the float weights.')
     if tensors[name].shape != placement.hf_shape:
       raise UserError(f'{where}: tensor {name!r} in {tensors[name].file.name} has shape {tensors[name].shape}, but '
                       f'config.json makes it {placement.hf_shape}; config.json and the weights disagree.')

@@ -32,6 +32,7 @@ SINGLE = 'model.safetensors'
 # The dtypes safetensors 0.8.0 reads into numpy; it knows F8_* and sub-byte floats too, but its numpy
 # framework fails on them (numpy has no float8 types), so they are refused with the header, before any compile.
 READABLE = ('F64', 'F32', 'F16', 'BF16', 'I64', 'I32', 'I16', 'I8', 'U8', 'BOOL')
+FLOATS = ('F64', 'F32', 'F16', 'BF16')  # What a float parameter is read from; an integer tensor would be cast.
 
 
 @dataclasses.dataclass(frozen=True)

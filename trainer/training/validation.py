@@ -6,12 +6,11 @@ from jax.sharding import Mesh
 from parallel import context as context_lib
 from parallel import mesh as mesh_lib
 from trainer import data
+from trainer.base import config_schema
 from trainer.base.errors import UserError
 from trainer.models import layer_scan
 from trainer.supervision import notices
-from trainer.training import pipeline_checks, strategy
-
-DTYPES = ('float32', 'bfloat16')
+from trainer.training import pipeline_checks
 
 
 def _require(ok: bool, message: str) -> None:
@@ -19,80 +18,28 @@ def _require(ok: bool, message: str) -> None:
     raise UserError(message)
 
 
-def _positive_int(config, path: str, minimum: int = 1) -> None:
-  section, key = path.split('.')
-  value = config[section][key]
-  _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-           f'{path}={value!r} must be an integer >= {minimum}.')
-
-
 def validate_config(config) -> None:
   """Checks every value that can be judged without devices."""
-  # Model sizes are checked by the model's builder (trainer/models/), which knows which keys it reads.
-  for path in ('train.steps', 'train.batch_size', 'data.seq_len', 'log.every_steps', 'ckpt.every_steps',
-               'ckpt.max_to_keep', 'data.num_threads', 'data.max_documents_per_row'):
-    _positive_int(config, path)
-  _positive_int(config, 'train.grad_accum_steps')
+  # Each key's type and range: the table beside configs/base.py's keys (launch.py checked them before anything; a
+  # model.init_from's config.json has changed the model's since, and a config built in code was never checked).
+  config_schema.check(config)
+  # Model sizes against each other are checked by the model's builder (trainer/models/), which knows which keys it
+  # reads; what is left here relates keys.
   _check_loss_chunks(config)
-  _check_ranges(config)
-  _require(config.train.z_loss_weight >= 0, f'train.z_loss_weight={config.train.z_loss_weight} must be >= 0.')
-  _require(config.train.adam_mu_dtype in DTYPES,
-           f'train.adam_mu_dtype={config.train.adam_mu_dtype!r}: choose float32 or bfloat16.')
-  for path in ('train.warmup_steps', 'train.eval_every_steps', 'train.eval_batches', 'train.seed',
-               'data.prefetch_buffer_size'):
-    _positive_int(config, path, minimum=0)
-  _require(config.train.learning_rate > 0, f'train.learning_rate={config.train.learning_rate} must be > 0.')
-  _require(config.parallel.strategy in strategy.STRATEGIES,
-           f'parallel.strategy={config.parallel.strategy!r} is not available; choose one of {strategy.STRATEGIES}.')
-  _require(config.train.compute_dtype in DTYPES + ('auto',),
-           f'train.compute_dtype={config.train.compute_dtype!r}: choose auto, float32 or bfloat16.')
-  _require(config.train.param_dtype in DTYPES,
-           f'train.param_dtype={config.train.param_dtype!r}: choose float32 or bfloat16.')
   # The policy names themselves are the model's to check; 'auto' is resolved by building the Job.
   _require(config.train.remat_policy != 'auto',
            "train.remat_policy='auto' is chosen by compiling candidates when the Job is built: validate the config "
            "of trainer.run.job.build_job(config).config, or name a policy.")
-  gb = config.train.device_memory_gb
-  _require(gb is None or (isinstance(gb, (int, float)) and not isinstance(gb, bool) and gb > 0),
-           f'train.device_memory_gb={gb!r} must be a number of GiB > 0, or None for the device\'s own limit.')
   data.check_config(config.data)
   notices.check_config(config.train)
   _warn_if_warmup_exceeds_steps(config.train)
   layer_scan.check(config.model)
   pipeline_checks.check_config(config, pipeline_checks.stages_of(config.mesh))
-  _require(0 <= config.data.eval_percent < 100, f'data.eval_percent={config.data.eval_percent} must be in [0, 100).')
-
-
-# Optimizer, schedule and router numbers with a range outside which they train nothing sensible (a momentum of 1.5
-# diverges, a negative weight decay grows the weights): (key, low, high, low included, high included).
-_RANGES = (
-    ('train.adam_b1', 0, 1, True, False), ('train.adam_b2', 0, 1, True, False),
-    ('train.lion_b1', 0, 1, True, True), ('train.lion_b2', 0, 1, True, False),
-    ('train.muon_beta', 0, 1, True, False), ('train.sgd_momentum', 0, 1, True, False),
-    ('train.adafactor_decay_rate', 0, 1, False, True), ('train.end_learning_rate_ratio', 0, 1, True, True),
-    ('train.weight_decay', 0, float('inf'), True, False), ('train.muon_consistent_rms', 0, float('inf'), False, False),
-    ('model.router_aux_loss_weight', 0, float('inf'), True, False),
-    ('model.router_z_loss_weight', 0, float('inf'), True, False),
-)
-
-
-def _check_ranges(config) -> None:
-  for path, low, high, low_in, high_in in _RANGES:
-    section, key = path.split('.')
-    if key not in config[section]:  # A run's config.json from before the key.
-      continue
-    value = config[section][key]
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and (low <= value if low_in else low < value) and (value <= high if high_in else value < high))
-    bounds = f'{"[" if low_in else "("}{low:g}, {high:g}{"]" if high_in else ")"}'
-    _require(ok, f'{path}={value!r} must be in {bounds}.' if high != float('inf') else
-             f'{path}={value!r} must be {">=" if low_in else ">"} {low:g}.')
 
 
 def _check_loss_chunks(config) -> None:
   if 'loss_chunks' not in config.train:  # A run's config.json from before the key: the whole logits, as then.
     return
-  _positive_int(config, 'train.loss_chunks')
   chunks = config.train.loss_chunks
   if chunks == 1:
     return
