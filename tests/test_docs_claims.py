@@ -27,9 +27,10 @@ def _quoted_block(page: str, after: str) -> list[str]:
 
 def _shape(quoted: str) -> re.Pattern:
   """A quoted console line as a pattern: its numbers, paths and '...' stand for any."""
-  parts = re.split(rf'(\.\.\.|/[^\s;),]+|PID|{NUMBER})', quoted)
+  amount = rf'{NUMBER}(?: [KMGT]iB)?'  # A size's unit follows its magnitude.
+  parts = re.split(rf'(\.\.\.|/[^\s;),]+|PID|{amount})', quoted)
   pattern = ''.join('.*' if p == '...' else r'\S+' if p.startswith('/') else
-                    NUMBER if p == 'PID' or re.fullmatch(NUMBER, p) else re.escape(p) for p in parts if p)
+                    amount if p == 'PID' or re.fullmatch(amount, p) else re.escape(p) for p in parts if p)
   return re.compile(pattern + '$')
 
 
@@ -66,8 +67,11 @@ def test_the_readmes_console_is_what_a_launch_prints(tmp_path):
   # The tiny config takes the Quickstart's path in seconds: the same lines with other numbers.
   result = run_launcher('--config=configs/tiny.py', f'--workdir={tmp_path}/run')
   assert result.returncode == 0, result.stderr[-3000:]
-  logged = [(p, f, m) for p, f, m in _logged(result.stderr) if f != 'choice.py' or 'Attention kernel' not in m]
-  _check_quote(_quoted_block('README.md', '## What you get'), logged)
+  quote = _quoted_block('README.md', '## What you get')
+  _check_quote(quote, _logged(result.stderr))
+  # docs/monitoring.md shows the same run's goodput table.
+  [goodput] = [line.split('] ', 1)[1] for line in quote if 'Goodput' in line]
+  assert goodput in _quoted_block('docs/monitoring.md', '**Goodput.**')
 
 
 def test_the_multi_process_console_in_clusters_md_is_what_launch_local_prints(tmp_path):
