@@ -10,6 +10,7 @@ test_brought_models.py (its decoding_runs train under 'auto').
 
 import json
 import sys
+import sysconfig
 import textwrap
 
 import jax
@@ -85,6 +86,10 @@ def test_frames_are_told_apart_by_package_not_by_a_flax_in_the_path(tmp_path):
   assert frames.owner('flax.nnx.module', sys.modules['flax.nnx.module'].__file__) == 'library'
   assert frames.owner('trainer.run.loop', loop.__file__) == 'launcher'
   assert frames.owner('tests.custom_models', str(REPO / 'tests' / 'custom_models.py')) == 'user'
+  installed = f'{sysconfig.get_paths()["purelib"]}/my_models/lm.py'  # A user's model package, pip-installed.
+  assert frames.owner('my_models.lm', installed) == 'library'
+  assert frames.owner('my_models.lm', installed, frames.model_package('my_models.lm:LM')) == 'user'
+  assert frames.model_package('llama') is None and frames.model_package('trainer.models.llama:build') is None
 
 
 def test_a_model_in_a_flax_checkouts_examples_is_blamed_for_its_own_error(tmp_path, monkeypatch):

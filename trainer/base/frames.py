@@ -15,7 +15,8 @@ checkout too).
   installation directory of this interpreter (site-packages, the standard
   library's folders), and the packages of the stack the launcher runs on
   wherever they live (`STACK`);
-- the user: everything else.
+- the user: everything else, and the package of model.name's module wherever
+  it is installed (a model package pip-installed into site-packages).
 """
 
 import functools
@@ -45,9 +46,22 @@ def _inside(path: pathlib.Path, folder: pathlib.Path) -> bool:
   return path == folder or folder in path.parents
 
 
-def owner(module_name: str, filename: str) -> str:
-  """'launcher', 'library' or 'user': whose code the module `module_name` (a frame's `__name__`), in `filename`, is."""
+def model_package(model_name: str) -> str | None:
+  """The top-level package of model.name's module ('my_pkg' of 'my_pkg.models:LM'); None for a registered name."""
+  module = model_name.partition(':')[0] if ':' in model_name else ''
+  top = module.partition('.')[0]
+  return top if top and top not in _LAUNCHER_PACKAGES else None
+
+
+def owner(module_name: str, filename: str, user_package: str | None = None) -> str:
+  """'launcher', 'library' or 'user': whose code the module `module_name` (a frame's `__name__`), in `filename`, is.
+
+  `user_package` (model_package) is the user's wherever it is installed: a model package pip-installed into
+  site-packages is still theirs.
+  """
   top = (module_name or '').partition('.')[0]
+  if user_package is not None and top == user_package:
+    return 'user'
   if filename.startswith('<') and top != '__main__':  # Frozen importlib, code built by exec/eval in a library.
     return 'library'
   path = pathlib.Path(filename).resolve()
@@ -58,19 +72,20 @@ def owner(module_name: str, filename: str) -> str:
   return 'user'
 
 
-def frames(tb: types.TracebackType | None) -> list[tuple[str, traceback.FrameSummary]]:
+def frames(tb: types.TracebackType | None, user_package: str | None = None) -> list[tuple[str, traceback.FrameSummary]]:
   """(owner, frame) of each frame of the traceback, outermost first."""
   out = []
   for frame, lineno in traceback.walk_tb(tb):
     code = frame.f_code
-    out.append((owner(frame.f_globals.get('__name__', ''), code.co_filename),
+    out.append((owner(frame.f_globals.get('__name__', ''), code.co_filename, user_package),
                 traceback.FrameSummary(code.co_filename, lineno, code.co_name, lookup_line=False)))
   return out
 
 
-def blamed(e: BaseException) -> tuple[str, str]:
-  """(owner, 'file:line') of the deepest frame of `e` that is not a library's; ('', '') when every frame is."""
-  ours = [(who, f) for who, f in frames(e.__traceback__) if who != 'library']
+def blamed(e: BaseException, model_name: str = '') -> tuple[str, str]:
+  """(owner, 'file:line') of the deepest frame of `e` that is not a library's; ('', '') when every frame is.
+  `model_name` (model.name) makes its module's package the user's (model_package)."""
+  ours = [(who, f) for who, f in frames(e.__traceback__, model_package(model_name)) if who != 'library']
   if not ours:
     return '', ''
   who, frame = ours[-1]
@@ -84,7 +99,7 @@ def one_line(e: BaseException) -> str:
 
 def model_error(e: BaseException, name: str, doing: str) -> str:
   """The one line for model.name `name` failing while `doing` (e.g. 'building it'): where, and whose code to fix."""
-  who, where = blamed(e)
+  who, where = blamed(e, name)
   if who == 'launcher':
     fix = f'this failed inside the launcher ({where}), not the model: please report it with this line'
   elif who == 'user':

@@ -37,10 +37,10 @@ _CONSTRAINT_HINTS = ('mesh context', 'resource axis', 'with_sharding_constraint'
                      'not found in mesh', 'manual')
 
 
-def _cause(e: Exception) -> tuple[str, str, str]:
+def _cause(e: Exception, name: str) -> tuple[str, str, str]:
   """(the whole message on one line, where it was raised: the deepest frame that is not a library's, as file:line,
   and whose that frame is: 'user' or 'launcher', trainer/base/frames.py)."""
-  who, where = frames.blamed(e)
+  who, where = frames.blamed(e, name)
   return frames.one_line(e), where, who
 
 
@@ -112,7 +112,7 @@ def check_strategy(job) -> None:
 
 def _refuse(e: Exception, name: str, strategy: str, mesh, module_class: type) -> None:
   """Raises the one-line UserError for what the model raised while traced."""
-  cause, where, who = _cause(e)
+  cause, where, who = _cause(e, name)
   lowered = cause.lower()
   other = " or try --config.parallel.strategy=jit" if strategy != 'jit' else ''
   packed = [k for k in data.PACKED_KEYS if isinstance(e, TypeError) and f"'{k}'" in cause]
