@@ -1,6 +1,6 @@
 """The shapes in which public models failed to come in, each now trained or refused in one line.
 
-The JAX AI Stack tutorial's NamedSharding metadata (trains); a constructor flax
+The JAX AI Stack tutorial's NamedSharding metadata (initializes, placed and split); a constructor flax
 refuses (a plain list of layers: exit 2, not retried, under the supervisor); a
 model file in a flax checkout's examples/ (its own line blamed, not the
 launcher); nanodo's names that split nothing over fsdp/tensor (a warning with
@@ -17,12 +17,12 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, launcher_env, read_metrics, run_python
+from conftest import REPO, launcher_env, run_python
 from configs import tiny
 from parallel import param_names, sharding
 from trainer.base import frames
 from trainer.base.errors import UserError
-from trainer.run import job, loop
+from trainer.run import job, loop  # loop: a launcher module, for frames.owner.
 
 # A model as flax's examples write one, placed (by the tests) in a folder .../flax/examples/lm1b/.
 FLAX_EXAMPLE = textwrap.dedent('''\
@@ -69,15 +69,19 @@ def _specs(built) -> dict[str, tuple]:
           jax.tree_util.tree_flatten_with_path(built.shardings.params)[0]}
 
 
-def test_named_sharding_metadata_gives_its_specs_names_and_a_bias_with_its_kernels_spec_trains(tmp_path):
-  config = _config('tests.custom_models:NnxTutorialLM')
-  specs = _specs(job.build_job(config))  # 'model' is a public name: over 'tensor' with no rule.
+def test_named_sharding_metadata_gives_its_specs_names_and_a_bias_with_its_kernels_spec_initializes():
+  built = job.build_job(_config('tests.custom_models:NnxTutorialLM'))  # Its train step traced, too.
+  specs = _specs(built)  # 'model' is a public name: over 'tensor' with no rule.
   assert specs == {'embed/embedding': (None, 'tensor'), 'hidden/kernel': (None, 'tensor'),
                    'hidden/bias': ('tensor',), 'out/kernel': ('tensor', None)}
-  loop.run(config, str(tmp_path))
-  losses = [r['loss'] for r in read_metrics(tmp_path) if 'loss' in r]
-  assert len(losses) == 2 and all(np.isfinite(losses))
-  assert 'hidden/bias' in (tmp_path / 'sharding.txt').read_text()
+  assert built.task.param_notes == {'hidden/bias': '2 names for 1 dims: the last 1 taken'}
+  params = jax.jit(built.task.model.init, out_shardings=built.shardings.params)(jax.random.key(0))
+  assert params['hidden']['bias'].sharding.shard_shape((64,)) == (32,)  # Placed on the launcher's mesh, split.
+  assert np.isfinite(float(built.task.loss(params, _batch(built))[0]))
+
+
+def _batch(built) -> dict:
+  return {k: np.ones(s.shape, s.dtype) for k, s in built.abstract_batch.items()}
 
 
 def test_frames_are_told_apart_by_package_not_by_a_flax_in_the_path(tmp_path):
