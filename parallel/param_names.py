@@ -15,6 +15,9 @@ its author meant it:
 - fewer names than dimensions, Flax's own convention (a PartitionSpec shorter
   than the array, as a `DenseGeneral` kernel gets): the trailing dimensions
   are whole on every device;
+- more names than dimensions, the extra leading ones None (a bias given its
+  kernel's spec): the trailing names are the parameter's own; other excess
+  names are refused;
 - no names: `parallel.unnamed_params` decides. 'auto' (default) replicates
   parameters of rank 1 or of fewer than AUTO_MIN_ELEMENTS elements (norm
   scales, biases: the gather would cost more than the memory saved) and splits
@@ -80,6 +83,12 @@ def name_params(abstract_boxed, rules, mesh_shape: dict[str, int], unnamed: str,
                              else _auto_names(shape, mesh_shape['fsdp']))
       return nn.LogicallyPartitioned(leaf, names)
     names, shape = tuple(leaf.names), tuple(leaf.value.shape)
+    extra = len(names) - len(shape)
+    if extra > 0 and shape and all(n is None for n in names[:extra]):
+      # A bias given its kernel's spec (the JAX AI Stack's LLM tutorial: P(None, 'model') on a (features,) bias):
+      # its dimensions are the kernel's last ones, so the spec's trailing names are its own.
+      notes[where] = f'{len(names)} names for {len(shape)} dims: the last {len(shape)} taken'
+      names = names[extra:]
     if len(names) > len(shape):
       raise UserError(f'model.name={model_name!r}: parameter {where} has shape {shape} but {len(names)} axis names '
                       f'{names}; give at most one name (or None) per dimension.')
@@ -101,3 +110,39 @@ def name_params(abstract_boxed, rules, mesh_shape: dict[str, int], unnamed: str,
                     f'{", ".join(bare[:6])}{" ..." if len(bare) > 6 else ""}, and parallel.unnamed_params=\'error\'. '
                     f"Name them with {how} on the initializer, or set parallel.unnamed_params='auto' or 'replicate'.")
   return named, notes
+
+
+def unsplit_note(named_boxed, param_shardings, mesh_shape: dict[str, int], notes: dict[str, str],
+                 model_name: str) -> str | None:
+  """One line when mesh.fsdp or mesh.tensor is > 1 and no parameter the model named is split over either.
+
+  A model whose names map only to other axes (nanodo names its axis 'data') trains with every parameter whole on
+  every device, silently: the line says so, with the rule that maps its most used name to the axis. None when some
+  parameter is split over fsdp or tensor, or the model named none (`parallel.unnamed_params` decided those).
+  """
+  axes = [a for a in ('fsdp', 'tensor') if mesh_shape.get(a, 1) > 1]
+  if not axes:
+    return None
+  boxes = jax.tree_util.tree_flatten_with_path(named_boxed, is_leaf=_is_box)[0]
+  weight, count = {}, 0
+  for (path, box), named in zip(boxes, jax.tree.leaves(param_shardings)):
+    entries = [e for e in named.spec if e is not None]
+    if any(a in ((e,) if isinstance(e, str) else tuple(e)) for e in entries for a in axes):
+      return None
+    if notes.get(sharding.path_name(path), '').startswith('unnamed'):
+      continue
+    count += 1
+    for n in box.names:
+      if n is not None:
+        weight[n] = weight.get(n, 0) + math.prod(box.value.shape)
+  if not count:
+    return None
+  mesh = ' x '.join(f'mesh.{a}={mesh_shape[a]}' for a in axes)
+  if not weight:
+    how = 'name their dimensions (nnx.with_partitioning / nn.with_logical_partitioning, e.g. \'embed\', \'mlp\')'
+  else:
+    name = max(weight, key=weight.get)
+    how = f"map its most used name to {axes[0]}: --config.parallel.extra_axis_rules=\"(('{name}', '{axes[0]}'),)\""
+  shown = ', '.join(repr(n) for n in sorted(weight)) or 'None only'
+  return (f'{mesh} splits none of the {count} parameters model.name={model_name!r} names (its names: {shown} map to '
+          f'neither), so those axes hold every one of them whole; to split them, {how}.')

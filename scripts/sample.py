@@ -268,6 +268,9 @@ class DecodingCallLogits(CachedLogits):
   def __init__(self, task, params, seq_len: int, dtype: str):
     import jax
     import jax.numpy as jnp
+
+    from trainer.base import precision
+    dtype = precision.compute_dtype(dtype)  # train.compute_dtype, 'auto' too: the model's own init_cache takes a dtype.
     slots = jnp.arange(seq_len)
 
     def prefill(params, tokens_1L):

@@ -141,3 +141,24 @@ def own_attention_lm(config) -> AttentionLM:
 def launcher_attention_lm(config, mesh=None, rules=()) -> AttentionLM:
   return AttentionLM(vocab_size=config.model.vocab_size, width=config.model.d_model, launcher=True, mesh=mesh,
                      rules=tuple(rules))
+
+
+class NnxTutorialLM(nnx.Module):
+  """The JAX AI Stack's LLM tutorial's way: NamedShardings on a mesh of its own ('batch', 'model'), the bias given
+  its kernel's spec, one name longer than its rank."""
+
+  def __init__(self, config, *, rngs: nnx.Rngs):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((jax.device_count() // 2, 2), ('batch', 'model'))
+    shard = lambda init, *names: nnx.with_partitioning(init, NamedSharding(mesh, P(*names)))
+    m = config.model
+    self.embed = nnx.Embed(m.vocab_size, m.d_model, rngs=rngs,
+                           embedding_init=shard(nnx.initializers.normal(1.0), None, 'model'))
+    self.hidden = nnx.Linear(m.d_model, m.mlp_dim, rngs=rngs,
+                             kernel_init=shard(nnx.initializers.xavier_uniform(), None, 'model'),
+                             bias_init=shard(nnx.initializers.zeros_init(), None, 'model'))
+    self.out = nnx.Linear(m.mlp_dim, m.vocab_size, use_bias=False, rngs=rngs,
+                          kernel_init=shard(nnx.initializers.xavier_uniform(), 'model', None))
+
+  def __call__(self, tokens_BL):
+    return self.out(jnp.tanh(self.hidden(self.embed(tokens_BL))))

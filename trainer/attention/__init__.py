@@ -168,9 +168,7 @@ def config_call(m, data, dtype_name: str, mesh: Mesh | None = None) -> Call | No
 
 def _config_dtype(name: str, platform: str) -> str:
   """The compute dtype's name; 'auto' read for the mesh's platform (bfloat16 off CPU), not this host's."""
-  if name == 'auto':
-    return 'float32' if platform == 'cpu' else 'bfloat16'
-  return np.dtype(compute_dtype(name)).name
+  return np.dtype(compute_dtype(name, platform)).name
 
 
 def check_config(m, data, dtype_name: str, mesh: Mesh | None = None) -> Choice | None:

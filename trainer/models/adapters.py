@@ -29,15 +29,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from trainer.base import frames
 from trainer.base.errors import UserError
 from trainer.models import sown
 
 Params = Any  # Nested dict of arrays.
-# What to do when a model does not take the packed-row keywords (here for Linen at init, contract.py for the rest).
-PACKING_FIX = ('data.packing=True calls the model with segment_ids= and positions=: take them in its __call__ (and '
-               'keep attention within a segment), name its own keywords for them with --config.model.packed_kwarg_names'
-               '="(\'inputs_segmentation\', \'inputs_positions\')" (for example), or set --config.data.packing=False')
-
 
 @dataclasses.dataclass(frozen=True)
 class AdaptedModel:
@@ -130,6 +126,16 @@ def adapt(builder: Callable, config, example_inputs: tuple[tuple, dict], keyword
   `keywords` go to the builder where its signature takes them (call_builder);
   `init_context()` is entered around a Linen model's initializing call.
   """
+  try:
+    return _adapt(builder, config, example_inputs, keywords, init_context)
+  except UserError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (whatever the model raised while built: deterministic)
+    # Before step 1 nothing a restart changes: one line with the line to fix, exit 2, not retried as a crash.
+    raise UserError(frames.model_error(e, config.model.name, 'building it (abstractly, before any step)')) from e
+
+
+def _adapt(builder, config, example_inputs, keywords, init_context) -> AdaptedModel:
   name = config.model.name
   if is_nnx_builder(builder):
     return _adapt_nnx(builder, config, keywords)
@@ -141,6 +147,16 @@ def adapt(builder: Callable, config, example_inputs: tuple[tuple, dict], keyword
     raise UserError(f'model.name={name!r} returned a {type(module).__name__}, not a Flax module; point it at an '
                     f'nnx.Module class, or at a function `build(config)` returning a flax.linen Module.')
   return _adapt_linen(module, example_inputs, name, init_context)
+
+
+def axis_names(out_sharding) -> tuple | None:
+  """The axis names `nnx.with_partitioning` was given: names, a PartitionSpec, or a NamedSharding (whose spec's
+  names are taken; its mesh is the model's own, and the launcher places parameters on its mesh itself)."""
+  if out_sharding is None:
+    return None
+  if isinstance(out_sharding, jax.sharding.NamedSharding):
+    out_sharding = out_sharding.spec
+  return tuple(out_sharding)
 
 
 def _nnx_if_loaded():
@@ -168,9 +184,9 @@ def _adapt_nnx(builder, config, keywords) -> AdaptedModel:
                     f'(e.g. use LayerNorm instead of BatchNorm, dropout off).')
   boxed = {}
   for path, variable in nnx.to_flat_state(abstract_state):
-    names = variable.get_metadata().get('out_sharding')
+    names = axis_names(variable.get_metadata().get('out_sharding'))
     value = variable.get_value()
-    leaf = nn.LogicallyPartitioned(value, tuple(names)) if names is not None else value
+    leaf = nn.LogicallyPartitioned(value, names) if names is not None else value
     node = boxed
     for key in path[:-1]:
       node = node.setdefault(key, {})
@@ -217,7 +233,7 @@ def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> 
   try:
     variables = init_variables.eval_shape(jax.random.key(0))
   except TypeError as e:
-    raise call_error(e, name, example_inputs[1]) from e
+    raise call_error(e, name, example_inputs[1], type(module)) from e
   others = sorted(set(variables) - {'params', *sown.COLLECTIONS})
   if others:
     raise UserError(f'model.name={name!r} creates variable collections {others} besides "params". The launcher '
@@ -228,7 +244,27 @@ def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> 
                       lambda params: _BoundLinen(module, params))
 
 
-def call_error(e: TypeError, name: str, kwargs: dict) -> Exception:
+def packing_refusal(name: str, module_class: type | None, keyword: str) -> str:
+  """The line for a model refusing a packed-row keyword (data.packing=True calls it with segment_ids= and
+  positions=): its own names for them where its __call__ has some, else that it cannot pack and how one can."""
+  try:
+    names = list(inspect.signature(module_class.__call__).parameters)
+  except (AttributeError, TypeError, ValueError):
+    names = []
+  segment = [n for n in names if 'segment' in n]
+  position = [n for n in names if 'position' in n]
+  if segment and position:
+    return (f'model.name={name!r} takes no {keyword}= keyword, but its __call__ takes {segment[0]}= and '
+            f'{position[0]}=: if those are its segment ids and positions (data.packing=True passes both), name them '
+            f'with --config.model.packed_kwarg_names="(\'{segment[0]}\', \'{position[0]}\')", or set '
+            f'--config.data.packing=False.')
+  return (f'model.name={name!r} cannot train on packed rows: data.packing=True calls it with segment_ids= and '
+          f'positions=, and its __call__ takes no {keyword}= (nor any keyword for segment ids), so its attention would '
+          f'cross the documents packed into a row. Set --config.data.packing=False, or make it packable: take '
+          f'segment_ids= and positions= in its __call__ and attend only where segment ids match.')
+
+
+def call_error(e: TypeError, name: str, kwargs: dict, module_class: type | None = None) -> Exception:
   """A UserError for a call the model's signature refuses (a keyword it lacks or requires); else `e` itself."""
   text = str(e)
   missing = re.search(r"__call__\(\) missing \d+ required (?:keyword-only |positional )?arguments?: '(\w+)'", text)
@@ -242,6 +278,6 @@ def call_error(e: TypeError, name: str, kwargs: dict) -> Exception:
   if not given:
     return e
   if isinstance(kwargs[given[0]], jax.ShapeDtypeStruct):  # A packed-row keyword.
-    return UserError(f'model.name={name!r} takes no {given[0]}= keyword, and {PACKING_FIX}.')
+    return UserError(packing_refusal(name, module_class, given[0]))
   return UserError(f'model.name={name!r} takes no {given[0]}= keyword ({text}): remove it from model.call_kwargs / '
                    f'model.eval_call_kwargs.')

@@ -17,7 +17,6 @@ path); the built-in ones are tested under every strategy.
   look-ahead) and at p they must (logits[t] reads inputs[t]).
 """
 
-import pathlib
 import traceback
 
 import flax.linen as nn
@@ -30,31 +29,25 @@ from absl import logging
 from parallel import context as context_lib
 from parallel import sharding
 from trainer import data
+from trainer.base import frames
 from trainer.base.errors import UserError
 from trainer.models import adapters
 
-_REPO = pathlib.Path(__file__).resolve().parents[2]
 _CONSTRAINT_HINTS = ('mesh context', 'resource axis', 'with_sharding_constraint', 'sharding_constraint',
                      'not found in mesh', 'manual')
 
 
-def _cause(e: Exception) -> tuple[str, str]:
-  """(the whole message on one line, where it was raised: the deepest frame outside jax and Flax, as file:line)."""
-  text = ' '.join(line.strip() for line in str(e).splitlines() if line.strip())
-  frames = [f for f in traceback.extract_tb(e.__traceback__)
-            if not any(part in f.filename for part in ('/jax/', '/jaxlib/', '/flax/', '/contextlib.py'))]
-  where = f'{frames[-1].filename}:{frames[-1].lineno}' if frames else ''
-  return f'{type(e).__name__}: {text}', where
+def _cause(e: Exception, name: str) -> tuple[str, str, str]:
+  """(the whole message on one line, where it was raised: the deepest frame that is not a library's, as file:line,
+  and whose that frame is: 'user' or 'launcher', trainer/base/frames.py)."""
+  who, where = frames.blamed(e, name)
+  return frames.one_line(e), where, who
 
 
 def _raised_in_sharded_matmul(e: Exception) -> bool:
   """Whether jax's einsum/dot raised it over a PartitionSpec: a model passing out_sharding= (sharding in types)."""
-  frames = traceback.extract_tb(e.__traceback__)  # jax filters its own frames out: the model's line tells.
-  return any('out_sharding' in (f.line or '') or f.name in ('einsum', 'dot', 'matmul', 'dot_general') for f in frames)
-
-
-def _launcher_file(path: str) -> bool:
-  return any(path.startswith(str(_REPO / part)) for part in ('parallel', 'trainer'))
+  raised = traceback.extract_tb(e.__traceback__)  # jax filters its own frames out: the model's line tells.
+  return any('out_sharding' in (f.line or '') or f.name in ('einsum', 'dot', 'matmul', 'dot_general') for f in raised)
 
 
 # How the launcher's attention brings keys/values across the split: all at once, or around a ring
@@ -112,19 +105,20 @@ def check_strategy(job) -> None:
     keyword = adapters.call_error(e, name, {}) if isinstance(e, TypeError) else e  # A keyword its call requires.
     if isinstance(keyword, UserError):
       raise keyword from e
-    _refuse(e, name, strategy, mesh)
+    _refuse(e, name, strategy, mesh, job.task.model.module_class)
   _check_attends_across_context(traced, name, mesh.shape.get(context_lib.AXIS, 1))
   logging.info('model.name=%r traces under parallel.strategy=%r on mesh %s.', name, strategy, dict(mesh.shape))
 
 
-def _refuse(e: Exception, name: str, strategy: str, mesh) -> None:
+def _refuse(e: Exception, name: str, strategy: str, mesh, module_class: type) -> None:
   """Raises the one-line UserError for what the model raised while traced."""
-  cause, where = _cause(e)
+  cause, where, who = _cause(e, name)
   lowered = cause.lower()
   other = " or try --config.parallel.strategy=jit" if strategy != 'jit' else ''
-  if isinstance(e, TypeError) and any(f"'{k}'" in cause for k in data.PACKED_KEYS):
-    fix = adapters.PACKING_FIX
-  elif 'of type auto' in lowered or _raised_in_sharded_matmul(e):
+  packed = [k for k in data.PACKED_KEYS if isinstance(e, TypeError) and f"'{k}'" in cause]
+  if packed:
+    raise UserError(adapters.packing_refusal(name, module_class, packed[0])) from e
+  if 'of type auto' in lowered or _raised_in_sharded_matmul(e):
     fix = ("the model shards for a mesh with Explicit axes (out_sharding= on its einsums/dots, or "
            "jax.sharding.reshard), but the launcher's mesh axes are Auto (Manual inside 'shard_map'): remove those "
            "out_sharding= arguments (e.g. choose the model's own no-sharding config); the launcher shards "
@@ -132,7 +126,7 @@ def _refuse(e: Exception, name: str, strategy: str, mesh) -> None:
   elif strategy != 'jit' and any(h in lowered for h in _CONSTRAINT_HINTS):
     fix = (f"the model pins activation shardings, which only parallel.strategy='jit' can honour (under "
            f"{strategy!r} it runs on each device's shard); use --config.parallel.strategy=jit")
-  elif _launcher_file(where):
+  elif who == 'launcher':
     fix = f"this failed inside the launcher ({where}), not the model: please report it with this line{other}"
   else:
     fix = f"change the model where it raised ({where or 'see the traceback above'}){other}"

@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from trainer.base import frames
 from trainer.base.errors import UserError
 
 # Short name -> (import path, the model.task it is made for).
@@ -42,6 +43,8 @@ def resolve(name: str) -> Callable:
                       f"its folder is the current directory or on PYTHONPATH.") from e
     raise UserError(f"model.name={name!r}: importing {module_name!r} failed because it imports {e.name!r}, which is "
                     f"not installed.") from e
+  except Exception as e:  # pylint: disable=broad-except  (the module's own code failed as it was imported)
+    raise UserError(frames.model_error(e, name, f'importing {module_name!r}')) from e
   try:
     return getattr(module, attr)
   except AttributeError as e:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from parallel import sharding
+from parallel import param_names, sharding
 from trainer import data, pipeline
 from trainer import evals as evals_lib
 from trainer.base import storage
@@ -247,6 +247,10 @@ def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
     logging.info('%s', stages)
   table, totals = sharding.sharding_table(job.abstract, job.shardings, job.task.param_notes,
                                           optimizer.decaying_params(job.config.train, job.task.model.abstract_boxed))
+  note = param_names.unsplit_note(job.task.model.abstract_boxed, job.shardings.params, dict(mesh.shape),
+                                  job.task.param_notes, config.model.name)
+  if note and write:
+    logging.warning('%s', note)
   if write:  # The table is a line per parameter: the console gets one line, the file all of them.
     storage.path(workdir).mkdir(parents=True, exist_ok=True)
     (storage.path(workdir) / 'sharding.txt').write_text(table + '\n')
