@@ -27,6 +27,7 @@ RECORDS = {'checkpoint.run_manifest', 'metrics.MetricsWriter.write_config'}
 # The model builder's contract (docs/bring_your_own_model.md): `build(config)` / `MyModel(config, *, rngs)` get the
 # whole locked config, the built-in models too.
 MODELS = {'task.build_task', 'task._require_chunkable_model', 'task._brought_model_keywords', 'adapters.adapt',
+          'adapters._adapt',  # adapt's body: adapt turns what a model raises while built into one line.
           'adapters.call_builder', 'adapters._adapt_nnx', 'llama.build', 'llama.check_config', 'vit.build'}
 ALLOWED = RUN | CHECKS | MEMORY | RECORDS | MODELS
 
