@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, make_text_dir, run_launcher, run_python, tiny_checkpoint
+from conftest import REPO, run_launcher, run_python, tiny_checkpoint
 
 
 def _sample(*args: str) -> subprocess.CompletedProcess:
