@@ -1,4 +1,4 @@
-"""Train a config: `python launch.py --config=configs/default.py --workdir=DIR [--config.train.steps=N ...]`.
+"""Train a config: `.venv/bin/python launch.py --config=configs/default.py --workdir=DIR [--config.x=y ...]`.
 
 Flags in, the processes joined (parallel/distributed.py; a no-op for one process),
 one run out; everything a user can get wrong ends in one line on stderr and
@@ -13,7 +13,9 @@ import threading
 import time
 import traceback
 
-from absl import app, flags
+from trainer.base import interpreter
+interpreter.require_packages('launch.py')  # The system python3 has no absl: one line, not a ModuleNotFoundError.
+from absl import app, flags  # noqa: E402
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file, e.g. configs/default.py.')
@@ -63,6 +65,8 @@ def _fail(message: str, exit_code: int = 2, kind: str = 'error') -> None:
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing, with config_flags' errors (tracebacks for unknown keys, bad files) turned into one line."""
   given = list(argv)
+  from trainer.observe import console
+  console.help_if_asked(argv)  # -h and --help: exit 0 (absl's --help exits 1 and knows no -h).
   # config_flags logs its own version of the errors below (get_config() returning None, a failed load) before
   # absl's logging is set up, two lines ahead of ours: the one line below says it, with the fix.
   said = []

@@ -1,7 +1,7 @@
 """The default job: a small byte-level Llama-style LM on the Python standard library.
 
 Run:
-  python launch.py --config=configs/default.py --workdir=/tmp/default_run
+  .venv/bin/python launch.py --config=configs/default.py --workdir=/tmp/default_run
 
 Needs no download: it trains on the `.py` files of the running interpreter's
 standard library (or `--config.data.text_dir=DIR`), holding 5% of the files

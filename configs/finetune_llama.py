@@ -4,14 +4,14 @@ The whole sequence, from a downloaded Hugging Face folder to an exported one (e.
 config.json, model.safetensors, tokenizer.json, tokenizer_config.json; nothing is downloaded here):
 
   # 1. Tokenize the pairs with the model's own tokenizer (one {"prompt": ..., "completion": ...} a line):
-  python scripts/prepare_data.py --input=train.jsonl --output=/data/sft --tokenizer=/models/Llama-3.2-1B-Instruct
+  .venv/bin/python scripts/prepare_data.py --input=train.jsonl --output=/data/sft --tokenizer=/models/Llama-3.2-1B-Instruct
   # 2. Fine-tune from the published weights (config.json sets the model; a resumed run keeps its own weights):
-  python launch.py --config=configs/finetune_llama.py --workdir=/runs/sft \\
+  .venv/bin/python launch.py --config=configs/finetune_llama.py --workdir=/runs/sft \\
       --config.model.init_from=hf:/models/Llama-3.2-1B-Instruct --config.data.path=/data/sft
   # 3. Export the newest checkpoint as a Hugging Face folder (config.json, safetensors, the tokenizer files):
-  python scripts/export_hf.py --workdir=/runs/sft --output=/models/sft-out
+  .venv/bin/python scripts/export_hf.py --workdir=/runs/sft --output=/models/sft-out
   # 4. Sample from the run (or load /models/sft-out with transformers or vLLM):
-  python scripts/sample.py --workdir=/runs/sft --prompt='Question: name a colour. Answer:' --temperature=0
+  .venv/bin/python scripts/sample.py --workdir=/runs/sft --prompt='Question: name a colour. Answer:' --temperature=0
 
 Size it first with `launch.py --config=configs/finetune_llama.py --config.model.init_from=hf:... --plan`
 (reads config.json only). Each packed row holds several examples; attention and the loss never cross them, and

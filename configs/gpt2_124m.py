@@ -3,12 +3,12 @@
 Run, on tokens written by scripts/prepare_data.py with a GPT-2-style tokenizer
 (any local tiktoken or SentencePiece file of <= 50304 tokens):
 
-  python scripts/prepare_data.py --input=TEXT_DIR --output=/data/shards --tokenizer=gpt2.tiktoken
-  python launch.py --config=configs/gpt2_124m.py --workdir=/tmp/gpt2_run --config.data.path=/data/shards
+  .venv/bin/python scripts/prepare_data.py --input=TEXT_DIR --output=/data/shards --tokenizer=gpt2.tiktoken
+  .venv/bin/python launch.py --config=configs/gpt2_124m.py --workdir=/tmp/gpt2_run --config.data.path=/data/shards
 
 or without data, to measure throughput and memory:
 
-  python launch.py --config=configs/gpt2_124m.py --workdir=/tmp/gpt2_run --config.data.source=synthetic
+  .venv/bin/python launch.py --config=configs/gpt2_124m.py --workdir=/tmp/gpt2_run --config.data.source=synthetic
 
 Same shape as GPT-2 small (12 layers, d_model 768, 12 heads, 1024-token
 context, tied input/output embeddings) with Llama's parts instead of GPT-2's:

@@ -3,8 +3,8 @@
 Run, on tokens written by scripts/prepare_data.py with Llama 3's tokenizer
 (Meta's `tokenizer.model` is a tiktoken BPE file: copy it to a `.tiktoken` name):
 
-  python scripts/prepare_data.py --input=TEXT_DIR --output=/data/shards --tokenizer=llama3.tiktoken
-  python launch.py --config=configs/llama_1b.py --workdir=/tmp/llama_1b --config.data.path=/data/shards \\
+  .venv/bin/python scripts/prepare_data.py --input=TEXT_DIR --output=/data/shards --tokenizer=llama3.tiktoken
+  .venv/bin/python launch.py --config=configs/llama_1b.py --workdir=/tmp/llama_1b --config.data.path=/data/shards \\
       --config.mesh.fsdp=-1 --config.mesh.data=1
 
 or with --config.data.source=synthetic to measure throughput and memory; check

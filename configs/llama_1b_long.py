@@ -9,9 +9,9 @@ matmul outputs (remat 'dots_saveable': over 164 GiB). With the chunked loss and 
 model does fit one chip (23.78 GiB on v5p:2x2x1), recomputing the forward pass in every backward one: on fewer
 chips, add --config.train.remat_policy=full and a smaller mesh.context.
 
-  python launch.py --config=configs/llama_1b_long.py --plan --topology=v5p:2x2x8 --config.data.source=synthetic \
+  .venv/bin/python launch.py --config=configs/llama_1b_long.py --plan --topology=v5p:2x2x8 --config.data.source=synthetic \
       --config.data.packing=False    # needs requirements-tpu-plan.txt; fits: 55.55 GiB of 95 per chip
-  python launch.py --config=configs/llama_1b_long.py --workdir=/tmp/llama_1b_long --config.data.path=/data/shards
+  .venv/bin/python launch.py --config=configs/llama_1b_long.py --workdir=/tmp/llama_1b_long --config.data.path=/data/shards
 
 Batch: 4 x 131,072 = 0.5M tokens a step, as llama_1b's 256 x 2048.
 """

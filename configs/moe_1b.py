@@ -11,7 +11,7 @@ Dropless routing on grouped matmuls (model.expert_capacity_factor None); set it 
 1.25 for capacity mode. Experts split over the expert mesh axis, which splits
 the batch too:
 
-  python launch.py --config=configs/moe_1b.py --workdir=/tmp/moe_1b --config.data.path=/data/shards \\
+  .venv/bin/python launch.py --config=configs/moe_1b.py --workdir=/tmp/moe_1b --config.data.path=/data/shards \\
       --config.mesh.expert=8 --config.mesh.data=-1
 
 or --config.data.source=synthetic to measure throughput; check the fit first with

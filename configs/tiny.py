@@ -1,7 +1,7 @@
 """A seconds-long config for tests and smoke checks: the default job, shrunk.
 
 Run:
-  python launch.py --config=configs/tiny.py --workdir=/tmp/tiny_run
+  .venv/bin/python launch.py --config=configs/tiny.py --workdir=/tmp/tiny_run
 """
 
 from configs import default

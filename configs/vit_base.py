@@ -1,7 +1,7 @@
 """ViT-B/16 on 224x224x3 images with 1000 classes (ImageNet-1k sized): 86,566,120 parameters.
 
 Run (an accelerator; on CPU this is far too slow):
-  python launch.py --config=configs/vit_base.py --workdir=/tmp/vit_base_run --config.data.path=/data/imagenet224
+  .venv/bin/python launch.py --config=configs/vit_base.py --workdir=/tmp/vit_base_run --config.data.path=/data/imagenet224
 
 12 pre-LayerNorm blocks of width 768 (12 heads, MLP 3072) over 16x16 patches (196 per image), global average
 pooling and a linear head. `data.path` is an .npz file holding `images` (N, 224, 224, 3), uint8 (scaled to [0, 1]

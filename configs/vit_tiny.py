@@ -1,7 +1,7 @@
 """A CPU-sized ViT classifier on synthetic 32x32x3 images: for tests and a minutes-long run with no dataset.
 
 Run:
-  python launch.py --config=configs/vit_tiny.py --workdir=/tmp/vit_tiny_run
+  .venv/bin/python launch.py --config=configs/vit_tiny.py --workdir=/tmp/vit_tiny_run
 
 6 pre-LayerNorm blocks of width 128 (4 heads, MLP 512) over 4x4 patches (64 per image), 10 classes:
 1,205,642 parameters. `data.source='synthetic'` draws each image as a class template (a coarse grid of colours)

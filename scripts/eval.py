@@ -1,7 +1,7 @@
 """Score a run's checkpoint on task files, the way a run with eval.tasks scores itself (docs/evals.md).
 
-  python scripts/eval.py --workdir=DIR --tasks=a.jsonl,b.jsonl [--step=latest] [--params=raw|ema]
-      [--max_questions=0] [--rows_per_call=0] [--max_new_tokens=64] [--output=FILE]
+  .venv/bin/python scripts/eval.py --workdir=DIR --tasks=a.jsonl,b.jsonl [--step=latest]
+      [--params=raw|ema] [--max_questions=0] [--rows_per_call=0] [--max_new_tokens=64] [--output=FILE]
 
 Multiple-choice files are scored by trainer/evals/ (per-choice log-likelihoods, acc, acc_norm) on a mesh of every
 local device (data-parallel, rows split like a training batch). Sample-based files (lines with "answer" and "stop")
@@ -19,14 +19,20 @@ import sys
 import time
 import types
 
-from absl import app, flags, logging
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from trainer.safety import startup_signals  # noqa: E402  (first: a signal in any phase is one line, 128 + it)
+if __name__ == '__main__':  # Not in a test that imports it.
+  startup_signals.install_for_tool('eval.py')
+from trainer.base import interpreter  # noqa: E402
+interpreter.require_packages('eval.py')
+from absl import app, flags, logging  # noqa: E402
 # sample.py defaults JAX_PLATFORMS to cpu for its one-device decoding; scoring here uses the accelerators.
 _PLATFORMS = os.environ.get('JAX_PLATFORMS')
 from scripts import sample  # noqa: E402  (the decoder, and the --workdir/--step/--params flags)
 if _PLATFORMS is None:
   os.environ.pop('JAX_PLATFORMS', None)
+for _name in ('workdir', 'step', 'params'):
+  flags.declare_key_flag(_name)  # sample.py's flags, listed by --help with this script's own.
 
 _TASKS = flags.DEFINE_list('tasks', [], 'Task files (JSONL, docs/evals.md), comma-separated.')
 _MAX_QUESTIONS = flags.DEFINE_integer('max_questions', 0, 'Score only the first N questions of each file; 0 = all.')
@@ -141,6 +147,9 @@ def evaluate(workdir: str, task_paths, step: str, which: str, max_questions: int
   from trainer.base.errors import UserError
   from trainer.evals import codec as codec_lib
   from trainer.evals import tasks
+  from trainer.safety import tool_outputs
+  if output:
+    tool_outputs.refuse_link('--output', output)
   if step != 'latest' and not step.isdigit():
     raise UserError(f"--step={step}: give a checkpoint step or 'latest'.")
   run_dir = storage.path(workdir)
@@ -174,7 +183,8 @@ def evaluate(workdir: str, task_paths, step: str, which: str, max_questions: int
     record['lm_eval'] = _lm_eval(lm_eval_tasks, lm_eval_include, lm_eval_limit, job, params, codec, config)
   target = storage.path(output) if output else run_dir / 'evals' / f'eval_step_{restored}.json'
   target.parent.mkdir(parents=True, exist_ok=True)
-  target.write_text(json.dumps(record, indent=1) + '\n')
+  with tool_outputs.written_whole(str(target), replace=True) as partial:  # Whole, or the file as it was.
+    storage.path(partial).write_text(json.dumps(record, indent=1) + '\n')
   record['output'] = str(target)
   return record
 
@@ -206,4 +216,5 @@ def main(argv):
 if __name__ == '__main__':
   from trainer.run import collector
   collector.tune()  # Fewer collections while the model traces (trainer/run/collector.py).
-  app.run(main)
+  from trainer.observe import console
+  app.run(main, flags_parser=console.one_line_flag_errors('eval.py'))  # Flag errors: one line, exit 2.

@@ -1,7 +1,7 @@
 """Write a run's newest checkpoint as a Hugging Face model folder that transformers and vLLM load.
 
-  python scripts/export_hf.py --workdir=DIR --output=OUT [--step=latest] [--dtype=bfloat16] [--max_shard_gb=5]
-      [--params=raw|ema]
+  .venv/bin/python scripts/export_hf.py --workdir=DIR --output=OUT [--step=latest] [--dtype=bfloat16]
+      [--max_shard_gb=5] [--params=raw|ema]
 
 Reads the run's config from WORKDIR/config.json, restores the parameters of the
 newest intact checkpoint (or --step) onto one CPU device (or, with --params=ema,
@@ -27,9 +27,13 @@ import os
 import pathlib
 import sys
 
-from absl import logging
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from trainer.safety import startup_signals  # noqa: E402  (first: a signal in any phase is one line, 128 + it)
+if __name__ == '__main__':  # Not in a test that imports it.
+  startup_signals.install_for_tool('export_hf.py')
+from trainer.base import interpreter  # noqa: E402
+interpreter.require_packages('export_hf.py')
+from absl import logging  # noqa: E402
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # Restored onto one CPU device; don't claim an accelerator.
 
 
@@ -41,17 +45,18 @@ def export(workdir: str, output: str, step: str = 'latest', dtype: str | None = 
   from trainer.base import storage
   from trainer.base.errors import UserError
   from trainer.hf import save, serving
+  from trainer.safety import tool_outputs
+  tool_outputs.refuse_existing('--output', output)  # Before the restore: a link or an existing folder in a second.
   run = storage.path(workdir)
   config = sample.load_run_config(run)
   if config.model.name != 'llama':
     raise UserError(f"--workdir={workdir!r} trained model.name={config.model.name!r}; only the built-in Llama "
                     f"(model.name='llama') exports to a Hugging Face folder.")
-  out = pathlib.Path(output)
-  if out.exists():
-    raise UserError(f'--output={output!r} exists; choose a new folder (nothing is overwritten).')
   restored, _, weights = sample.restore_model(config, run, step, params)
-  names = save.export(config.model, weights, out, dtype, int(max_shard_gb * (1 << 30)), serving.of_run(config))
-  logging.info('Exported step %d of %s to %s (%s)', restored, workdir, out, ', '.join(names))
+  with tool_outputs.written_whole(output) as partial:  # Renamed to --output once every file is written.
+    names = save.export(config.model, weights, pathlib.Path(partial), dtype, int(max_shard_gb * (1 << 30)),
+                        serving.of_run(config))
+  logging.info('Exported step %d of %s to %s (%s)', restored, workdir, output, ', '.join(names))
   return restored, names
 
 

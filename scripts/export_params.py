@@ -1,7 +1,7 @@
 """Write the parameters of a run's checkpoint as a plain Orbax checkpoint that needs nothing of this project.
 
-  python scripts/export_params.py --config=configs/default.py --workdir=DIR --output=/abs/path/params [--step=N]
-      [--params=raw|ema]
+  .venv/bin/python scripts/export_params.py --config=configs/default.py --workdir=DIR --output=/abs/path/params
+      [--step=N] [--params=raw|ema]
 
 --config (and any --config.x=y overrides) must describe the model the run
 trained, as for a relaunch: the checkpoint's manifest is checked against it and
@@ -24,10 +24,14 @@ or as jax.Arrays in your own shardings with
 import pathlib
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from trainer.safety import startup_signals  # noqa: E402  (first: a signal in any phase is one line, 128 + it)
+if __name__ == '__main__':  # Not in a test that imports it.
+  startup_signals.install_for_tool('export_params.py')
+from trainer.base import interpreter  # noqa: E402
+interpreter.require_packages('export_params.py')
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'The config the run was trained with.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The run folder (or gs:// URL) holding checkpoints/.')
@@ -50,12 +54,15 @@ def export(config, workdir: str, output: str, step: int | None = None, params: s
   from trainer.run import job as job_lib
   from trainer.training import state as state_lib
   from trainer.base.errors import UserError
-  output_path = storage.path(output)  # A local folder or a gs:// URL, like the workdir.
-  if output_path.exists():
+  from trainer.safety import tool_outputs
+  tool_outputs.refuse_existing('--output', output)
+  if storage.path(output).exists():  # A local folder or a gs:// URL, like the workdir.
     raise UserError(f'--output={output} exists; choose a new folder (nothing is overwritten).')
   step, state = checkpoint.restore_for_tool(job_lib.build_job(config), workdir, step)
-  with ocp.StandardCheckpointer() as writer:
-    writer.save(output_path, state_lib.params_of(state, params))
+  with tool_outputs.written_whole(output) as partial:  # Renamed to --output once Orbax has finished it.
+    with ocp.StandardCheckpointer() as writer:
+      writer.save(storage.path(partial), state_lib.params_of(state, params))
+  output_path = storage.path(output)
   logging.info('Exported the parameters of step %d of %s to %s', step, workdir, output_path)
   return step
 

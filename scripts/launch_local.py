@@ -1,6 +1,6 @@
 """Runs launch.py as several CPU processes on this machine, joined over 127.0.0.1: a multi-host run in miniature.
 
-  python scripts/launch_local.py --num_processes=2 --devices_per_process=4 \\
+  .venv/bin/python scripts/launch_local.py --num_processes=2 --devices_per_process=4 \\
       --config=configs/tiny.py --workdir=/tmp/two_processes [--config.train.steps=20 ...]
 
 Every argument it does not know goes to launch.py unchanged. Each process gets
@@ -10,6 +10,13 @@ so the run sees num_processes x K devices. Output lines are prefixed with the
 process index (`[0] ...`). When a process fails, or --timeout_s passes, the
 others are stopped and this script exits non-zero (the failing process's exit
 code, or 124 on timeout). --dry_run prints the commands and runs nothing.
+
+SIGTERM, SIGINT (Ctrl-C) and SIGHUP to this script are forwarded to every process, which saves and stops as a
+launch.py does; it exits 128 + the signal (143, 130, 129). The processes die with it even when it is killed
+without a word (kill -9): each is started with Linux's parent-death signal (PR_SET_PDEATHSIG, as launch.py's
+supervisor starts its training process) set to SIGTERM, so a run left without its launcher saves and stops and
+frees the workdir's lock, rather than training headless to the end. Chosen over a pipe each process would
+watch because launch.py already acts on SIGTERM in every phase and needs no change for it.
 """
 
 import argparse
@@ -25,6 +32,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from trainer.base import interpreter  # noqa: E402
+interpreter.require_packages('launch_local.py')  # Its launch.py processes need them.
+from trainer.supervision import supervisor  # noqa: E402  (die_with_parent)
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_SAVE_GRACE_S = 60  # After a forwarded stop signal, the processes get this long to save before SIGKILL.
 _OWN_FLAGS = ('--coordinator_address', '--num_processes', '--process_id')
 _GRACE_S = 3  # After the first failure, the others get this long to print their own error and exit.
 
@@ -63,9 +77,11 @@ def _relay(stream, sink, prefix: str) -> None:
     sink.flush()
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-  """SIGTERM, then SIGKILL, to each still-running process's whole group (its own session, see run)."""
-  for sig, wait_s in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):
+def _stop(procs: list[subprocess.Popen], received: int | None = None) -> None:
+  """SIGTERM (or the stop signal this script `received`, with time to save), then SIGKILL, to each still-running
+  process's whole group (its own session, see run)."""
+  first = (signal.SIGTERM, 3) if received is None else (received, _SAVE_GRACE_S)
+  for sig, wait_s in (first, (signal.SIGKILL, 5)):
     alive = [p for p in procs if p.poll() is None]
     for p in alive:
       try:
@@ -77,12 +93,8 @@ def _stop(procs: list[subprocess.Popen]) -> None:
       time.sleep(0.1)
 
 
-def _interrupt(signum, frame):
-  raise KeyboardInterrupt  # SIGTERM stops the processes the way Ctrl-C does, instead of orphaning them.
-
-
 def _exit_code(returncode: int) -> int:
-  return returncode if returncode > 0 else 128 - returncode  # A signal's negative code as the shell shows it.
+  return returncode if returncode >= 0 else 128 - returncode  # A signal's negative code as the shell shows it.
 
 
 def max_restarts(launch_args: list[str]) -> int:
@@ -104,44 +116,47 @@ def run(cmds: list[list[str]], env: dict[str, str], timeout_s: float, restarts: 
   procs, relays = [], []
   deadline = time.monotonic() + timeout_s if timeout_s > 0 else float('inf')
   code, reason = 0, ''
-  signal.signal(signal.SIGTERM, _interrupt)
+  received = []  # The stop signal this script got; the loop below forwards it (a handler only records it).
+  for sig in _STOP_SIGNALS:
+    signal.signal(sig, lambda signum, frame: received.append(signum))
 
   def start(i: int) -> subprocess.Popen:
     # Own session per process: stopping it takes its children too, and Ctrl-C reaches only this script.
     p = subprocess.Popen(cmds[i], env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, bufsize=1, start_new_session=True)
+                         text=True, bufsize=1, start_new_session=True,
+                         preexec_fn=supervisor.die_with_parent(signal.SIGTERM))
     for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
       relays.append(threading.Thread(target=_relay, args=(stream, sink, f'[{i}] '), daemon=True))
       relays[-1].start()
     return p
 
-  try:
-    for i in range(len(cmds)):
+  for i in range(len(cmds)):
+    if not received:
       procs.append(start(i))
-    while any(p.poll() is None for p in procs):
-      failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-      for i in [i for i in failed if procs[i].returncode < 0 and restarts > 0]:
-        restarts -= 1
-        print(f'launch_local.py: restarting: the launch.py of process {i} was killed by '
-              f'{signal.Signals(-procs[i].returncode).name}; started it again to rejoin the group '
-              f'({restarts} restart(s) left).', file=sys.stderr, flush=True)
-        procs[i] = start(i)
-        failed.remove(i)
-      if failed:
-        grace_end = time.monotonic() + _GRACE_S
-        while any(p.poll() is None for p in procs) and time.monotonic() < grace_end:
-          time.sleep(0.1)
-        break
-      if time.monotonic() > deadline:
-        code, reason = 124, f'--timeout_s={timeout_s:g} passed'
-        break
-      time.sleep(0.2)
-  except KeyboardInterrupt:
-    code, reason = 130, 'interrupted'
+  while any(p.poll() is None for p in procs) and not received:
+    failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+    for i in [i for i in failed if procs[i].returncode < 0 and restarts > 0]:
+      restarts -= 1
+      print(f'launch_local.py: restarting: the launch.py of process {i} was killed by '
+            f'{signal.Signals(-procs[i].returncode).name}; started it again to rejoin the group '
+            f'({restarts} restart(s) left).', file=sys.stderr, flush=True)
+      procs[i] = start(i)
+      failed.remove(i)
+    if failed:
+      grace_end = time.monotonic() + _GRACE_S
+      while any(p.poll() is None for p in procs) and time.monotonic() < grace_end:
+        time.sleep(0.1)
+      break
+    if time.monotonic() > deadline:
+      code, reason = 124, f'--timeout_s={timeout_s:g} passed'
+      break
+    time.sleep(0.2)
   stopped = [i for i, p in enumerate(procs) if p.poll() is None]
-  _stop(procs)
+  _stop(procs, received[0] if received else None)
   for t in relays:
     t.join(timeout=5)
+  if received:
+    return _interrupted(received[0], procs, stopped)
   failed = [i for i, p in enumerate(procs) if p.returncode and i not in stopped]
   if not code and failed:
     # A process that lost a peer exits 75 (parallel/watchdog.py) because another failed first: name the cause.
@@ -153,6 +168,14 @@ def run(cmds: list[list[str]], env: dict[str, str], timeout_s: float, restarts: 
     also = f'; stopped process{"es" if len(stopped) > 1 else ""} {", ".join(map(str, stopped))}' if stopped else ''
     print(f'launch_local.py: error: {reason}{also}.', file=sys.stderr)
   return code
+
+
+def _interrupted(signum: int, procs: list[subprocess.Popen], stopped: list[int]) -> int:
+  """The one line for a stop signal this script received and forwarded; 128 + it."""
+  ends = ', '.join(f'{i}: exit {_exit_code(procs[i].returncode)}' for i in stopped) or 'none was still running'
+  print(f'launch_local.py: interrupted: {signal.Signals(signum).name} received: forwarded to every process, which '
+        f'stopped ({ends}); relaunch the same command to resume from the newest checkpoint.', file=sys.stderr)
+  return 128 + signum
 
 
 def main() -> int:

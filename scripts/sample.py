@@ -1,7 +1,7 @@
 """Print a prompt and the continuation a trained LM writes for it.
 
-  python scripts/sample.py --workdir=DIR [--prompt='def '] [--num_tokens=200] [--temperature=0.8] [--seed=0]
-      [--top_k=0] [--top_p=1.0] [--step=latest] [--params=raw|ema] [--chat] [--ignore_eos]
+  .venv/bin/python scripts/sample.py --workdir=DIR [--prompt='def '] [--num_tokens=200] [--temperature=0.8]
+      [--seed=0] [--top_k=0] [--top_p=1.0] [--step=latest] [--params=raw|ema] [--chat] [--ignore_eos]
 
 Reads the run's config from WORKDIR/config.json (written by launch.py),
 restores the parameters of the newest intact checkpoint (or --step) onto one
@@ -43,9 +43,13 @@ import os
 import pathlib
 import sys
 
-from absl import app, flags, logging
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from trainer.safety import startup_signals  # noqa: E402  (first: a signal in any phase is one line, 128 + it)
+if __name__ == '__main__':  # Imported by eval.py and export_hf.py, which name themselves.
+  startup_signals.install_for_tool('sample.py')
+from trainer.base import interpreter  # noqa: E402
+interpreter.require_packages(pathlib.Path(sys.argv[0]).name)
+from absl import app, flags, logging  # noqa: E402
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # One CPU device is all this needs; don't claim an accelerator.
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The run folder (or gs:// URL): config.json and checkpoints/ from '

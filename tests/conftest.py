@@ -115,6 +115,17 @@ def make_text_dir(root: pathlib.Path, bytes_per_file: int = 2000, num_files: int
   return root
 
 
+def tiny_checkpoint(root: pathlib.Path) -> pathlib.Path:
+  """ROOT/run: configs/tiny.py trained 2 steps on a small byte corpus (ROOT/text), checkpointed at step 2."""
+  text_dir = root / 'text'
+  text_dir.mkdir()
+  make_text_dir(text_dir, num_files=4)
+  run = run_launcher('--config=configs/tiny.py', f'--workdir={root / "run"}', f'--config.data.text_dir={text_dir}',
+                     '--config.train.steps=2', '--config.ckpt.every_steps=2', '--config.train.eval_batches=0')
+  assert run.returncode == 0, run.stderr[-3000:]
+  return root / 'run'
+
+
 def read_metrics(workdir: pathlib.Path) -> list[dict]:
   """Every record of WORKDIR/metrics.jsonl, in order."""
   return [json.loads(line) for line in (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines()]

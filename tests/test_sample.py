@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, make_text_dir, run_launcher, run_python
+from conftest import REPO, run_launcher, run_python, tiny_checkpoint
 
 
 def _sample(*args: str) -> subprocess.CompletedProcess:
@@ -16,14 +16,7 @@ def _sample(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope='module')
 def workdir(tmp_path_factory):
   """configs/tiny.py trained 2 steps on a small byte corpus, checkpointed at step 2: the file's one launcher run."""
-  root = tmp_path_factory.mktemp('sample')
-  text_dir = root / 'text'
-  text_dir.mkdir()
-  make_text_dir(text_dir, num_files=4)
-  run = run_launcher('--config=configs/tiny.py', f'--workdir={root / "run"}', f'--config.data.text_dir={text_dir}',
-                     '--config.train.steps=2', '--config.ckpt.every_steps=2', '--config.train.eval_batches=0')
-  assert run.returncode == 0, run.stderr[-3000:]
-  return root / 'run'
+  return tiny_checkpoint(tmp_path_factory.mktemp('sample'))
 
 
 def test_sample_echoes_the_prompt_and_writes_num_tokens_bytes(workdir):

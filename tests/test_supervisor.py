@@ -154,7 +154,8 @@ def test_sigterm_to_the_supervisor_saves_once_and_is_not_restarted(text_dir, tmp
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'SIGTERM received: saved step' in result.stderr and 'restarting' not in result.stderr
   [only] = _attempts(tmp_path)
-  assert only['cause'] == 'stopped by SIGTERM (preempted (saved))' and not only['retried']
+  assert only['cause'] == ('stopped by SIGTERM, which the supervisor received and forwarded to the training process; '
+                           'it ended: preempted (saved) (exit 0)') and not only['retried']
 
 
 HANG_SCRIPT = textwrap.dedent('''
@@ -245,7 +246,9 @@ def test_a_configured_signal_is_a_preemption_notice_and_the_supervisor_does_not_
                          "--config.train.preemption_signals=('SIGTERM', 'SIGUSR2')"), on_line=on_line)
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'SIGUSR2 (' in result.stderr and 'restarting' not in result.stderr
-  assert [a['cause'] for a in _attempts(tmp_path)] == ['stopped by SIGUSR2 (preempted (saved))']
+  assert [a['cause'] for a in _attempts(tmp_path)] == [
+      'stopped by SIGUSR2, which the supervisor received and forwarded to the training process; it ended: preempted '
+      '(saved) (exit 0)']
 
 
 def test_a_signal_that_cannot_be_a_notice_is_refused_in_one_line(launcher, tmp_path):

@@ -103,6 +103,27 @@ def quiet_library_info() -> None:
     logging.get_absl_handler().addFilter(_OwnInfoOnly())
 
 
+_HELP = ('-h', '--help', '-help', '-?', '--helpshort', '-helpshort', '--helpfull', '-helpfull')
+
+
+def help_if_asked(argv: list[str]) -> None:
+  """`-h` or `--help` (absl's --helpshort and --helpfull too): the docstring and the flags on stdout, exit 0.
+
+  absl's own --help exits 1, as a failure, and it knows no -h (an unknown flag).
+  """
+  import sys
+
+  from absl import app
+  given = argv[1:argv.index('--')] if '--' in argv else argv[1:]
+  asked = [a for a in given if a in _HELP]
+  if asked:
+    full = any('helpfull' in a for a in asked)
+    app.usage(shorthelp=not full, writeto_stdout=True)
+    if not full:
+      print('\nTry --helpfull to get a list of all flags.')
+    sys.exit(0)
+
+
 def one_line_flag_errors(script: str):
   """An absl `app.run(main, flags_parser=...)` for the scripts: a flag error (a required flag missing, a bad value,
   a --config file that fails to load or an unknown --config key, a stray argument) is one line,
@@ -114,6 +135,7 @@ def one_line_flag_errors(script: str):
   from ml_collections import config_flags
 
   def parse(argv):
+    help_if_asked(argv)
     try:
       argv = flags.FLAGS(argv)
       for name in flags.FLAGS:

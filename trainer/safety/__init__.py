@@ -6,7 +6,8 @@
 - lock.py: one launch per workdir at a time (WORKDIR/launch.lock: a flock on
   disk, an object created only if absent in a bucket);
 - damaged.py: a checkpoint that cannot be read is moved aside, never deleted;
-- disk.py: a save that fails for lack of space or permission ends in one line.
+- disk.py: a save that fails for lack of space or permission ends in one line;
+- tool_outputs.py: a tool's output (an export, an eval's results) appears whole or not at all.
 
 Ctrl-C is handled with SIGTERM in trainer/safety/preemption.py, a lost peer in
 parallel/watchdog.py.

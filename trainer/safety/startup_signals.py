@@ -23,6 +23,12 @@ compiling), which would otherwise kill the process, is kept for
 trainer/observe/profiling.py to trace the first steps. This module imports nothing heavy,
 so it is in place within a second of start.
 
+The tools of scripts/ (eval.py, sample.py, export_hf.py, export_params.py) call `install_for_tool(name)` as their
+first import, for the same reasons: Ctrl-C printed 26-79 lines of KeyboardInterrupt traceback, a jax gc callback once
+swallowed it (the export went on and exited 0), and SIGTERM or SIGHUP ended them without a word. Their line names
+the tool; what they were writing sits under a temporary name (trainer/safety/tool_outputs.py), removed here on the
+way out (and by the next run if a kill -9 left it).
+
 In a multi-process run the processes stop together: one stopping here first tells
 its peers over the watchdog's connections (parallel/watchdog.py), and each peer
 stops at once with the same exit code and a line naming the process that received
@@ -40,6 +46,8 @@ _profile_requested_early = threading.Event()  # A SIGUSR1 before the profiler's 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 # The handler and the watcher may both see one signal, and the watchdog may report a loss: one line only.
 _stopping = watchdog.EXITING
+_program = 'launch.py'  # Who the line names: launch.py, or the tool that called install_for_tool.
+_before_exit: list = []  # A tool's cleanups (its partial output removed), run before os._exit.
 
 
 class OutsideTheLoop(BaseException):
@@ -58,6 +66,9 @@ def message(signum: int, kept: str = '', by: str = '') -> str:
   """The one line for a stop signal outside the step loop; `by` names the peer that received it, if not this process."""
   name = signal.Signals(signum).name
   what = 'Ctrl-C (SIGINT)' if signum == signal.SIGINT else name
+  if _program != 'launch.py':
+    kept = kept or 'Nothing partial is left under its output name; run the same command again.'
+    return f'{_program}: interrupted: {what} received: stopped (exit {128 + signum}). {kept}'
   kept = kept or ('No step of this launch was left unsaved by it; every checkpoint complete on disk is intact (a save '
                   'it cut short stays an incomplete folder that a relaunch skips). Relaunch the same command to '
                   'continue.')
@@ -78,6 +89,11 @@ def stop_now(signum: int, origin: int | None = None, num_processes: int = 1) -> 
     by = ''
     if origin is not None:
       by = f'{"process 0 (the coordinator)" if origin == 0 else f"process {origin}"} of {num_processes}'
+    for cleanup in _before_exit:
+      try:
+        cleanup()
+      except Exception:  # pylint: disable=broad-except  (what it leaves, the next run removes)
+        pass
     os.write(2, (message(signum, by=by) + '\n').encode())  # Not print(): the main thread may hold sys.stderr's lock.
     watchdog.announce_stop(signum, origin)
   finally:
@@ -113,16 +129,36 @@ def install_early() -> None:
   SIGTERM, SIGHUP and SIGINT stop the launch with one line, and SIGUSR1 asks for a
   profile of the first steps (trainer/observe/profiling.py).
   """
-  if threading.current_thread() is not threading.main_thread():
+  if not _install_stop_handlers():
     return
+  watchdog.on_peer_stop(_peer_stopped)
+  signal.signal(signal.SIGUSR1, lambda signum, frame: _profile_requested_early.set())
+
+
+def install_for_tool(program: str) -> None:
+  """First thing in a tool of scripts/, before its heavy imports: SIGTERM, SIGHUP and SIGINT end it in every phase
+  (importing, loading, compiling, running, writing) with one line naming `program`, and exit 128 + the signal."""
+  global _program
+  _program = program
+  _install_stop_handlers()
+
+
+def on_stop(cleanup) -> None:
+  """Runs `cleanup()` (quick, best effort) before a stop signal ends a tool: its partial output is removed."""
+  _before_exit.append(cleanup)
+
+
+def _install_stop_handlers() -> bool:
+  """The handlers, and the watcher thread for a signal that comes while the main thread is inside C++."""
+  if threading.current_thread() is not threading.main_thread():
+    return False
   read_fd, write_fd = os.pipe()
   os.set_blocking(write_fd, False)  # set_wakeup_fd's requirement: a full pipe must never block a handler.
   signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
   threading.Thread(target=_watch, args=(read_fd,), daemon=True, name='stop-signal-watch').start()
   for sig in STOP_SIGNALS:
     signal.signal(sig, _on_stop_signal)
-  watchdog.on_peer_stop(_peer_stopped)
-  signal.signal(signal.SIGUSR1, lambda signum, frame: _profile_requested_early.set())
+  return True
 
 
 def profile_requested_early() -> bool:

@@ -77,12 +77,27 @@ def classify(returncode: int, status: dict) -> tuple[bool, str]:
   return True, f'crash (exit {returncode})'
 
 
-def _die_with_parent() -> None:
-  """In the child before exec: SIGKILL when the supervisor dies, as if both were one process."""
-  try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG (Linux only).
-  except (OSError, AttributeError):
-    pass
+try:  # Looked up here, not in the forked child, where another thread may have held the loader's lock.
+  _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # Not Linux.
+  _PRCTL = None
+
+
+def die_with_parent(signum: int = signal.SIGKILL):
+  """A `preexec_fn` for Popen: the child gets `signum` when the process that started it dies, even by kill -9.
+
+  Linux's PR_SET_PDEATHSIG, set in the child before exec; a parent that died before it took is caught by
+  the parent id check. The supervisor's child gets SIGKILL, as if both were one process.
+  """
+  parent = os.getpid()
+
+  def preexec() -> None:
+    if _PRCTL is not None:
+      _PRCTL(1, signum)  # 1 = PR_SET_PDEATHSIG.
+    if os.getppid() != parent:
+      os.kill(os.getpid(), signum)
+
+  return preexec
 
 
 class Supervisor:
@@ -163,7 +178,7 @@ class Supervisor:
     started = time.time()
     try:
       # Its own process group: a terminal's Ctrl-C reaches this parent alone, which forwards it once.
-      self._child = subprocess.Popen(self.command_for(n), env=env, process_group=0, preexec_fn=_die_with_parent)
+      self._child = subprocess.Popen(self.command_for(n), env=env, process_group=0, preexec_fn=die_with_parent())
       returncode, frozen = self._wait(n, beat_file, started)
       if returncode - 128 in self._stops and returncode not in _NOT_RETRIED and not self._stop.is_set():
         self._stop.wait(_PEER_STOP_GRACE_S)
@@ -176,7 +191,7 @@ class Supervisor:
     if frozen:
       retried, cause = True, 'hang (frozen; ended by the supervisor)'
     if self._stop.is_set():
-      retried, cause = False, f'stopped by {self._stop_signal} ({cause})'
+      retried, cause = False, self._stopped_cause(returncode, cause)
     record = {'attempt': n, 'start': round(started, 3), 'end': round(time.time(), 3), 'exit_code': returncode,
               'cause': cause, 'resumed_step': status.get('resumed_step'), 'last_step': status.get('last_step'),
               'steps_redone': status.get('steps_redone', 0), 'retried': retried}
@@ -189,6 +204,15 @@ class Supervisor:
     if status.get('process_index', 0) == 0 and self.writes_record and not status.get('workdir_in_use'):
       self._append(record)
     return returncode, record
+
+  def _stopped_cause(self, returncode: int, cause: str) -> str:
+    """What happened to an attempt this supervisor was asked to stop: the signal it received and forwarded."""
+    received = f'stopped by {self._stop_signal}, which the supervisor received and forwarded to the training process'
+    if returncode < 0:
+      return f'{received}; it was killed by {signal.Signals(-returncode).name}'
+    if returncode - 128 in self._stops:
+      return f'{received}; it stopped with it (exit {returncode})'
+    return f'{received}; it ended: {cause} (exit {returncode})'
 
   def _wait(self, n: int, beat_file: str, started: float) -> tuple[int, str | None]:
     """The child's exit code, and why the supervisor ended it if it did: no progress past its hang limit."""
