@@ -96,6 +96,7 @@ def test_a_killed_process_is_restarted_and_finishes_with_the_uninterrupted_losse
   assert (first['cause'], first['resumed_step'], first['retried']) == ('killed by SIGKILL', 0, True)
   assert (second['cause'], second['resumed_step'], second['exit_code']) == ('finished', 4, 0)
   assert second['steps_redone'] == 1  # Step 5 was logged (metrics come a step late), then redone.
+  assert first['last_step'] == 5  # As logged: the record is written as each step is, not once a second.
   losses = _losses(workdir)
   assert sorted(losses) == list(range(1, STEPS + 1))
   for step, loss in uninterrupted.items():
