@@ -6,7 +6,8 @@
   says otherwise tells how to start over, and following it works.
 - --output is written under OUT.partial and renamed when complete: an interruption while writing, or of a
   fine-tuning file, leaves no partial OUT, and "run the same command again" works.
-- Real Ctrl-C / SIGHUP during tokenizing: one line, exit 128 + the signal, then the advice followed resumes.
+- Ctrl-C (to the process group, tokenizer workers included), SIGTERM and SIGHUP during tokenizing: one line, exit
+  128 + the signal, then the advice followed resumes.
 """
 
 import json
@@ -20,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from conftest import REPO, launcher_env, run_python, watch_command
+from conftest import REPO, run_python
 from test_data_formats import _as_jsonl, _as_parquet, _as_save_to_disk, _texts
 from trainer.data import corpus_formats, token_shards
 
@@ -155,7 +156,8 @@ def test_a_resume_after_the_input_changed_is_refused_and_the_advice_works(tmp_pa
     new, said = _texts(40), 'was modified'
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
   line = _refused(capsys, *flags)
-  assert f"the input changed since the interrupted run in '{tmp_path}/out.partial' ('{path}' {said})" in line, line
+  assert (f"the input or the tokenizer changed since the interrupted run in '{tmp_path}/out.partial' ('{path}' "
+          f"{said})") in line, line
   assert 'its 6 chunk(s) would mix old and new documents; remove it to start over (rm -r ' in line
   assert len(list((tmp_path / 'out.partial').glob('chunk-*.npz'))) == 6  # The refusal touched nothing.
   advice = re.search(r'\((rm -r [^)]+)\)', line).group(1)
@@ -225,48 +227,43 @@ def test_a_symlinked_output_is_refused_and_not_followed(tmp_path, capsys, target
   assert not (tmp_path / 'real').exists() or not any((tmp_path / 'real').iterdir())
 
 
-# prepare_data.py run as a script, its parent held after the second tokenized chunk with a marker line: the signal
-# lands mid-run by construction, however fast or slow the machine is.
-HOLD = """
-import os, runpy, sys, time
+# prepare_data.py run as a script (argv: the signal's name, then the script and its flags), signalled by the stop
+# signal right after its second tokenized chunk: mid-run by construction, however fast or slow the machine is.
+# Ctrl-C goes to the whole process group, the tokenizer workers included, as a terminal sends it.
+SIGNALLED = """
+import os, runpy, signal, sys
+os.setpgid(0, 0)  # A group of its own (a forked command has one already): Ctrl-C must not reach the test.
 from trainer.data import tokenize_job
-add = tokenize_job.Progress.add
-def held(progress, *args):
+add, sig = tokenize_job.Progress.add, signal.Signals[sys.argv[1]]
+def add_then_stop(progress, *args):
   add(progress, *args)
   if progress.chunks == 2:
-    print(f'held in pid {os.getpid()}', file=sys.stderr, flush=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-      time.sleep(0.05)  # Python-level waiting: the handler runs here at once.
-tokenize_job.Progress.add = held
-sys.argv = sys.argv[1:]
+    os.killpg(0, sig) if sig == signal.SIGINT else os.kill(os.getpid(), sig)
+tokenize_job.Progress.add = add_then_stop
+sys.argv = sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
-@pytest.mark.parametrize('sig, workers', [(signal.SIGINT, 2), (signal.SIGHUP, 1)], ids=['Ctrl-C', 'SIGHUP'])
+@pytest.mark.parametrize('sig, workers', [(signal.SIGINT, 2), (signal.SIGTERM, 1), (signal.SIGHUP, 1)],
+                         ids=['Ctrl-C', 'SIGTERM', 'SIGHUP'])
 def test_a_stop_signal_while_tokenizing_is_one_line_and_the_same_command_resumes(tmp_path, sig, workers):
   texts = _texts(30)
   command = [str(REPO / 'scripts/prepare_data.py'), f'--input={_as_jsonl(tmp_path / "d.jsonl", texts)}',
              f'--output={tmp_path / "out"}', f'--workers={workers}', '--chunk_docs=2', '--eval_percent=0']
-
-  def on_line(proc, line):
-    if line.startswith('held in pid'):  # Ctrl-C reaches the terminal's whole process group: workers included.
-      os.killpg(proc.pid, sig) if sig == signal.SIGINT else os.kill(proc.pid, sig)
-
-  result, _ = watch_command([sys.executable, '-c', HOLD, *command], launcher_env(PYTHONPATH=str(REPO)), on_line,
-                            timeout=120)
+  result = run_python([sys.executable, '-c', SIGNALLED, sig.name, *command], timeout=120)
   assert result.returncode == 128 + sig, result.stderr[-3000:]
-  lines = [l for l in result.stderr.splitlines() if not l.startswith(('held in pid', 'tokenized '))]
-  name = 'Ctrl-C (SIGINT)' if sig == signal.SIGINT else 'SIGHUP'
+  lines = [l for l in result.stderr.splitlines() if not l.startswith('tokenized ')]
+  name = 'Ctrl-C (SIGINT)' if sig == signal.SIGINT else sig.name
+  kept = len(list((tmp_path / 'out.partial').glob('chunk-*.npz')))
   assert lines == [f'prepare_data.py: interrupted by {name}: nothing was written to {tmp_path / "out"} yet; '
-                   f'{len(list((tmp_path / "out.partial").glob("chunk-*.npz")))} tokenized chunk(s) are kept in '
-                   f'{tmp_path / "out.partial"}: run the same command again to resume.'], result.stderr[-3000:]
+                   f'{kept} tokenized chunk(s) are kept in {tmp_path / "out.partial"}: run the same command again '
+                   f'to resume.'] and kept >= 2, result.stderr[-3000:]
   resumed = run_python([sys.executable, *command], timeout=120)
-  assert resumed.returncode == 0 and 'chunk(s) kept from before' in resumed.stderr, resumed.stderr[-3000:]
+  assert resumed.returncode == 0 and f'{kept} chunk(s) kept from before' in resumed.stderr, resumed.stderr[-3000:]
+  kept_texts = [t for t in texts if len(t.encode()) >= 2]
   meta = json.loads((tmp_path / 'out' / 'meta.json').read_text())
-  kept = [t for t in texts if len(t.encode()) >= 2]
-  assert meta['splits']['train'] == {**meta['splits']['train'], 'documents': len(kept),
-                                     'tokens': sum(len(t.encode()) for t in kept)}
+  assert meta['splits']['train'] == {**meta['splits']['train'], 'documents': len(kept_texts),
+                                     'tokens': sum(len(t.encode()) for t in kept_texts)}
   np.testing.assert_array_equal(token_shards.load_documents(tmp_path / 'out', 'train').lengths,
-                                [len(t.encode()) for t in kept])
+                                [len(t.encode()) for t in kept_texts])

@@ -135,9 +135,9 @@ def open_stage(out: pathlib.Path, settings: dict, inputs: Identity) -> Stage:
       raise UserError(f'{str(stage.work)!r} holds an interrupted run with other settings ({changed}); rerun it with '
                       f'those to resume, {start_over}, or choose a new --output.')
     if saved_inputs != inputs:
-      raise UserError(f'the input changed since the interrupted run in {str(stage.work)!r} ({changes(saved_inputs, inputs)}):'
-                      f' its {stage.chunks()} chunk(s) would mix old and new documents; {start_over}, or restore '
-                      f'the input as it was.')
+      raise UserError(f'the input or the tokenizer changed since the interrupted run in {str(stage.work)!r} '
+                      f'({changes(saved_inputs, inputs)}): its {stage.chunks()} chunk(s) would mix old and new '
+                      f'documents; {start_over}, or restore the input as it was.')
     return stage
   shutil.rmtree(stage.work, ignore_errors=True)  # Nothing kept: a run cut short before its first chunk.
   stage.work.mkdir(parents=True)
