@@ -194,8 +194,12 @@ def _tokenized_corpus(args, source: pathlib.Path, out: pathlib.Path, tokenizer: 
   replaced = corpus_formats.Replaced()
   documents = corpus_formats.read(source, kind, args.glob, args.text_column or 'text', args.split,
                                   replaced=replaced)
-  count = tokenize_job.tokenize(documents, stage.work, args.tokenizer, args.eval_percent, args.chunk_docs,
-                                args.workers, tokenize_job.Progress())
+  try:
+    count = tokenize_job.tokenize(documents, stage.work, args.tokenizer, args.eval_percent, args.chunk_docs,
+                                  args.workers, tokenize_job.Progress())
+  except UserError:
+    stage.discard()  # Bad input: fixing it changes the input, which a resume of these chunks would refuse.
+    raise
   staged_output.check_unchanged(stage, staged_output.identity(files))
   if warning := replaced.warning():
     print(f'prepare_data.py: warning: {warning}', file=sys.stderr)

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pytest
 
 from conftest import REPO, run_python
-from test_data_formats import _as_jsonl, _as_parquet, _as_save_to_disk, _texts
+from test_data_formats import _as_files, _as_jsonl, _as_parquet, _as_save_to_disk, _texts
 from trainer.data import corpus_formats, token_shards
 
 sys.path.insert(0, str(REPO / 'scripts'))
@@ -106,6 +106,17 @@ def test_a_failed_first_check_does_not_block_the_corrected_command(tmp_path, cap
   assert json.loads((tmp_path / 'out' / 'meta.json').read_text())['splits']['train']['documents'] > 0
 
 
+def test_a_run_that_failed_at_a_bad_line_keeps_nothing_and_the_corrected_file_runs(tmp_path, capsys):
+  texts = _texts(30)
+  path = _lines(tmp_path / 'd.jsonl', [json.dumps({'text': t}).encode() for t in texts] + [b'{"text": 3}'])
+  flags = [f'--input={path}', f'--output={tmp_path / "out"}', '--workers=1', '--chunk_docs=4', '--eval_percent=0']
+  assert 'd.jsonl:32: the text field' in _refused(capsys, *flags)  # After 7 chunks were tokenized.
+  assert not (tmp_path / 'out.partial').exists()
+  _as_jsonl(path, texts)
+  prepare_data.main(flags)
+  assert json.loads((tmp_path / 'out' / 'meta.json').read_text())['splits']['train']['documents'] == len(texts) - 1
+
+
 def test_text_column_decides_whether_a_jsonl_is_fine_tuning(tmp_path):
   path = _lines(tmp_path / 'd.jsonl', [json.dumps({'text': t * 3, 'prompt': 'p', 'completion': 'c'}).encode()
                                        for t in ('ab', 'cd', 'ef')])
@@ -181,13 +192,20 @@ def test_an_input_changed_while_it_is_read_keeps_nothing(tmp_path, monkeypatch, 
   assert not (tmp_path / 'out').exists() and not (tmp_path / 'out.partial').exists()
 
 
-@pytest.mark.parametrize('kind', ['pretraining', 'fine-tuning'])
+INPUTS = {
+    'jsonl': lambda t: _as_jsonl(t / 'd.jsonl', _texts(40)),
+    'text files': lambda t: _as_files(t / 'docs', _texts(40)),
+    'parquet': lambda t: _as_parquet(t / 'p', _texts(40)),
+    'save_to_disk': lambda t: _as_save_to_disk(t / 'disk', _texts(40)),
+    'fine-tuning': lambda t: _lines(t / 'f.jsonl', [json.dumps({'prompt': x, 'completion': 'ok'}).encode()
+                                                    for x in _texts(40)]),
+}
+
+
+@pytest.mark.parametrize('kind', INPUTS)
 def test_an_interruption_while_writing_leaves_no_output_and_the_same_command_finishes(tmp_path, monkeypatch, capsys,
                                                                                       kind):
-  if kind == 'pretraining':
-    path = _as_jsonl(tmp_path / 'd.jsonl', _texts(40))
-  else:
-    path = _lines(tmp_path / 'f.jsonl', [json.dumps({'prompt': t, 'completion': 'ok'}).encode() for t in _texts(40)])
+  path = INPUTS[kind](tmp_path)
   flags = [f'--input={path}', f'--output={tmp_path / "out"}', '--workers=1', '--chunk_docs=8', '--num_shards=4']
   prepare_data.main([*flags[:1], f'--output={tmp_path / "clean"}', *flags[2:]])
   write_split = token_shards.write_split
@@ -203,7 +221,7 @@ def test_an_interruption_while_writing_leaves_no_output_and_the_same_command_fin
   assert f'nothing was written to {tmp_path / "out"}' in line and 'run the same command again' in line, line
   assert not (tmp_path / 'out').exists()
   prepare_data.main(flags)
-  assert ('6 chunk(s) kept from before' in capsys.readouterr().err) == (kind == 'pretraining')
+  assert ('6 chunk(s) kept from before' in capsys.readouterr().err) == (kind != 'fine-tuning')
   assert _written(tmp_path / 'out') == _written(tmp_path / 'clean') and not (tmp_path / 'out.partial').exists()
 
 

@@ -8,7 +8,8 @@ are written, `output/` is renamed to OUT (one rename: a reader sees all of it or
 An interrupted run leaves the stage. The same command again resumes from its chunks only when the settings and
 every input file are as they were; otherwise it says what changed and how to start over, since chunks of the old
 input mixed with documents of the new would be silently wrong. A stage that holds no chunk keeps nothing worth
-resuming: it is replaced by the next run, and a run that fails before its first chunk removes its own.
+resuming: it is replaced by the next run, and a run that fails before its first chunk removes its own, as does one
+that fails reading its input (the fix changes the input, so its chunks could not be resumed).
 """
 
 import dataclasses
@@ -92,10 +93,13 @@ class Stage:
     except OSError:
       return 0
 
+  def discard(self) -> None:
+    shutil.rmtree(self.work, ignore_errors=True)
+
   def discard_if_empty(self) -> None:
     """Removes the stage when it keeps nothing worth resuming (no chunk): a failed run leaves nothing in the way."""
     if not self.published and not self.chunks():
-      shutil.rmtree(self.work, ignore_errors=True)
+      self.discard()
 
   def fresh_output(self) -> pathlib.Path:
     """`output/`, emptied of what a run cut short while writing it left."""
@@ -151,6 +155,6 @@ def check_unchanged(stage: Stage, inputs: Identity) -> None:
   """Refuses to publish what was read from input files that changed while this run read them."""
   saved = json.loads((stage.work / 'job.json').read_text())['inputs']
   if saved != inputs:
-    shutil.rmtree(stage.work, ignore_errors=True)
+    stage.discard()
     raise UserError(f'the input changed while it was read ({changes(saved, inputs)}), so the documents may mix '
                     f'old and new: nothing was kept; run the same command again once the input no longer changes.')
