@@ -32,7 +32,7 @@ def identity(paths: list[pathlib.Path]) -> Identity:
       stat = path.stat()
     except OSError as e:
       raise UserError(f'cannot read {str(path)!r} ({e.strerror}); fix it or leave it out.') from None
-    found.append([str(path), stat.st_size, stat.st_mtime_ns])
+    found.append([os.path.abspath(path), stat.st_size, stat.st_mtime_ns])  # The same from any working folder.
   return found
 
 
