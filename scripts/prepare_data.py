@@ -89,9 +89,12 @@ def _on_stop_signal(signum, frame) -> None:  # noqa: ARG001
   if _RUN.stopping:
     return
   _RUN.stopping = True
-  for child in multiprocessing.active_children():  # The tokenizer workers, which ignore stop signals.
-    os.kill(child.pid, signal.SIGKILL)
+  workers = multiprocessing.active_children()  # The tokenizer workers, which ignore stop signals.
+  for worker in workers:
+    os.kill(worker.pid, signal.SIGKILL)
   try:
+    for worker in workers:
+      worker.join(5)  # Gone before the chunks are counted: one could be renaming its chunk as it was killed.
     what = 'Ctrl-C (SIGINT)' if signum == signal.SIGINT else signal.Signals(signum).name
     os.write(2, (_stopped_line(what) + '\n').encode())  # Not print(): the main thread may hold sys.stderr's lock.
     # The pool's semaphores, unlinked as at a normal exit (their finalizers' priority is 0): otherwise
@@ -334,6 +337,9 @@ def main(argv=None) -> None:
   except KeyboardInterrupt:  # Raised, not signalled: run as a script, Ctrl-C goes to _on_stop_signal.
     print(_stopped_line('Ctrl-C (SIGINT)'), file=sys.stderr)
     sys.exit(130)
+  finally:
+    if _RUN.stage is not None:
+      _RUN.stage.close()  # Its lock: main() is also called in-process.
   counts = {split: f"{s['documents']} documents, {s['tokens']} tokens" for split, s in meta['splits'].items()}
   if 'trained_tokens' in meta:
     counts['trained'] = f"{meta['trained_tokens']} completion tokens"

@@ -170,7 +170,7 @@ def test_a_resume_after_the_input_changed_is_refused_and_the_advice_works(tmp_pa
   assert (f"the input or the tokenizer changed since the interrupted run in '{tmp_path}/out.partial' ('{path}' "
           f"{said})") in line, line
   assert 'its 6 chunk(s) would mix old and new documents; remove it to start over (rm -r ' in line
-  assert len(list((tmp_path / 'out.partial').glob('chunk-*.npz'))) == 6  # The refusal touched nothing.
+  assert len(list((tmp_path / 'out.partial').glob('chunk-??????.npz'))) == 6  # The refusal touched nothing.
   advice = re.search(r'\((rm -r [^)]+)\)', line).group(1)
   assert subprocess.run(['bash', '-c', advice], check=False).returncode == 0  # The advice, as printed.
   prepare_data.main(flags)
@@ -233,6 +233,21 @@ def _written(root):
   return {**files, 'meta': meta}
 
 
+def test_a_second_run_into_the_same_output_is_refused_while_the_first_works(tmp_path, capsys):
+  import fcntl
+  path = _as_jsonl(tmp_path / 'd.jsonl', _texts(9))
+  (tmp_path / 'out.partial').mkdir()
+  (tmp_path / 'out.partial' / 'job.json').write_text('{}')  # The first run, before its first chunk.
+  first = os.open(tmp_path / 'out.partial', os.O_RDONLY)
+  fcntl.flock(first, fcntl.LOCK_EX)
+  try:
+    line = _refused(capsys, f'--input={path}', f'--output={tmp_path / "out"}')
+  finally:
+    os.close(first)
+  assert f"another prepare_data.py is writing '{tmp_path}/out.partial'" in line, line
+  assert (tmp_path / 'out.partial' / 'job.json').read_text() == '{}'  # Left to the run that holds it.
+
+
 @pytest.mark.parametrize('target', ['dangling', 'a folder'])
 def test_a_symlinked_output_is_refused_and_not_followed(tmp_path, capsys, target):
   (tmp_path / 'docs').mkdir()
@@ -273,7 +288,7 @@ def test_a_stop_signal_while_tokenizing_is_one_line_and_the_same_command_resumes
   assert result.returncode == 128 + sig, result.stderr[-3000:]
   lines = [l for l in result.stderr.splitlines() if not l.startswith('tokenized ')]
   name = 'Ctrl-C (SIGINT)' if sig == signal.SIGINT else sig.name
-  kept = len(list((tmp_path / 'out.partial').glob('chunk-*.npz')))
+  kept = len(list((tmp_path / 'out.partial').glob('chunk-??????.npz')))
   assert lines == [f'prepare_data.py: interrupted by {name}: nothing was written to {tmp_path / "out"} yet; '
                    f'{kept} tokenized chunk(s) are kept in {tmp_path / "out.partial"}: run the same command again '
                    f'to resume.'] and kept >= 2, result.stderr[-3000:]

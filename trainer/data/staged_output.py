@@ -9,10 +9,12 @@ An interrupted run leaves the stage. The same command again resumes from its chu
 every input file are as they were; otherwise it says what changed and how to start over, since chunks of the old
 input mixed with documents of the new would be silently wrong. A stage that holds no chunk keeps nothing worth
 resuming: it is replaced by the next run, and a run that fails before its first chunk removes its own, as does one
-that fails reading its input (the fix changes the input, so its chunks could not be resumed).
+that fails reading its input (the fix changes the input, so its chunks could not be resumed). A run holds its
+stage locked (flock), so a second run into the same --output is refused rather than mixing its chunks in.
 """
 
 import dataclasses
+import fcntl
 import json
 import os
 import pathlib
@@ -80,6 +82,7 @@ class Stage:
   out: pathlib.Path
   work: pathlib.Path
   published: bool = False
+  locked: int | None = None  # The descriptor of the folder, flock()ed while this run works in it.
 
   @property
   def output(self) -> pathlib.Path:
@@ -93,8 +96,25 @@ class Stage:
     except OSError:
       return 0
 
+  def lock(self) -> None:
+    """Holds the stage for this process (until it ends, or `close`): two runs into one --output would mix chunks."""
+    self.work.mkdir(parents=True, exist_ok=True)
+    self.locked = os.open(self.work, os.O_RDONLY)
+    try:
+      fcntl.flock(self.locked, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      self.close()
+      raise UserError(f'another prepare_data.py is writing {str(self.work)!r} for --output={str(self.out)!r}; wait '
+                      f'for it to finish, or choose another --output.') from None
+
+  def close(self) -> None:
+    if self.locked is not None:
+      os.close(self.locked)
+      self.locked = None
+
   def discard(self) -> None:
     shutil.rmtree(self.work, ignore_errors=True)
+    self.close()
 
   def discard_if_empty(self) -> None:
     """Removes the stage when it keeps nothing worth resuming (no chunk): a failed run leaves nothing in the way."""
@@ -116,7 +136,7 @@ class Stage:
       for entry in sorted(self.output.iterdir(), key=lambda p: p.name == 'meta.json'):
         shutil.move(str(entry), str(self.out / entry.name))
     self.published = True
-    shutil.rmtree(self.work, ignore_errors=True)
+    self.discard()
 
 
 def open_stage(out: pathlib.Path, settings: dict, inputs: Identity) -> Stage:
@@ -125,7 +145,8 @@ def open_stage(out: pathlib.Path, settings: dict, inputs: Identity) -> Stage:
   job = stage.work / 'job.json'
   if stage.work.exists() and not stage.work.is_dir():
     raise UserError(f'{str(stage.work)!r}, where prepare_data.py keeps its work, is a file; move it away.')
-  if stage.work.is_dir() and stage.chunks():
+  stage.lock()
+  if stage.chunks():
     try:
       saved = json.loads(job.read_text())
       saved_settings, saved_inputs = saved['settings'], saved['inputs']
@@ -143,8 +164,8 @@ def open_stage(out: pathlib.Path, settings: dict, inputs: Identity) -> Stage:
                       f'({changes(saved_inputs, inputs)}): its {stage.chunks()} chunk(s) would mix old and new '
                       f'documents; {start_over}, or restore the input as it was.')
     return stage
-  shutil.rmtree(stage.work, ignore_errors=True)  # Nothing kept: a run cut short before its first chunk.
-  stage.work.mkdir(parents=True)
+  for entry in os.scandir(stage.work):  # Nothing kept: a run cut short before its first chunk (the folder is locked).
+    shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
   temporary = job.with_name('job.json.tmp')
   temporary.write_text(json.dumps({'settings': settings, 'inputs': inputs}, indent=1) + '\n')
   os.replace(temporary, job)
