@@ -146,30 +146,34 @@ def open_stage(out: pathlib.Path, settings: dict, inputs: Identity) -> Stage:
   if stage.work.exists() and not stage.work.is_dir():
     raise UserError(f'{str(stage.work)!r}, where prepare_data.py keeps its work, is a file; move it away.')
   stage.lock()
-  if stage.chunks():
-    try:
-      saved = json.loads(job.read_text())
-      saved_settings, saved_inputs = saved['settings'], saved['inputs']
-    except (OSError, ValueError, KeyError, TypeError):
-      raise UserError(f'{str(stage.work)!r} holds chunks but no job.json of prepare_data.py; remove it '
-                      f'(rm -r {shlex.quote(str(stage.work))}) and run again.') from None
-    start_over = f'remove it to start over (rm -r {shlex.quote(str(stage.work))})'
-    if saved_settings != settings:
-      changed = ', '.join(f'{k}: {saved_settings.get(k)!r} then, {v!r} now' for k, v in settings.items()
-                          if saved_settings.get(k) != v)
-      raise UserError(f'{str(stage.work)!r} holds an interrupted run with other settings ({changed}); rerun it with '
-                      f'those to resume, {start_over}, or choose a new --output.')
-    if saved_inputs != inputs:
-      raise UserError(f'the input or the tokenizer changed since the interrupted run in {str(stage.work)!r} '
-                      f'({changes(saved_inputs, inputs)}): its {stage.chunks()} chunk(s) would mix old and new '
-                      f'documents; {start_over}, or restore the input as it was.')
+  try:
+    if stage.chunks():
+      try:
+        saved = json.loads(job.read_text())
+        saved_settings, saved_inputs = saved['settings'], saved['inputs']
+      except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f'{str(stage.work)!r} holds chunks but no job.json of prepare_data.py; remove it '
+                        f'(rm -r {shlex.quote(str(stage.work))}) and run again.') from None
+      start_over = f'remove it to start over (rm -r {shlex.quote(str(stage.work))})'
+      if saved_settings != settings:
+        changed = ', '.join(f'{k}: {saved_settings.get(k)!r} then, {v!r} now' for k, v in settings.items()
+                            if saved_settings.get(k) != v)
+        raise UserError(f'{str(stage.work)!r} holds an interrupted run with other settings ({changed}); rerun it with '
+                        f'those to resume, {start_over}, or choose a new --output.')
+      if saved_inputs != inputs:
+        raise UserError(f'the input or the tokenizer changed since the interrupted run in {str(stage.work)!r} '
+                        f'({changes(saved_inputs, inputs)}): its {stage.chunks()} chunk(s) would mix old and new '
+                        f'documents; {start_over}, or restore the input as it was.')
+      return stage
+    for entry in os.scandir(stage.work):  # Nothing kept: a run cut short before its first chunk (the folder is locked).
+      shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
+    temporary = job.with_name('job.json.tmp')
+    temporary.write_text(json.dumps({'settings': settings, 'inputs': inputs}, indent=1) + '\n')
+    os.replace(temporary, job)
     return stage
-  for entry in os.scandir(stage.work):  # Nothing kept: a run cut short before its first chunk (the folder is locked).
-    shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
-  temporary = job.with_name('job.json.tmp')
-  temporary.write_text(json.dumps({'settings': settings, 'inputs': inputs}, indent=1) + '\n')
-  os.replace(temporary, job)
-  return stage
+  except BaseException:  # Refused, or cut short: the lock goes with it (main() also runs in-process).
+    stage.close()
+    raise
 
 
 def check_unchanged(stage: Stage, inputs: Identity) -> None:
