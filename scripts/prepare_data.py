@@ -31,28 +31,89 @@ file (`*.tiktoken`, needs tiktoken; the cl100k split pattern is used). Nothing i
 downloaded. `.npy` files (1-D integer arrays) are taken as tokens already.
 A hash of each file's path holds --eval_percent of the files out as the eval
 split. Documents of fewer than 2 tokens (no next-token target) are skipped and
-counted. Then train with:
+counted. A .jsonl file is fine-tuning data when its first line has "prompt" or
+"messages", unless --text_column is given. OUT appears only when complete: the
+run works in OUT.partial/ and renames its result (trainer/data/staged_output.py).
+Ctrl-C, SIGTERM and SIGHUP end it with one line and exit status 128 + the signal,
+what was tokenized kept for the same command to resume. Then train with:
 
   python launch.py --config=configs/default.py --workdir=W --config.data.source=array_record --config.data.path=OUT
 """
 
 import argparse
+import dataclasses
 import json
+import multiprocessing
+import multiprocessing.util
 import os
 import pathlib
 import shutil
+import signal
 import sys
 import zlib
 
-import numpy as np
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from trainer.safety.startup_signals import STOP_SIGNALS  # noqa: E402 - light: in place before numpy loads.
+
+
+@dataclasses.dataclass
+class _Run:
+  """What the line of a stop signal reports: this run's stage (trainer/data/staged_output.py), once it has one."""
+  stage: 'staged_output.Stage | None' = None
+  stopping: bool = False  # A second signal while the first one's line is written changes nothing.
+
+
+_RUN = _Run()
+
+
+def _stopped_line(what: str) -> str:
+  stage = _RUN.stage
+  if stage is None:
+    return f'prepare_data.py: interrupted by {what} before anything was written; run the same command again.'
+  if stage.published:
+    return f'prepare_data.py: interrupted by {what} after {stage.out} was complete; it is intact.'
+  kept = stage.chunks()
+  if not kept:
+    stage.discard_if_empty()
+    return (f'prepare_data.py: interrupted by {what}: nothing was written to {stage.out} nor kept; run the same '
+            f'command again.')
+  return (f'prepare_data.py: interrupted by {what}: nothing was written to {stage.out} yet; {kept} tokenized '
+          f'chunk(s) are kept in {stage.work}: run the same command again to resume.')
+
+
+def _on_stop_signal(signum, frame) -> None:  # noqa: ARG001
+  """One line and exit 128 + signum at once, as launch.py's start-up (trainer/safety/startup_signals.py): whatever
+  was being written is a .tmp chunk or the stage's output/, both redone by the rerun."""
+  if _RUN.stopping:
+    return
+  _RUN.stopping = True
+  workers = multiprocessing.active_children()  # The tokenizer workers, which ignore stop signals.
+  for worker in workers:
+    os.kill(worker.pid, signal.SIGKILL)
+  try:
+    for worker in workers:
+      worker.join(5)  # Gone before the chunks are counted: one could be renaming its chunk as it was killed.
+    what = 'Ctrl-C (SIGINT)' if signum == signal.SIGINT else signal.Signals(signum).name
+    os.write(2, (_stopped_line(what) + '\n').encode())  # Not print(): the main thread may hold sys.stderr's lock.
+    # The pool's semaphores, unlinked as at a normal exit (their finalizers' priority is 0): otherwise
+    # multiprocessing's resource tracker finds them leaked once this process is gone and warns on stderr.
+    multiprocessing.util._run_finalizers(0)  # noqa: SLF001 - no public call runs them without a full shutdown.
+  finally:
+    os._exit(128 + signum)
+
+
+if __name__ == '__main__':
+  for stop_signal in STOP_SIGNALS:
+    signal.signal(stop_signal, _on_stop_signal)
+
+import numpy as np  # noqa: E402
+
 from trainer.base.errors import UserError  # noqa: E402
-from trainer.data import corpus_formats, finetune_jsonl, hf_tokenizer, token_shards, tokenize_job  # noqa: E402
+from trainer.data import (corpus_formats, finetune_jsonl, hf_tokenizer, staged_output, token_shards,  # noqa: E402
+                          tokenize_job)
 
 load_tokenizer = tokenize_job.load_tokenizer  # The name other scripts and tests use.
-WORK = '.partial'  # Chunks of an unfinished run inside --output; removed once the shards are written.
 
 
 class UserExit(SystemExit):
@@ -113,35 +174,38 @@ def check_vocabulary(args, tokenizer_vocab: int, tokenizer: str) -> int | None:
   return vocab
 
 
-def _open_output(out: pathlib.Path, job: dict) -> pathlib.Path:
-  """The work folder inside --output: new, or an interrupted run of the same job to resume."""
-  work = out / WORK
-  if out.exists() and any(out.iterdir()):
-    saved = json.loads((work / 'job.json').read_text()) if (work / 'job.json').is_file() else None
-    if saved is None or set(p.name for p in out.iterdir()) != {WORK}:
-      raise UserError(f'--output={str(out)!r} is not empty; choose a new folder (nothing was overwritten).')
-    if saved != job:
-      changed = ', '.join(f'{k}: {saved.get(k)!r} then, {v!r} now' for k, v in job.items() if saved.get(k) != v)
-      raise UserError(f'--output={str(out)!r} holds an interrupted run with other settings ({changed}); rerun it '
-                      f'with those to resume, or choose a new folder.')
-    return work
-  work.mkdir(parents=True)
-  (work / 'job.json').write_text(json.dumps(job, indent=1) + '\n')
-  return work
+def _tokenizer_files(path: str | None, tokenizer: str) -> list[pathlib.Path]:
+  """The files of --tokenizer: kept with the shards, and part of what a resume checks is unchanged."""
+  if tokenizer.startswith('hf:'):
+    return list(hf_tokenizer.load(path).files)
+  return [] if tokenizer == 'bytes' else [pathlib.Path(path)]
 
 
-def _tokenized_corpus(args, source: pathlib.Path, out: pathlib.Path, tokenizer: str):
-  """Reads and tokenizes the corpus into chunks (resumable); returns (work folder, chunk count, format)."""
+def _tokenized_corpus(args, source: pathlib.Path, out: pathlib.Path, tokenizer: str,
+                      tokenizer_files: list[pathlib.Path]):
+  """Reads and tokenizes the corpus into the stage's chunks (resumable); returns (stage, chunk count, format)."""
   kind = corpus_formats.detect(source, args.glob)
-  job = {'input': str(source.resolve()), 'format': kind, 'glob': args.glob, 'tokenizer': tokenizer,
-         'text_column': args.text_column, 'split': args.split, 'eval_percent': args.eval_percent,
-         'chunk_docs': args.chunk_docs}
-  work = _open_output(out, job)
-  documents = corpus_formats.read(source, kind, args.glob, args.text_column, args.split)
-  progress = tokenize_job.Progress()
-  count = tokenize_job.tokenize(documents, work, args.tokenizer, args.eval_percent, args.chunk_docs, args.workers,
-                                progress)
-  return work, count, kind
+  if kind in ('files', 'parquet') and source.is_dir() and source.resolve() in staged_output.stage_path(out).parents:
+    raise UserError(f'--output={args.output!r} is inside --input={args.input!r}, whose files would then include '
+                    f'the run\'s own; choose a folder outside it.')
+  settings = {'input': str(source.resolve()), 'format': kind, 'glob': args.glob, 'tokenizer': tokenizer,
+              'text_column': args.text_column or 'text', 'split': args.split, 'eval_percent': args.eval_percent,
+              'chunk_docs': args.chunk_docs}
+  files = corpus_formats.input_files(source, kind, args.glob, args.split) + tokenizer_files
+  _RUN.stage = stage = staged_output.open_stage(out, settings, staged_output.identity(files))
+  replaced = corpus_formats.Replaced()
+  documents = corpus_formats.read(source, kind, args.glob, args.text_column or 'text', args.split,
+                                  replaced=replaced)
+  try:
+    count = tokenize_job.tokenize(documents, stage.work, args.tokenizer, args.eval_percent, args.chunk_docs,
+                                  args.workers, tokenize_job.Progress())
+  except UserError:
+    stage.discard()  # Bad input: fixing it changes the input, which a resume of these chunks would refuse.
+    raise
+  staged_output.check_unchanged(stage, staged_output.identity(files))
+  if warning := replaced.warning():
+    print(f'prepare_data.py: warning: {warning}', file=sys.stderr)
+  return stage, count, kind
 
 
 def _write_chunks(out: pathlib.Path, work: pathlib.Path, count: int, vocab_size: int | None, tokenizer: str,
@@ -185,8 +249,7 @@ def _records(work: pathlib.Path, count: int, eval_split: bool):
 
 def _finetune(args, source: pathlib.Path, out: pathlib.Path, encode, tokenizer_vocab: int, tokenizer: str,
               vocab_size: int | None) -> tuple[dict, int]:
-  if out.exists() and any(out.iterdir()):
-    raise UserError(f'--output={args.output!r} is not empty; choose a new folder (nothing was overwritten).')
+  """Writes the fine-tuning examples into `out` (the stage's output folder); returns (meta, lines skipped)."""
   docs = read_finetune_jsonl(source, args.tokenizer, encode, tokenizer)
   kept = [(name, tokens, mask) for name, tokens, mask in docs if len(tokens) >= 2]
   if not kept:
@@ -204,12 +267,41 @@ def _finetune(args, source: pathlib.Path, out: pathlib.Path, encode, tokenizer_v
     del splits['eval']
   if not splits.get('train'):
     raise UserError(f'all {len(kept)} documents fell in the eval split; lower --eval_percent or add lines.')
-  out.mkdir(parents=True, exist_ok=True)
   meta = token_shards.write_shards(out, splits, vocab_size, tokenizer, args.num_shards, masks)
   meta['trained_tokens'] = sum(int(m.sum()) for split in splits for m in masks[split])
   meta['skipped_documents'] = len(docs) - len(kept)
   token_shards.write_meta(out, meta)
   return meta, len(docs) - len(kept)
+
+
+def _prepare(args, source: pathlib.Path, out: pathlib.Path) -> tuple[dict, int, str]:
+  """Writes the shards into the stage and renames them to --output; returns (meta, documents skipped, tokenizer)."""
+  if args.chunk_docs < 1:
+    raise UserError(f'--chunk_docs={args.chunk_docs} must be at least 1.')
+  encode, tokenizer_vocab, tokenizer = load_tokenizer(args.tokenizer)
+  vocab_size = check_vocabulary(args, tokenizer_vocab, tokenizer)
+  if tokenizer != 'bytes':
+    vocab_size = max(vocab_size or 0, tokenizer_vocab)
+  tokenizer_files = _tokenizer_files(args.tokenizer, tokenizer)
+  if source.suffix == '.jsonl' and source.is_file() and corpus_formats.is_finetune_jsonl(source, args.text_column):
+    # Read whole and written at once: nothing to resume, so the stage holds only the output being written.
+    _RUN.stage = stage = staged_output.open_stage(out, {'input': str(source.resolve()), 'format': 'finetune'}, [])
+    meta, skipped = _finetune(args, source, stage.fresh_output(), encode, tokenizer_vocab, tokenizer, vocab_size)
+  else:
+    stage, count, kind = _tokenized_corpus(args, source, out, tokenizer, tokenizer_files)
+    meta, skipped = _write_chunks(stage.fresh_output(), stage.work, count, vocab_size, tokenizer, args.num_shards)
+    meta['source'] = {'input': str(source.resolve()), 'format': kind}
+  # Kept with the data: export_hf.py ships them, sample.py encodes and decodes with them.
+  if tokenizer_files:
+    kept = stage.output / 'tokenizer'
+    kept.mkdir()
+    for file in tokenizer_files:
+      shutil.copy2(file, kept / file.name)
+    # What data.mixture and an imported model compare: the same files wherever they were read from.
+    meta['tokenizer_sha256'] = hf_tokenizer.files_sha256(kept.iterdir())
+  token_shards.write_meta(stage.output, meta)
+  stage.publish()
+  return meta, skipped, tokenizer
 
 
 def main(argv=None) -> None:
@@ -218,7 +310,9 @@ def main(argv=None) -> None:
   parser.add_argument('--output', required=True)
   parser.add_argument('--glob', default='**/*')
   parser.add_argument('--tokenizer', default=None)
-  parser.add_argument('--text_column', default='text', help='Parquet/arrow column or JSONL field holding the text')
+  parser.add_argument('--text_column', default=None,
+                      help='Parquet/arrow column or JSONL field holding the text (default: text); given, a .jsonl '
+                           'file is read as documents even where its lines have "prompt" or "messages"')
   parser.add_argument('--split', default='train', help='the split of a save_to_disk DatasetDict')
   parser.add_argument('--vocab_size', type=int, default=None,
                       help="the model's vocabulary: a larger tokenizer is refused (.npy input: default max+1)")
@@ -228,39 +322,22 @@ def main(argv=None) -> None:
   parser.add_argument('--num_shards', type=int, default=8)
   parser.add_argument('--eval_percent', type=int, default=5)
   args = parser.parse_args(argv)
+  out, source = pathlib.Path(os.path.abspath(args.output)), pathlib.Path(args.input)  # '.' and '..' named.
+  _RUN.stage = None  # main() is also called in-process, once per test.
   try:
-    out, source = pathlib.Path(args.output), pathlib.Path(args.input)
-    if args.chunk_docs < 1:
-      raise UserError(f'--chunk_docs={args.chunk_docs} must be at least 1.')
-    encode, tokenizer_vocab, tokenizer = load_tokenizer(args.tokenizer)
-    vocab_size = check_vocabulary(args, tokenizer_vocab, tokenizer)
-    if tokenizer != 'bytes':
-      vocab_size = max(vocab_size or 0, tokenizer_vocab)
-    if source.suffix == '.jsonl' and source.is_file() and corpus_formats.is_finetune_jsonl(source):
-      meta, skipped = _finetune(args, source, out, encode, tokenizer_vocab, tokenizer, vocab_size)
-    else:
-      work, count, kind = _tokenized_corpus(args, source, out, tokenizer)
-      meta, skipped = _write_chunks(out, work, count, vocab_size, tokenizer, args.num_shards)
-      meta['source'] = {'input': str(source.resolve()), 'format': kind}
-      token_shards.write_meta(out, meta)
-      shutil.rmtree(work)  # Our own scratch chunks, now in the shards.
-    # Kept with the data: export_hf.py ships them, sample.py encodes and decodes with them.
-    if tokenizer.startswith('hf:'):
-      (out / 'tokenizer').mkdir()
-      for file in hf_tokenizer.load(args.tokenizer).files:
-        shutil.copy2(file, out / 'tokenizer' / file.name)
-    elif tokenizer != 'bytes':
-      (out / 'tokenizer').mkdir()
-      shutil.copy2(args.tokenizer, out / 'tokenizer' / pathlib.Path(args.tokenizer).name)
-    if (out / 'tokenizer').is_dir():  # What data.mixture compares: the same files wherever they were read from.
-      meta['tokenizer_sha256'] = hf_tokenizer.files_sha256((out / 'tokenizer').iterdir())
-      token_shards.write_meta(out, meta)
+    staged_output.check_output(out)
+    meta, skipped, tokenizer = _prepare(args, source, out)
   except UserError as e:
+    if _RUN.stage is not None:
+      _RUN.stage.discard_if_empty()  # A run that kept nothing leaves nothing in the corrected command's way.
     print(f'prepare_data.py: error: {e}', file=sys.stderr)
     raise UserExit(f'prepare_data.py: error: {e}') from None
-  except KeyboardInterrupt:
-    print(f'prepare_data.py: interrupted; run the same command again to resume into {args.output}.', file=sys.stderr)
+  except KeyboardInterrupt:  # Raised, not signalled: run as a script, Ctrl-C goes to _on_stop_signal.
+    print(_stopped_line('Ctrl-C (SIGINT)'), file=sys.stderr)
     sys.exit(130)
+  finally:
+    if _RUN.stage is not None:
+      _RUN.stage.close()  # Its lock: main() is also called in-process.
   counts = {split: f"{s['documents']} documents, {s['tokens']} tokens" for split, s in meta['splits'].items()}
   if 'trained_tokens' in meta:
     counts['trained'] = f"{meta['trained_tokens']} completion tokens"

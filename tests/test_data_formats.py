@@ -125,7 +125,7 @@ def test_workers_give_the_same_shards_and_a_tokens_per_second_line(tmp_path):
   texts = [t for t in _texts(40) if len(t.encode()) >= 2]
   assert sum(s['documents'] for s in meta['splits'].values()) == len(texts)
   assert sum(s['tokens'] for s in meta['splits'].values()) == sum(len(t.encode()) for t in texts)
-  assert meta['skipped_documents'] == 41 - len(texts) == 1 and not (tmp_path / 'two' / '.partial').exists()
+  assert meta['skipped_documents'] == 41 - len(texts) == 1 and not (tmp_path / 'two.partial').exists()
 
 
 def test_an_interrupted_run_resumes_and_tokenizes_only_what_is_left(tmp_path, monkeypatch, capsys):
@@ -144,7 +144,8 @@ def test_an_interrupted_run_resumes_and_tokenizes_only_what_is_left(tmp_path, mo
   with pytest.raises(SystemExit) as stopped:
     prepare_data.main([f'--input={corpus}', f'--output={tmp_path / "out"}', *flags])
   assert stopped.value.code == 130 and 'run the same command again to resume' in capsys.readouterr().err
-  assert sorted(p.name for p in (tmp_path / 'out' / '.partial').glob('chunk-*.npz'))[-1] == 'chunk-000005.npz'
+  assert sorted(p.name for p in (tmp_path / 'out.partial').glob('chunk-*.npz'))[-1] == 'chunk-000005.npz'
+  assert not (tmp_path / 'out').exists()  # Only a complete output is ever renamed into place.
   monkeypatch.setattr(corpus_formats, 'read', read)
   with pytest.raises(SystemExit, match='holds an interrupted run with other settings.*chunk_docs: 4 then, 5 now'):
     prepare_data.main([f'--input={corpus}', f'--output={tmp_path / "out"}', *flags[:-2], '--chunk_docs=5',

@@ -19,13 +19,13 @@ the documents into token shards (trainer/data/token_shards.py), where the mask
 travels with the tokens through packing.
 """
 
-import json
 import pathlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from trainer.base.errors import UserError
+from trainer.data.corpus_formats import checked_text, json_lines
 
 FIELDS = ('prompt', 'completion')
 FORMS = '{"prompt": "...", "completion": "..."} or {"messages": [{"role": ..., "content": ...}, ...]}'
@@ -105,17 +105,11 @@ def read(path: pathlib.Path, encode_piece: Callable[[str], Sequence[int]], prefi
   `render_chat(messages, add_generation_prompt)` renders chats; None refuses them.
   """
   examples = []
-  for number, line in enumerate(path.read_text().splitlines(), start=1):
-    if not line.strip():
-      continue
-    where = f'{path}:{number}'
-    try:
-      record = json.loads(line)
-    except ValueError as e:
-      raise UserError(f'{where} is not a JSON object ({e.msg}); each line of a fine-tuning file is {FORMS}.') from None
+  for where, record in json_lines(path):  # Undecodable bytes and bad JSON: one line naming it.
     if isinstance(record, dict) and 'messages' in record:
-      documents = _chat(record['messages'], render_chat, encode_piece, where)
+      documents = _chat(checked_text(record['messages'], where, '"messages"'), render_chat, encode_piece, where)
     elif isinstance(record, dict) and all(isinstance(record.get(k), str) for k in FIELDS):
+      checked_text([record[k] for k in FIELDS], where, '"prompt" or "completion"')
       text = record['prompt'] + record['completion']
       ids, mask = _masked(encode_piece, text, [(len(record['prompt']), len(text))])
       documents = [([*prefix, *ids, *end], [0] * len(prefix) + mask + [1] * len(end))]

@@ -6,6 +6,12 @@ length, and whether the hash of its key holds it out for eval), written under a 
 chunk file is either whole or absent. A rerun after an interruption finds the chunks already there and tokenizes
 only the rest: the corpus is read again (cheap next to tokenizing) but its finished chunks are not sent to a worker.
 A progress line on stderr gives the documents and tokens done and tokens/s.
+
+Stop signals (Ctrl-C, SIGTERM, SIGHUP) are the parent's to answer (scripts/prepare_data.py: one line, the workers
+killed, exit 128 + the signal). A worker ignores them, or Ctrl-C, which reaches the whole process group, would
+print a KeyboardInterrupt traceback from each worker and break the pool under the parent. They are blocked while
+a worker is spawned, so a new interpreter starts with them blocked and cannot take one before `_init_worker`
+ignores them.
 """
 
 import concurrent.futures
@@ -13,6 +19,7 @@ import dataclasses
 import multiprocessing
 import os
 import pathlib
+import signal
 import sys
 import time
 import zlib
@@ -23,6 +30,8 @@ import numpy as np
 from trainer.data.corpus_formats import Document
 
 _ENCODE: Callable | None = None  # The worker's tokenizer, loaded once by `_init`.
+# The signals scripts/prepare_data.py stops on (those of trainer/safety/startup_signals.py).
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 def load_tokenizer(path: str | None):
@@ -42,6 +51,23 @@ def _init(tokenizer_path: str | None) -> None:
   global _ENCODE
   os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')  # One thread a worker: the workers are the parallelism.
   _ENCODE = load_tokenizer(tokenizer_path)[0]
+
+
+def _init_worker(tokenizer_path: str | None) -> None:
+  for signum in _STOP_SIGNALS:
+    signal.signal(signum, signal.SIG_IGN)
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # Blocked by the parent while it spawned this process.
+  _init(tokenizer_path)
+
+
+def _submit(pool, *args):
+  """pool.submit, which may spawn a worker: with the stop signals blocked meanwhile, so it starts with them blocked
+  (a signal that comes meanwhile reaches the parent as soon as they are unblocked)."""
+  before = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+  try:
+    return pool.submit(*args)
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def chunk_path(work: pathlib.Path, index: int) -> pathlib.Path:
@@ -123,10 +149,10 @@ def tokenize(documents: Iterable[Document], work: pathlib.Path, tokenizer_path: 
       progress.add(*_tokenize_chunk(index, docs, eval_percent, work)[1:])
   else:
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context('spawn'),
-                                                initializer=_init, initargs=(tokenizer_path,)) as pool:
+                                                initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
       running = set()
       for index, docs in _chain(first, second, todo):
-        running.add(pool.submit(_tokenize_chunk, index, docs, eval_percent, work))
+        running.add(_submit(pool, _tokenize_chunk, index, docs, eval_percent, work))
         if len(running) >= 2 * workers:  # Bounded: the corpus is never read far ahead of the workers.
           done, running = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
           for future in done:
