@@ -136,7 +136,7 @@ def evaluate(workdir: str, task_paths, step: str, which: str, max_questions: int
 
   from trainer.training import checkpoint
   from trainer import evals
-  from trainer.base import storage
+  from trainer.base import confined, storage
   from trainer.training import state as state_lib
   from trainer.base.errors import UserError
   from trainer.evals import codec as codec_lib
@@ -174,7 +174,7 @@ def evaluate(workdir: str, task_paths, step: str, which: str, max_questions: int
     record['lm_eval'] = _lm_eval(lm_eval_tasks, lm_eval_include, lm_eval_limit, job, params, codec, config)
   target = storage.path(output) if output else run_dir / 'evals' / f'eval_step_{restored}.json'
   target.parent.mkdir(parents=True, exist_ok=True)
-  target.write_text(json.dumps(record, indent=1) + '\n')
+  confined.write_text(target, json.dumps(record, indent=1) + '\n')
   record['output'] = str(target)
   return record
 

@@ -49,6 +49,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from trainer.base import confined  # noqa: E402
 from trainer.base.errors import UserError  # noqa: E402
 from trainer.data import corpus_formats, finetune_jsonl, hf_tokenizer, token_shards, tokenize_job  # noqa: E402
 
@@ -85,7 +86,7 @@ def model_vocab_size(model: str) -> int:
   """The vocabulary of --model: a Hugging Face model folder (config.json) or a configs/*.py file."""
   path = pathlib.Path(model)
   if path.is_dir() and (path / 'config.json').is_file():
-    vocab = json.loads((path / 'config.json').read_text()).get('vocab_size')
+    vocab = json.loads(confined.inside(path, 'config.json', '--model').read_text()).get('vocab_size')
   elif path.suffix == '.py' and path.is_file():
     import importlib.util
     spec = importlib.util.spec_from_file_location('model_config', path)
@@ -127,7 +128,7 @@ def _open_output(out: pathlib.Path, job: dict) -> pathlib.Path:
                       f'with those to resume, or choose a new folder.')
     return work
   work.mkdir(parents=True)
-  (work / 'job.json').write_text(json.dumps(job, indent=1) + '\n')
+  confined.write_text(work / 'job.json', json.dumps(job, indent=1) + '\n')
   return work
 
 
@@ -249,10 +250,10 @@ def main(argv=None) -> None:
     if tokenizer.startswith('hf:'):
       (out / 'tokenizer').mkdir()
       for file in hf_tokenizer.load(args.tokenizer).files:
-        shutil.copy2(file, out / 'tokenizer' / file.name)
+        confined.copy(file, out / 'tokenizer' / file.name)  # load() kept each to its folder.
     elif tokenizer != 'bytes':
       (out / 'tokenizer').mkdir()
-      shutil.copy2(args.tokenizer, out / 'tokenizer' / pathlib.Path(args.tokenizer).name)
+      confined.copy(args.tokenizer, out / 'tokenizer' / pathlib.Path(args.tokenizer).name)
     if (out / 'tokenizer').is_dir():  # What data.mixture compares: the same files wherever they were read from.
       digest = hashlib.sha256()
       for file in sorted((out / 'tokenizer').iterdir()):

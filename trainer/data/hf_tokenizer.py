@@ -13,6 +13,7 @@ import dataclasses
 import json
 import pathlib
 
+from trainer.base import confined
 from trainer.base.errors import UserError
 
 FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja')
@@ -115,7 +116,9 @@ def load(path: str, flag: str = '--tokenizer') -> HfTokenizer:
     raise UserError(f'{flag}={path!r} is a Hugging Face tokenizer but the tokenizers package is not installed; '
                     f'pip install -r requirements.txt.') from None
   given = pathlib.Path(path)
-  file = given / 'tokenizer.json' if given.is_dir() else given
+  where = f'{flag}={path!r}'
+  # A folder's files are its own: one that is a link out of it (to a private file) is refused, never read or kept.
+  file = confined.inside(given, 'tokenizer.json', where) if given.is_dir() else given
   if not file.is_file():
     raise UserError(f'{flag}={path!r}: no tokenizer.json there; give a model folder holding tokenizer.json, or the '
                     f'file itself.')
@@ -123,9 +126,8 @@ def load(path: str, flag: str = '--tokenizer') -> HfTokenizer:
     tok = tokenizers.Tokenizer.from_file(str(file))
   except Exception as e:  # The Rust side raises its own exception type.
     raise UserError(f'{flag}={path!r}: {file} is not a readable tokenizer.json ({str(e)[:160]}).') from e
-  config_file = file.parent / 'tokenizer_config.json'
+  config_file = confined.inside(file.parent, 'tokenizer_config.json', where)
   config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-  files = tuple(file.parent / name for name in FILES if (file.parent / name).is_file())
-  where = f'{flag}={path!r}'
+  files = tuple(file.parent / name for name in FILES if confined.inside(file.parent, name, where).is_file())
   prefix, suffix = _around(tok, config, where)
   return HfTokenizer(tok, prefix, suffix, _special_id(tok, config, 'eos', where), files, config)

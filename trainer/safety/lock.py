@@ -46,7 +46,7 @@ import time
 
 from absl import logging
 
-from trainer.base import storage
+from trainer.base import confined, storage
 from trainer.base.errors import UserError
 from trainer.supervision import attempt
 
@@ -124,7 +124,7 @@ def acquire(workdir: str | os.PathLike) -> 'WorkdirLock | ObjectLock':
   if storage.is_cloud(workdir):
     return storage.within_deadline('taking the workdir lock', workdir, _acquire_object, workdir)
   path = pathlib.Path(workdir).absolute() / LOCK_NAME
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  fd = confined.open_fd(path, os.O_RDWR | os.O_CREAT, 0o644)  # Never through a link planted in its place.
   try:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
