@@ -224,3 +224,28 @@ def test_exported_weights_are_readable_like_the_exports_other_files(tmp_path):
     os.umask(before)
   modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / 'out').iterdir()}
   assert modes['model.safetensors'] == modes['config.json'] == modes['tokenizer.json'] == 0o644, modes
+
+
+def test_prepare_data_keeps_a_tokenizer_link_inside_its_folder_and_refuses_one_out_of_it(tmp_path, capsys):
+  import sys
+  from conftest import REPO
+  sys.path.insert(0, str(REPO / 'scripts'))
+  import prepare_data  # pylint: disable=import-outside-toplevel
+  folder, docs, private = tmp_path / 'tokenizer', tmp_path / 'docs', tmp_path / 'private.txt'
+  shutil.copytree(FIXTURES / 'tokenizer', folder)
+  (folder / 'template.txt').write_text('{{ messages }}')
+  (folder / 'chat_template.jinja').symlink_to('template.txt')  # Inside the folder: read, and kept as a file.
+  private.write_text(PRIVATE_TEXT)
+  docs.mkdir()
+  (docs / 'doc.txt').write_text('what is two plus three ? it is five .')
+  prepare_data.main([f'--input={docs}', f'--output={tmp_path / "kept"}', f'--tokenizer={folder}'])
+  kept = tmp_path / 'kept' / 'tokenizer' / 'chat_template.jinja'
+  assert kept.read_text() == '{{ messages }}' and not kept.is_symlink()
+  (folder / 'special_tokens_map.json').symlink_to(private)
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as refused:
+    prepare_data.main([f'--input={docs}', f'--output={tmp_path / "refused"}', f'--tokenizer={folder}'])
+  [line] = capsys.readouterr().err.splitlines()
+  assert refused.value.code == 2 and line.startswith(
+      f"prepare_data.py: error: --tokenizer='{folder}': {folder}/special_tokens_map.json leads outside"), line
+  assert not (tmp_path / 'refused').exists()
