@@ -69,6 +69,19 @@ def test_every_file_a_run_writes_is_refused_as_a_planted_link_and_its_target_unt
     assert [p.name for p in workdir.iterdir()] == [name.split('/')[0]], name  # Nothing else written.
 
 
+def test_a_link_in_place_of_a_folder_the_launch_makes_for_predictable_names_is_refused(tmp_path):
+  """evals/ -> a victim's folder would have evals/step_N.json replace the victim's file of that name."""
+  elsewhere = tmp_path / 'elsewhere'
+  elsewhere.mkdir()
+  for name in workdir_lib.OWN_FOLDERS:
+    workdir = tmp_path / f'run_{name}'
+    workdir.mkdir()
+    (workdir / name).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(UserError, match=rf'^{workdir / name} is a symbolic link \(to {elsewhere}\), not a folder'):
+      workdir_lib.check(str(workdir))  # What launch.py calls first, before the lock or the supervisor.
+  assert not list(elsewhere.iterdir())
+
+
 def test_tensorboards_file_name_cannot_be_guessed_to_plant_a_link(written):
   [events] = [name for name in written if name.startswith('tensorboard/')]
   assert re.fullmatch(r'tensorboard/events\.out\.tfevents\.\d+\.[^/]+\.[0-9a-f]{16}', events), events

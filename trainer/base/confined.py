@@ -16,7 +16,8 @@ export would copy into a folder meant for others). So, for local paths:
   design: a snapshot (`models--ORG--NAME/snapshots/REV/`) links into its repository's
   `blobs/`, which is allowed.
 Links in the folders above a file (the workdir itself, a checkpoints folder moved
-to a larger disk) are the user's own choice and followed. gs:// paths go to the
+to a larger disk) are the user's own choice and followed, except in place of the
+folders a launch makes for files of predictable names (`check_folder`). gs:// paths go to the
 storage layer's path objects unchanged: a bucket has no links.
 """
 
@@ -57,16 +58,32 @@ def _is_cloud(path) -> bool:
   return os.fspath(path).startswith(_CLOUD)
 
 
+def _mode(path: os.PathLike) -> int | None:
+  """The st_mode of `path` itself (a link's own), None when it is missing or in a bucket."""
+  if _is_cloud(path):
+    return None
+  try:
+    return os.lstat(path).st_mode
+  except FileNotFoundError:
+    return None
+
+
 def check_target(path: os.PathLike) -> None:
   """Planted when `path` exists as anything but a regular file (a link included, wherever it points)."""
-  if _is_cloud(path):
-    return
-  try:
-    mode = os.lstat(path).st_mode
-  except FileNotFoundError:
-    return
-  if not stat.S_ISREG(mode):
+  mode = _mode(path)
+  if mode is not None and not stat.S_ISREG(mode):
     raise _refusal(pathlib.Path(path), _kind(pathlib.Path(path), mode))
+
+
+def check_folder(path: os.PathLike) -> None:
+  """Planted when `path` exists as anything but a real folder: a link to a folder elsewhere would take the files
+  written into it there, and a whole-file write would replace a file of that name there."""
+  mode = _mode(path)
+  if mode is not None and not stat.S_ISDIR(mode):
+    kind = _kind(pathlib.Path(path), mode) if not stat.S_ISREG(mode) else 'a file'
+    raise Planted(f'{path} is {kind}, not a folder; this program makes it and writes its files into it itself, never '
+                  f'through a link (anyone who can write into the workdir could have put it there to make this user '
+                  f'write elsewhere): remove it (rm {str(path)!r}) and rerun.')
 
 
 def open_fd(path: os.PathLike, flags: int, mode: int = 0o666) -> int:

@@ -20,6 +20,8 @@ from trainer.supervision import attempt
 # test_faults_symlinks.py checks this list against the files a real run leaves.
 WRITTEN = ('launch.lock', 'config.json', 'sharding.txt', 'metrics.jsonl', 'goodput.jsonl', 'attempts.jsonl',
            'logs/library_errors.log')
+# The folders it makes for files of predictable names (checkpoints/ and tensorboard/ may be links to another disk).
+OWN_FOLDERS = ('logs', 'hangs', 'evals', 'memory_profiles')
 _URL = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):/')
 
 
@@ -48,4 +50,6 @@ def check(workdir: str) -> storage.Path:
                     f'permissions or choose another folder.') from e
   for name in WRITTEN:  # Before the lock or the supervisor: a planted link stops the launch before anything is written.
     confined.check_target(path / name)
+  for name in OWN_FOLDERS:
+    confined.check_folder(path / name)
   return path
