@@ -15,6 +15,8 @@ import json
 import os
 import time
 
+from trainer.base import confined
+
 _ATTEMPT_ENV = 'LAUNCH_ATTEMPT'
 _STATUS_ENV = 'LAUNCH_STATUS_FILE'
 _RESTART_GAP_ENV = 'LAUNCH_RESTART_GAP_S'
@@ -52,10 +54,9 @@ def note(**fields) -> None:
   _written_at[0] = time.monotonic()
   _status.update(fields, updated=time.time())
   try:
-    with open(path + '.tmp', 'w') as f:
-      json.dump(_status, f)
-    os.replace(path + '.tmp', path)
-  except OSError:
+    # Renamed over it from a temporary file of a name nobody can guess: never through a link planted in /tmp.
+    confined.write_text(path, json.dumps(_status))
+  except (OSError, confined.Planted):
     pass  # The supervisor then knows less about this attempt; training is not stopped for it.
 
 
