@@ -97,7 +97,7 @@ class WorkdirLock:
   def _heartbeat(self) -> None:
     while not self._stop.wait(HEARTBEAT_S):
       try:
-        os.utime(self.path)
+        os.utime(self._fd)  # The file held, not whatever may since stand at its name (a link).
       except OSError:
         pass  # A full or lost disk is reported by the checkpointer, not here.
 
@@ -105,6 +105,7 @@ class WorkdirLock:
     if self._fd is None:
       return
     self._stop.set()
+    self._thread.join(5)  # Its touch is of this descriptor: done before the number is closed and maybe reused.
     try:
       os.ftruncate(self._fd, 0)  # Cleared, not deleted: deleting would let two launches lock two different files.
     except OSError:
