@@ -123,6 +123,21 @@ def test_each_writer_refuses_a_link_planted_after_the_launchs_check(tmp_path):
   assert victim.read_text() == VICTIM_TEXT
 
 
+def test_the_held_locks_heartbeat_touches_its_own_file_not_a_link_put_at_its_name(tmp_path, monkeypatch):
+  import time
+  victim = _victim(tmp_path)
+  os.utime(victim, (1e9, 1e9))
+  monkeypatch.setattr(lock, 'HEARTBEAT_S', 0.05)
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  held = lock.acquire(workdir)
+  (workdir / 'launch.lock').unlink()
+  (workdir / 'launch.lock').symlink_to(victim)
+  time.sleep(0.3)  # Several heartbeats.
+  held.release()
+  assert victim.stat().st_mtime == 1e9 and victim.read_text() == VICTIM_TEXT
+
+
 def test_a_whole_file_write_replaces_a_link_planted_between_check_and_write(tmp_path, monkeypatch):
   victim = _victim(tmp_path)
   (tmp_path / 'sharding.txt').symlink_to(victim)
