@@ -17,8 +17,8 @@ export would copy into a folder meant for others). So, for local paths:
   `blobs/`, which is allowed.
 Links in the folders above a file (the workdir itself, a checkpoints folder moved
 to a larger disk) are the user's own choice and followed, except in place of the
-folders a launch makes for files of predictable names (`check_folder`). gs:// paths go to the
-storage layer's path objects unchanged: a bucket has no links.
+folders a launch makes for files of predictable names (`check_folder`). gs://
+paths go to the storage layer's path objects unchanged: a bucket has no links.
 """
 
 import errno
