@@ -142,7 +142,7 @@ def evaluate(workdir: str, task_paths, step: str, which: str, max_questions: int
 
   from trainer.training import checkpoint
   from trainer import evals
-  from trainer.base import storage
+  from trainer.base import confined, storage
   from trainer.training import state as state_lib
   from trainer.base.errors import UserError
   from trainer.evals import codec as codec_lib

@@ -109,6 +109,7 @@ if __name__ == '__main__':
 
 import numpy as np  # noqa: E402
 
+from trainer.base import confined  # noqa: E402
 from trainer.base.errors import UserError  # noqa: E402
 from trainer.data import (corpus_formats, finetune_jsonl, hf_tokenizer, staged_output, token_shards,  # noqa: E402
                           tokenize_job)
@@ -145,7 +146,7 @@ def model_vocab_size(model: str) -> int:
   """The vocabulary of --model: a Hugging Face model folder (config.json) or a configs/*.py file."""
   path = pathlib.Path(model)
   if path.is_dir() and (path / 'config.json').is_file():
-    vocab = json.loads((path / 'config.json').read_text()).get('vocab_size')
+    vocab = json.loads(confined.inside(path, 'config.json', '--model').read_text()).get('vocab_size')
   elif path.suffix == '.py' and path.is_file():
     import importlib.util
     spec = importlib.util.spec_from_file_location('model_config', path)
@@ -296,7 +297,7 @@ def _prepare(args, source: pathlib.Path, out: pathlib.Path) -> tuple[dict, int, 
     kept = stage.output / 'tokenizer'
     kept.mkdir()
     for file in tokenizer_files:
-      shutil.copy2(file, kept / file.name)
+      confined.copy(file, kept / file.name)  # hf_tokenizer.load kept each to its folder.
     # What data.mixture and an imported model compare: the same files wherever they were read from.
     meta['tokenizer_sha256'] = hf_tokenizer.files_sha256(kept.iterdir())
   token_shards.write_meta(stage.output, meta)

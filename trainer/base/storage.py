@@ -34,6 +34,7 @@ from typing import Union
 
 from absl import logging
 
+from trainer.base import confined
 from trainer.base.errors import UserError
 
 SCHEME = 'gs://'
@@ -342,11 +343,12 @@ class AppendLog:
     self._cloud = is_cloud(file)
     if not self._cloud:
       file.parent.mkdir(parents=True, exist_ok=True)
+      confined.check_target(file)  # A link planted in its place is refused, not read or appended through.
       if file.exists():
         text = file.read_text()
         if _torn(text):
-          file.write_text(_untorn(text, file))
-      self._handle = file.open('a')
+          confined.write_text(file, _untorn(text, file))
+      self._handle = confined.open_append(file)
       return
     self._flush_every_s = flush_every_s
     self._text = _untorn(file.read_text(), file) if file.exists() else ''

@@ -11,6 +11,7 @@ import dataclasses
 import pathlib
 from collections.abc import Callable
 
+from trainer.base import confined
 from trainer.base.errors import UserError
 
 # The split pattern of OpenAI's cl100k_base: a .tiktoken file holds only the merges, not the pattern.
@@ -69,7 +70,7 @@ def of_run(data_path: str, recorded: str) -> FileTokenizer | None:
   kind, _, name = recorded.partition(':')
   if kind not in ('sentencepiece', 'tiktoken') or not name:
     return None
-  file = pathlib.Path(data_path) / 'tokenizer' / name
+  file = confined.inside(pathlib.Path(data_path) / 'tokenizer', name, f'{data_path}/meta.json')  # Its own file only.
   if not file.is_file():
     raise UserError(f'{data_path} was tokenized with {recorded} but {file} is missing (prepare_data.py keeps it '
                     f'there since 2026-11-25); copy that file there, or give the prompt as token ids.')

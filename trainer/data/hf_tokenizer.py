@@ -14,6 +14,7 @@ import hashlib
 import json
 import pathlib
 
+from trainer.base import confined
 from trainer.base.errors import UserError
 from trainer.data.chat_template import render as render_template
 
@@ -78,9 +79,10 @@ def files_sha256(files) -> str:
   return digest.hexdigest()
 
 
-def folder_files(folder: pathlib.Path) -> tuple[pathlib.Path, ...]:
-  """The tokenizer files (FILES) a folder holds: what prepare_data.py keeps of a tokenizer read from it."""
-  return tuple(folder / name for name in FILES if (folder / name).is_file())
+def folder_files(folder: pathlib.Path, where: str) -> tuple[pathlib.Path, ...]:
+  """The tokenizer files (FILES) a folder holds: what prepare_data.py keeps of a tokenizer read from it. A file that
+  is a link out of the folder is refused (UserError naming `where`), never read."""
+  return tuple(folder / name for name in FILES if confined.inside(folder, name, where).is_file())
 
 
 def is_hf_tokenizer(path: str) -> bool:
@@ -122,7 +124,9 @@ def load(path: str, flag: str = '--tokenizer') -> HfTokenizer:
     raise UserError(f'{flag}={path!r} is a Hugging Face tokenizer but the tokenizers package is not installed; '
                     f'pip install -r requirements.txt.') from None
   given = pathlib.Path(path)
-  file = given / 'tokenizer.json' if given.is_dir() else given
+  where = f'{flag}={path!r}'
+  # A folder's files are its own: one that is a link out of it (to a private file) is refused, never read or kept.
+  file = confined.inside(given, 'tokenizer.json', where) if given.is_dir() else given
   if not file.is_file():
     raise UserError(f'{flag}={path!r}: no tokenizer.json there; give a model folder holding tokenizer.json, or the '
                     f'file itself.')
@@ -130,9 +134,8 @@ def load(path: str, flag: str = '--tokenizer') -> HfTokenizer:
     tok = tokenizers.Tokenizer.from_file(str(file))
   except Exception as e:  # The Rust side raises its own exception type.
     raise UserError(f'{flag}={path!r}: {file} is not a readable tokenizer.json ({str(e)[:160]}).') from e
-  config_file = file.parent / 'tokenizer_config.json'
+  config_file = confined.inside(file.parent, 'tokenizer_config.json', where)
   config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-  files = folder_files(file.parent)
-  where = f'{flag}={path!r}'
+  files = folder_files(file.parent, where)
   prefix, suffix = _around(tok, config, where)
   return HfTokenizer(tok, prefix, suffix, _special_id(tok, config, 'eos', where), files, config)

@@ -21,6 +21,7 @@ import pathlib
 import shlex
 import shutil
 
+from trainer.base import confined
 from trainer.base.errors import UserError
 
 Identity = list[list]  # [name, size in bytes, modification time in ns] per input file, in reading order.
@@ -167,9 +168,7 @@ def open_stage(out: pathlib.Path, settings: dict, inputs: Identity) -> Stage:
       return stage
     for entry in os.scandir(stage.work):  # Nothing kept: a run cut short before its first chunk (the folder is locked).
       shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
-    temporary = job.with_name('job.json.tmp')
-    temporary.write_text(json.dumps({'settings': settings, 'inputs': inputs}, indent=1) + '\n')
-    os.replace(temporary, job)
+    confined.write_text(job, json.dumps({'settings': settings, 'inputs': inputs}, indent=1) + '\n')  # Whole.
     return stage
   except BaseException:  # Refused, or cut short: the lock goes with it (main() also runs in-process).
     stage.close()

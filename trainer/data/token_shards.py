@@ -14,12 +14,14 @@ before training starts, so a missing, truncated or foreign file fails in
 seconds with its name.
 """
 
+import io
 import json
 import pathlib
 
 import grain
 import numpy as np
 
+from trainer.base import confined
 from trainer.base.errors import UserError
 from trainer.data.documents import Documents
 
@@ -150,7 +152,7 @@ def new_meta(vocab_size: int, tokenizer: str, dtype: np.dtype, loss_mask: bool =
 
 
 def write_meta(root: pathlib.Path, meta: dict) -> None:
-  (root / 'meta.json').write_text(json.dumps(meta, indent=1) + '\n')
+  confined.write_text(root / 'meta.json', json.dumps(meta, indent=1) + '\n')
 
 
 def write_split(root: pathlib.Path, split: str, lengths: np.ndarray, records, num_shards: int,
@@ -163,10 +165,13 @@ def write_split(root: pathlib.Path, split: str, lengths: np.ndarray, records, nu
   names = [shard_name(split, i, count) for i in range(count)]
   records = iter(records)
   for name, lo, hi in zip(names, bounds[:-1], bounds[1:]):
+    confined.check_target(root / name)  # The writer opens the file itself, following a link.
     writer = ArrayRecordWriter(str(root / name), 'group_size:1')
     for _ in range(lo, hi):
       writer.write(np.asarray(next(records), dtype).tobytes())
     writer.close()
-  np.save(root / f'{split}.lengths.npy', np.asarray(lengths, np.int64))
+  lengths_npy = io.BytesIO()
+  np.save(lengths_npy, np.asarray(lengths, np.int64))
+  confined.write_bytes(root / f'{split}.lengths.npy', lengths_npy.getvalue())
   return {'shards': names, 'records_per_shard': np.diff(bounds).tolist(), 'lengths': f'{split}.lengths.npy',
           'documents': int(len(lengths)), 'tokens': int(np.sum(lengths))}

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
+from trainer.base import confined
 from trainer.data.corpus_formats import Document
 
 _ENCODE: Callable | None = None  # The worker's tokenizer, loaded once by `_init`.
@@ -84,7 +85,8 @@ def _tokenize_chunk(index: int, docs: list[Document], eval_percent: int, work: p
   tokens = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros((0,), np.int32)  # Half of int64's disk.
   final = chunk_path(work, index)
   temporary = final.with_name(final.name + '.tmp.npz')
-  np.savez(temporary, tokens=tokens, lengths=lengths, held_out=held_out)
+  with os.fdopen(confined.open_fd(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 'wb') as f:  # Not via a link.
+    np.savez(f, tokens=tokens, lengths=lengths, held_out=held_out)
   os.replace(temporary, final)  # Atomic: an interrupted chunk leaves only a .tmp file, redone on the rerun.
   return index, len(docs), int(tokens.size)
 

@@ -14,7 +14,7 @@ import time
 import jax
 from absl import logging
 
-from trainer.base import storage
+from trainer.base import confined, storage
 from trainer.base.errors import UserError
 from trainer.evals import codec as codec_lib
 from trainer.evals import scorer, tasks
@@ -57,7 +57,7 @@ class Downstream:
     if self.workdir is not None and jax.process_index() == 0:
       folder = storage.path(self.workdir) / 'evals'
       folder.mkdir(parents=True, exist_ok=True)
-      (folder / f'step_{step}.json').write_text(json.dumps(record, indent=1) + '\n')
+      confined.write_text(folder / f'step_{step}.json', json.dumps(record, indent=1) + '\n')
     logging.info('Downstream evals at step %d: %s', step, ', '.join(f'{k} {v:.3f}' for k, v in metrics.items()))
     return metrics
 

@@ -13,6 +13,7 @@ transformers 5 writes one `rope_parameters` dict. Both are read.
 import json
 import pathlib
 
+from trainer.base import confined
 from trainer.base.errors import UserError
 from trainer.hf import config_fields
 
@@ -24,10 +25,10 @@ LLAMA3_KEYS = {'factor': 'rope_scaling_factor', 'low_freq_factor': 'rope_low_fre
 
 
 def read_config(folder: pathlib.Path, where: str) -> dict:
-  path = folder / 'config.json'
   if not folder.is_dir():
     raise UserError(f'{where}: {str(folder)!r} is not a folder; give a local Hugging Face model folder '
                     f'(config.json and safetensors weights; the hub is never contacted).')
+  path = confined.inside(folder, 'config.json', where)
   try:
     return json.loads(path.read_text())
   except FileNotFoundError:

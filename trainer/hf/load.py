@@ -55,7 +55,7 @@ def _check_tokenizer(data, folder: pathlib.Path, where: str) -> None:
     return
   meta = json.loads((root / 'meta.json').read_text())
   made = meta.get('tokenizer_sha256') or ('bytes' if meta.get('tokenizer') == 'bytes' else None)
-  if made is not None and made != hf_tokenizer.files_sha256(hf_tokenizer.folder_files(folder)):
+  if made is not None and made != hf_tokenizer.files_sha256(hf_tokenizer.folder_files(folder, where)):
     raise UserError(f'{where}: the data in {str(root)!r} was prepared with another tokenizer ({meta.get("tokenizer")})'
                     f' than the model\'s ({folder}); prepare it again with scripts/prepare_data.py '
                     f'--tokenizer={folder}.')

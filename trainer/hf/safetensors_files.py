@@ -25,6 +25,7 @@ import pathlib
 import numpy as np
 import safetensors
 
+from trainer.base import confined
 from trainer.base.errors import UserError
 
 INDEX = 'model.safetensors.index.json'
@@ -68,20 +69,21 @@ def read_header(path: pathlib.Path) -> dict[str, TensorInfo]:
 
 def weight_files(folder: pathlib.Path, where: str) -> list[pathlib.Path]:
   """The folder's safetensors files: the index's, or model.safetensors; one UserError when there are none."""
-  index = folder / INDEX
+  index = confined.inside(folder, INDEX, where)
   if index.is_file():
     try:
       weight_map = json.loads(index.read_text())['weight_map']
     except (OSError, ValueError, KeyError) as e:
       raise UserError(f'{where}: {str(index)!r} is unreadable or has no weight_map ({type(e).__name__}); download '
                       f'the model folder again.') from e
-    files = [folder / name for name in sorted(set(weight_map.values()))]
+    # The folder's own files only: a name with '..', an absolute one, or a link out of the folder is refused.
+    files = [confined.inside(folder, str(name), f'{where}: {INDEX}') for name in sorted(set(weight_map.values()))]
     missing = [str(f.name) for f in files if not f.is_file()]
     if missing:
       raise UserError(f'{where}: {str(index)!r} lists {", ".join(missing)}, missing from the folder; download the '
                       f'whole model folder.')
     return files
-  if (folder / SINGLE).is_file():
+  if confined.inside(folder, SINGLE, where).is_file():
     return [folder / SINGLE]
   raise UserError(f'{where}: {str(folder)!r} has no weights: neither {INDEX} nor {SINGLE}; give a Hugging Face '
                   f'model folder with its safetensors weights (.bin and .pth files are not read).')

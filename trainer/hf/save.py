@@ -14,13 +14,13 @@ held at most.
 
 import json
 import pathlib
-import shutil
 
 import jax
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from trainer.base import confined
 from trainer.base.errors import UserError
 from trainer.hf import architectures, layout, safetensors_files, serving as serving_lib
 
@@ -43,7 +43,9 @@ def export(model_config, params, output: pathlib.Path, dtype: str | None = None,
 
   def flush():  # Under a provisional name: the count of files is known only at the end.
     written.append(output / f'part-{len(written)}.safetensors')
+    confined.check_target(written[-1])  # save_file opens it itself, following a link.
     save_file(current, written[-1], metadata={'format': 'pt'})  # transformers reads only 'pt'-marked files.
+    written[-1].chmod(confined.created_mode())  # save_file leaves 0600; readable like config.json, by the umask.
     weight_map.update({t: len(written) - 1 for t in current})
 
   for placement in layout.placements(abstract):
@@ -60,9 +62,9 @@ def export(model_config, params, output: pathlib.Path, dtype: str | None = None,
     path.rename(output / name)
   if len(names) > 1:
     index = {'metadata': {'total_size': total}, 'weight_map': {t: names[i] for t, i in sorted(weight_map.items())}}
-    (output / safetensors_files.INDEX).write_text(json.dumps(index, indent=2) + '\n')
+    confined.write_text(output / safetensors_files.INDEX, json.dumps(index, indent=2) + '\n')
   config = {**architectures.hf_config(model_config, dtype, serving.architecture), **serving.fields}
-  (output / 'config.json').write_text(json.dumps(config, indent=2, sort_keys=True) + '\n')
+  confined.write_text(output / 'config.json', json.dumps(config, indent=2, sort_keys=True) + '\n')
   for path in serving.files:
-    shutil.copy2(path, output / path.name)
+    confined.copy(path, output / path.name)  # serving kept each to its folder.
   return names

@@ -20,6 +20,7 @@ import pathlib
 
 from absl import logging
 
+from trainer.base import confined
 from trainer.data import hf_tokenizer
 
 # The files a Hugging Face tokenizer is saved as (fast and slow); those present in the chosen folder travel.
@@ -28,6 +29,7 @@ TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_ma
 GENERATION_CONFIG = 'generation_config.json'
 TOKEN_IDS = ('bos_token_id', 'eos_token_id', 'pad_token_id')
 DTYPES = ('float32', 'bfloat16', 'float16')
+_INIT_FROM = 'model.init_from'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +57,9 @@ def source_folder(config) -> pathlib.Path | None:
 def _tokenizer_files(folder: pathlib.Path | None) -> tuple[pathlib.Path, ...]:
   if folder is None or not (folder / 'tokenizer.json').is_file() and not (folder / 'tokenizer.model').is_file():
     return ()
-  return tuple(folder / name for name in TOKENIZER_FILES if (folder / name).is_file())
+  # Each stays inside its folder: a link out of it (to a private file) is refused, never copied into the export.
+  return tuple(folder / name for name in TOKENIZER_FILES
+               if confined.inside(folder, name, f'the tokenizer files of {folder}').is_file())
 
 
 def _data_tokenizer(config) -> pathlib.Path | None:
@@ -73,7 +77,7 @@ def _source_dtype(hf: dict) -> str:
 
 
 def _from_source(config, folder: pathlib.Path) -> Serving:
-  hf = json.loads((folder / 'config.json').read_text())
+  hf = json.loads(confined.inside(folder, 'config.json', _INIT_FROM).read_text())
   fields = {k: hf[k] for k in TOKEN_IDS if k in hf}
   length = hf.get('max_position_embeddings')
   if length is not None and config.data.seq_len > length:  # Trained on longer rows than the source was made for.
@@ -88,7 +92,7 @@ def _from_source(config, folder: pathlib.Path) -> Serving:
     architecture = 'MistralForCausalLM'
     fields['sliding_window'] = hf.get('sliding_window')
   files = _tokenizer_files(folder) or _tokenizer_files(_data_tokenizer(config))
-  if (folder / GENERATION_CONFIG).is_file():
+  if confined.inside(folder, GENERATION_CONFIG, _INIT_FROM).is_file():
     files += (folder / GENERATION_CONFIG,)
   return Serving(fields, architecture, _source_dtype(hf), files)
 
@@ -127,9 +131,10 @@ def end_token_ids(config) -> tuple[int, ...]:
   ids = []
   folder = source_folder(config)
   if folder is not None:
-    generation = folder / GENERATION_CONFIG
+    generation = confined.inside(folder, GENERATION_CONFIG, _INIT_FROM)
     found = json.loads(generation.read_text()).get('eos_token_id') if generation.is_file() else None
-    ids += _ids(found if found is not None else json.loads((folder / 'config.json').read_text()).get('eos_token_id'))
+    config_json = confined.inside(folder, 'config.json', _INIT_FROM)
+    ids += _ids(found if found is not None else json.loads(config_json.read_text()).get('eos_token_id'))
   tokenizer = hf_tokenizer.run_folder(config)
   if tokenizer is not None:
     eos = hf_tokenizer.load(str(tokenizer), flag='the run\'s tokenizer').eos_id

@@ -23,6 +23,8 @@ import traceback
 
 from absl import logging
 
+from trainer.base import confined
+
 _REPO = str(pathlib.Path(__file__).resolve().parents[2])
 
 
@@ -49,10 +51,10 @@ class _Sink:
       try:
         if self._file is None:
           self.path.parent.mkdir(parents=True, exist_ok=True)
-          self._file = open(self.path, 'a', buffering=1)  # pylint: disable=consider-using-with
+          self._file = confined.open_append(self.path, buffering=1)  # Never through a link planted there.
         self._file.write(text)
         return True
-      except OSError:
+      except (OSError, confined.Planted):
         # The disk is full or read-only (likely why a library is failing): the launcher's own line says so, and
         # these lines, consequences of it, are dropped rather than shown in its place.
         return False

@@ -15,6 +15,7 @@ which is said once in the log instead of logging zeros.
 """
 
 import json
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,7 +83,9 @@ class MetricsWriter:
       # (tests/test_gcs.py holds one back). On disk a flush is cheap: every logged step.
       self._tb = tensorboardX.SummaryWriter(
           str(self._workdir / 'tensorboard'), max_queue=TB_CLOUD_QUEUE if self._cloud else 10,
-          flush_secs=storage.CLOUD_FLUSH_EVERY_S if self._cloud else 120)
+          flush_secs=storage.CLOUD_FLUSH_EVERY_S if self._cloud else 120,
+          # tensorboardX opens its file itself, following a link: a name nobody can guess is never planted.
+          filename_suffix=f'.{secrets.token_hex(8)}')
 
   def step_done(self, step: int, loss: float, step_time_s: float, data_wait_s: float, tokens_per_step: int) -> None:
     """Every step, as its metrics arrive: feeds the goodput and the progress bar."""

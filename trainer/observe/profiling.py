@@ -29,7 +29,7 @@ import time
 import jax
 from absl import logging
 
-from trainer.base import storage
+from trainer.base import confined, storage
 from trainer.base.errors import UserError
 from trainer.safety import startup_signals
 
@@ -193,7 +193,7 @@ class Profiler:
     path = self._workdir / 'memory_profiles' / f'oom-{socket.gethostname()}-{time.strftime("%Y%m%d-%H%M%S")}.prof'
     try:
       path.parent.mkdir(parents=True, exist_ok=True)
-      path.write_bytes(jax.profiler.device_memory_profile())  # What save_device_memory_profile writes.
+      confined.write_bytes(path, jax.profiler.device_memory_profile())  # What save_device_memory_profile writes.
     except Exception as e:  # The run is already failing: report this, but keep the original error.
       logging.error('Out of memory; could not save a device memory profile: %s', e)
       return None

@@ -17,7 +17,7 @@ from absl import logging
 from parallel import param_names, sharding
 from trainer import data, pipeline
 from trainer import evals as evals_lib
-from trainer.base import storage
+from trainer.base import confined, storage
 from trainer.hf import load as hf_load
 from trainer.memory import runtime_oom
 from trainer.models import contract, moe
@@ -183,7 +183,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   writer = MetricsWriter(workdir, enabled=process_index == 0, total_steps=config.train.steps,
                          progress_bar=config.log.progress_bar, goodput=tracker, trackers=trackers)
   if process_index == 0:
-    (storage.path(workdir) / 'config.json').write_text(config.to_json_best_effort(indent=2))
+    confined.write_text(storage.path(workdir) / 'config.json', config.to_json_best_effort(indent=2))
     writer.write_config(config)
   guard = guardrails.Guard(config.train.on_nonfinite, list(manifest['param_shapes']),
                            guardrails.packing_hint(config.data) if config.model.task == 'lm' else '',
@@ -253,7 +253,7 @@ def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
     logging.warning('%s', note)
   if write:  # The table is a line per parameter: the console gets one line, the file all of them.
     storage.path(workdir).mkdir(parents=True, exist_ok=True)
-    (storage.path(workdir) / 'sharding.txt').write_text(table + '\n')
+    confined.write_text(storage.path(workdir) / 'sharding.txt', table + '\n')
     logging.info('Sharding: %s; the table per parameter is in %s/sharding.txt',
                  sharding.summary(job.abstract, job.shardings, totals), workdir)
 

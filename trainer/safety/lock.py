@@ -46,7 +46,7 @@ import time
 
 from absl import logging
 
-from trainer.base import storage
+from trainer.base import confined, storage
 from trainer.base.errors import UserError
 from trainer.supervision import attempt
 
@@ -97,7 +97,7 @@ class WorkdirLock:
   def _heartbeat(self) -> None:
     while not self._stop.wait(HEARTBEAT_S):
       try:
-        os.utime(self.path)
+        os.utime(self._fd)  # The file held, not whatever may since stand at its name (a link).
       except OSError:
         pass  # A full or lost disk is reported by the checkpointer, not here.
 
@@ -105,6 +105,7 @@ class WorkdirLock:
     if self._fd is None:
       return
     self._stop.set()
+    self._thread.join(5)  # Its touch is of this descriptor: done before the number is closed and maybe reused.
     try:
       os.ftruncate(self._fd, 0)  # Cleared, not deleted: deleting would let two launches lock two different files.
     except OSError:
@@ -124,7 +125,7 @@ def acquire(workdir: str | os.PathLike) -> 'WorkdirLock | ObjectLock':
   if storage.is_cloud(workdir):
     return storage.within_deadline('taking the workdir lock', workdir, _acquire_object, workdir)
   path = pathlib.Path(workdir).absolute() / LOCK_NAME
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  fd = confined.open_fd(path, os.O_RDWR | os.O_CREAT, 0o644)  # Never through a link planted in its place.
   try:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

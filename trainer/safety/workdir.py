@@ -11,10 +11,17 @@ import pathlib
 import re
 import socket
 
-from trainer.base import storage
+from trainer.base import confined, storage
 from trainer.base.errors import UserError
 from trainer.supervision import attempt
 
+# The files a launch writes into a local workdir by fixed names, refused at once when a link, fifo or device stands in
+# their place (each is also opened by trainer/base/confined.py, which refuses one planted later). tests/
+# test_faults_symlinks.py checks this list against the files a real run leaves.
+WRITTEN = ('launch.lock', 'config.json', 'sharding.txt', 'metrics.jsonl', 'goodput.jsonl', 'attempts.jsonl',
+           'logs/library_errors.log')
+# The folders it makes for files of predictable names (checkpoints/ and tensorboard/ may be links to another disk).
+OWN_FOLDERS = ('logs', 'hangs', 'evals', 'memory_profiles')
 _URL = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):/')
 
 
@@ -36,9 +43,13 @@ def check(workdir: str) -> storage.Path:
     path.mkdir(parents=True, exist_ok=True)
     # Every process probes with its own name: processes on one host (or sharing a file system) do not collide.
     probe = path / f'.write_probe.{socket.gethostname()}.{os.getpid()}'
-    probe.write_bytes(b'')
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # O_EXCL: never through a planted link.
     probe.unlink()
   except OSError as e:
     raise UserError(f'--workdir={workdir} is not writable by this user ({e.strerror}: {e.filename}); fix its '
                     f'permissions or choose another folder.') from e
+  for name in WRITTEN:  # Before the lock or the supervisor: a planted link stops the launch before anything is written.
+    confined.check_target(path / name)
+  for name in OWN_FOLDERS:
+    confined.check_folder(path / name)
   return path

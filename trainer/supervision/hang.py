@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 
-from trainer.base import storage
+from trainer.base import confined, storage
 from trainer.supervision import attempt, heartbeat
 
 HANG_EXIT_CODE = 124  # What `timeout` returns: "ran past its time limit".
@@ -121,7 +121,7 @@ class HangWatch:
         faulthandler.dump_traceback(file=f, all_threads=True)  # The stuck main thread included, GIL or not.
         f.seek(0)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(f.read())
+        confined.write_text(target, f.read())
       return str(target)
     except Exception as e:  # pylint: disable=broad-except  (a dead mount may be why it hangs)
       faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

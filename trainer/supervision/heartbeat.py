@@ -21,6 +21,8 @@ import json
 import os
 import time
 
+from trainer.base import confined
+
 ENV = 'LAUNCH_HEARTBEAT_FILE'
 MARGIN_S = 5.0
 GRACE_S = 10.0
@@ -42,10 +44,9 @@ class Beat:
       return
     self._written_at = now
     try:
-      with open(self._path + '.tmp', 'w') as f:
-        json.dump({'progress_at': time.time(), 'limit_s': limit_s(), 'phase': phase, 'last_step': last_step}, f)
-      os.replace(self._path + '.tmp', self._path)
-    except OSError:
+      beat = {'progress_at': time.time(), 'limit_s': limit_s(), 'phase': phase, 'last_step': last_step}
+      confined.write_text(self._path, json.dumps(beat))  # Renamed over it: never through a link planted in /tmp.
+    except (OSError, confined.Planted):
       pass  # The supervisor then waits for the child's own watch; training is not stopped for it.
 
 

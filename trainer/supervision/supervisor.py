@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 
-from trainer.base import storage
+from trainer.base import confined, storage
 from trainer.supervision import attempt, heartbeat
 
 CRASH_LOOP = 3  # Failed attempts in a row resumed from the same step before the supervisor gives up.
@@ -244,7 +244,7 @@ class Supervisor:
     def rewrite():
       path = storage.path(self.workdir) / 'attempts.jsonl'
       lines = path.read_text().splitlines()[:-1] + [json.dumps(record)]
-      path.write_text('\n'.join(lines) + '\n')
+      confined.write_text(path, '\n'.join(lines) + '\n')
 
     self._write('rewriting', rewrite)
 
@@ -254,7 +254,7 @@ class Supervisor:
       before = path.read_text() if path.exists() else ''
       if before and not before.endswith('\n'):
         before = before[:before.rfind('\n') + 1]  # A line torn by a kill is dropped, not glued to the next.
-      path.write_text(before + json.dumps(record) + '\n')
+      confined.write_text(path, before + json.dumps(record) + '\n')
 
     self._write('appending to', append)
 
