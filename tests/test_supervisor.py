@@ -92,6 +92,9 @@ def test_a_killed_process_is_restarted_and_finishes_with_the_uninterrupted_losse
   assert ('attempt 1 ended with killed by SIGKILL (exit -9); restarting from the newest intact checkpoint in 1s '
           '(attempt 2, restart 1 of --max_restarts=2)') in result.stderr
   assert result.stdout == (workdir / 'attempts.jsonl').read_text()  # The page's `cat`.
+  # Its own killed child's lock: one line that says so, not a warning about some other launch.
+  assert 'attempt 2 takes the lock from attempt 1 (pid ' in result.stderr
+  assert 'took over the lock of an earlier launch' not in result.stderr
   first, second = _attempts(workdir)
   assert (first['cause'], first['resumed_step'], first['retried']) == ('killed by SIGKILL', 0, True)
   assert (second['cause'], second['resumed_step'], second['exit_code']) == ('finished', 4, 0)

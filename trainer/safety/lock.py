@@ -62,9 +62,23 @@ class Holder:
   pid: int
   since: str  # UTC, ISO 8601.
   command: str
+  supervisor: int = 0  # The pid of the supervisor (--max_restarts) that started it; 0 if none.
+  attempt: int = 1
 
   def describe(self) -> str:
     return f'pid {self.pid} on host {self.host}, running since {self.since}: {self.command}'
+
+
+def _took_over(workdir, holder: Holder | None, why: str) -> None:
+  """Says whose lock this launch took: a warning for another launch's, one info line for the attempt before this one
+  of the same supervisor (its own child, which it ended or which died: nothing anyone else was running)."""
+  if (holder is not None and attempt.supervised() and holder.supervisor == os.getppid()
+      and holder.host == socket.gethostname()):
+    logging.info('--workdir=%s: attempt %d takes the lock from attempt %d (pid %d), which ended.', workdir,
+                 attempt.number(), holder.attempt, holder.pid)
+    return
+  logging.warning('--workdir=%s: took over the lock of an earlier launch (%s; %s).', workdir,
+                  holder.describe() if holder else 'unreadable', why)
 
 
 def _read(path: pathlib.Path) -> Holder | None:
@@ -117,7 +131,8 @@ class WorkdirLock:
 
 def _me() -> Holder:
   since = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
-  return Holder(socket.gethostname(), os.getpid(), since, ' '.join(sys.argv))
+  return Holder(socket.gethostname(), os.getpid(), since, ' '.join(sys.argv),
+                os.getppid() if attempt.supervised() else 0, attempt.number())
 
 
 def acquire(workdir: str | os.PathLike) -> 'WorkdirLock | ObjectLock':
@@ -138,8 +153,7 @@ def acquire(workdir: str | os.PathLike) -> 'WorkdirLock | ObjectLock':
         raise _in_use(workdir, holder, age_s)
       why = (f'process {holder.pid} is gone' if not _pid_alive(holder.pid) else f'pid {holder.pid} no longer holds '
              f'it') if here else f'no heartbeat for {age_s:.0f}s'
-      logging.warning('--workdir=%s: took over the lock of an earlier launch (%s; %s).', workdir, holder.describe(),
-                      why)
+      _took_over(workdir, holder, why)
     me = _me()
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(dataclasses.asdict(me)).encode(), 0)
@@ -208,9 +222,7 @@ def _acquire_object(workdir) -> ObjectLock:
     gone = holder is not None and holder.host == socket.gethostname() and not _pid_alive(holder.pid)
     if not gone and age_s < STALE_AFTER_S:
       raise _in_use(workdir, holder, age_s)
-    logging.warning('--workdir=%s: took over the lock of an earlier launch (%s; %s).', workdir,
-                    holder.describe() if holder else 'unreadable', f'process {holder.pid} is gone' if gone else
-                    f'no heartbeat for {age_s:.0f}s')
+    _took_over(workdir, holder, f'process {holder.pid} is gone' if gone else f'no heartbeat for {age_s:.0f}s')
     try:
       bucket_name, name = key[len(storage.SCHEME):].split('/', 1)
       fs.call('DELETE', 'b/{}/o/{}', bucket_name, name, ifGenerationMatch=info['generation'])
