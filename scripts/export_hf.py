@@ -56,8 +56,14 @@ def export(workdir: str, output: str, step: str = 'latest', dtype: str | None = 
   with tool_outputs.written_whole(output) as partial:  # Renamed to --output once every file is written.
     names = save.export(config.model, weights, pathlib.Path(partial), dtype, int(max_shard_gb * (1 << 30)),
                         serving.of_run(config))
-  logging.info('Exported step %d of %s to %s (%s)', restored, workdir, output, ', '.join(names))
+  logging.info('Exported step %d of %s to %s: %s', restored, workdir, output, ', '.join(written(output)))
   return restored, names
+
+
+def written(output: str) -> list[str]:
+  """Every file of the export, as the user will find them (config.json, the weights, the index, the tokenizer's,
+  generation_config.json): what the closing line lists."""
+  return sorted(p.name for p in pathlib.Path(output).iterdir())
 
 
 def main(argv=None):
@@ -78,11 +84,11 @@ def main(argv=None):
   platforms.skip_absent_tpu()  # No libtpu start-up lines where no TPU chip is (parallel/platforms.py).
   console.quiet_library_info()
   try:
-    step, names = export(args.workdir, args.output, args.step, args.dtype, args.max_shard_gb, args.params)
+    step, _ = export(args.workdir, args.output, args.step, args.dtype, args.max_shard_gb, args.params)
   except UserError as e:
     print(f'export_hf.py: error: {" ".join(str(e).split())}', file=sys.stderr)
     sys.exit(2)
-  print(f'wrote {args.output}: config.json, {", ".join(names)} (step {step})')
+  print(f'wrote {args.output} (step {step}): {", ".join(written(args.output))}')
 
 
 if __name__ == '__main__':

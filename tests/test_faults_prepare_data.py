@@ -300,3 +300,16 @@ def test_a_stop_signal_while_tokenizing_is_one_line_and_the_same_command_resumes
                                      'tokens': sum(len(t.encode()) for t in kept_texts)}
   np.testing.assert_array_equal(token_shards.load_documents(tmp_path / 'out', 'train').lengths,
                                 [len(t.encode()) for t in kept_texts])
+
+
+def test_off_a_terminal_the_progress_summary_is_printed_once():
+  import io
+  from trainer.data import tokenize_job
+  log = io.StringIO()
+  progress = tokenize_job.Progress(stream=log)
+  progress.add(3, 120)  # A one-chunk corpus: its line is the summary.
+  progress.show(final=True)
+  assert log.getvalue().count('tokenized 3 documents, 120 tokens in 1 chunk(s)') == 1, log.getvalue()
+  progress.add(2, 80)  # Within the 10 s of a log file's lines: only the final line says it.
+  progress.show(final=True)
+  assert log.getvalue().count('tokenized 5 documents, 200 tokens in 2 chunk(s)') == 1, log.getvalue()

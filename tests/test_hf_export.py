@@ -146,9 +146,13 @@ def test_a_model_trained_from_scratch_takes_its_token_ids_from_the_datas_tokeniz
   assert sorted(p.name for p in info.files) == ['tokenizer.json', 'tokenizer_config.json']
 
 
-def test_the_export_carries_generation_config_and_the_imported_tokenizer(trained, tmp_path):
+def test_the_export_carries_generation_config_and_the_imported_tokenizer(trained, tmp_path, capsys):
   out = tmp_path / 'exported'
-  export_hf.export(str(trained), str(out))
+  export_hf.main([f'--workdir={trained}', f'--output={out}'])
+  # The closing line lists every file the export wrote, the tokenizer's and generation_config.json included.
+  [line] = [l for l in capsys.readouterr().out.splitlines() if l.startswith(f'wrote {out}')]
+  files = sorted(p.name for p in out.iterdir())
+  assert line.endswith(': ' + ', '.join(files)) and {'generation_config.json', 'config.json'} <= set(files), line
   assert (out / 'generation_config.json').read_bytes() == (
       FIXTURES / 'llama_tied' / 'generation_config.json').read_bytes()
   exported = json.loads((out / 'config.json').read_text())

@@ -112,6 +112,7 @@ class Progress:
   resumed: int = 0  # Chunks found already tokenized.
   started: float = dataclasses.field(default_factory=time.perf_counter)
   _shown: float = 0.0
+  _counts_shown: tuple = ()  # What the last line said, but its rate: a log file does not get the same line twice.
 
   @property
   def tokens_per_s(self) -> float:
@@ -131,6 +132,10 @@ class Progress:
       again = f', {self.resumed} chunk(s) kept from before' if self.resumed else ''
       line = (f'tokenized {self.documents} documents, {self.tokens} tokens in {self.chunks} chunk(s){again}: '
               f'{self.tokens_per_s:,.0f} tokens/s')
+      counts = (self.documents, self.tokens, self.chunks, self.resumed)
+      if final and not tty and counts == self._counts_shown:
+        return  # Off a terminal the last chunk's line already said it all (a one-chunk corpus printed it twice).
+      self._counts_shown = counts
       print(('\r' if tty else '') + line, end='\n' if final or not tty else '', file=stream, flush=True)
 
 
