@@ -121,3 +121,23 @@ def test_every_link_and_named_page_exists(page):
       assert (page.parent / target).exists(), f'{page.name} links {target}'
   for named in re.findall(r'\bdocs/[\w-]+\.md\b', text):
     assert (REPO / named).exists(), f'{page.name} names {named}'
+
+
+def test_moe_md_quotes_the_parameter_line_the_preset_prints(caplog):
+  """docs/moe.md quotes the mesh line's parameters of configs/moe_1b.py: the same numbers, in the same words."""
+  import jax
+  from absl import logging as absl_logging
+
+  from configs import moe_1b
+  from trainer.run import job as job_lib
+  from trainer.run import loop
+  config = moe_1b.get_config()
+  config.data.source = 'synthetic'
+  job = job_lib.build_job(config)  # Abstract: nothing of the 0.96B parameters is allocated.
+  with caplog.at_level('INFO'):
+    absl_logging.get_absl_handler()  # absl's records reach caplog through the root logger.
+    loop._describe(job, '', write=False)  # noqa: SLF001 - the line a launch prints, from the function that prints it.
+  [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith('Mesh ')]
+  [quoted] = re.findall(r'`([\d,]+ parameters \([\d,]+ active per token\))`', (REPO / 'docs/moe.md').read_text())
+  assert line.endswith(f'model: llama (linen, lm), {quoted}'), (line, quoted)
+  assert sum(x.size for x in jax.tree.leaves(job.abstract.params)) == int(quoted.split()[0].replace(',', ''))

@@ -239,9 +239,9 @@ def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
   """Logs the mesh and model and a one-line sharding summary; process 0 writes the table to WORKDIR/sharding.txt."""
   config, mesh = job.config, job.mesh
   num_params = sum(x.size for x in jax.tree.leaves(job.abstract.params))
-  logging.info('Mesh %s over %d devices (%d processes); model: %s (%s, %s), %s parameters', dict(mesh.shape),
+  logging.info('Mesh %s over %d devices (%d processes); model: %s (%s, %s), %s parameters%s', dict(mesh.shape),
                mesh.size, jax.process_count(), config.model.name, job.task.model.framework, config.model.task,
-               f'{num_params:,}' + _active_params(config, num_params))
+               f'{num_params:,}', _active_params(config, num_params))
   logging.info('%s', optimizer.describe(config.train))
   if stages := pipeline.summary(config.model, config.train, dict(mesh.shape)):
     logging.info('%s', stages)
