@@ -16,6 +16,7 @@ is good, the damaged ones are moved to WORKDIR/damaged_checkpoints/
 (trainer/safety/damaged.py) so the run can save those steps again.
 """
 
+import collections
 import contextlib
 import json
 import logging as std_logging
@@ -35,6 +36,7 @@ from parallel import sharding
 from trainer import attention
 from trainer.base import storage
 from trainer.base.errors import UserError
+from trainer.safety import checksums
 from trainer.safety import damaged as damaged_lib
 from trainer.safety import disk
 from trainer.supervision import attempt
@@ -211,14 +213,20 @@ class Checkpointer:
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(keep),
         enable_async_checkpointing=ckpt_config.async_save,
         cleanup_tmp_directories=False,  # An interrupted save is evidence; we report it, never delete it.
+        # An async save's checksums are written once Orbax has written its files, before it commits the folder.
+        async_options=ocp.AsyncOptions(post_finalization_callback=self._record_checksums)
+        if ckpt_config.async_save else None,
         create=True)
     if jax.process_count() == 1:  # Across hosts, Orbax's default spreads the writes of replicated arrays.
       with _without_override_warning():
         ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
             min_slice_bytes_for_replica_parallel=_MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL), override=True)
+    self._async = ckpt_config.async_save
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._saving_step = None  # The step of the save in flight, to name it if the write fails.
     self._failed = None  # The SaveFailedError already raised: close() does not raise it twice.
+    self._finalizing = collections.deque()  # Steps of the async saves not yet committed, oldest first.
+    self._verified = set()  # Steps whose files matched their checksums in this process (each is read once).
     disk.quiet_orbax_tracebacks()
 
   def latest_step(self) -> int | None:
@@ -252,8 +260,15 @@ class Checkpointer:
     for path in self.incomplete_saves():
       logging.warning('Checkpoint %s is an incomplete save (the run was killed while writing it): skipped, '
                       'left on disk.', path)
-    steps, damaged = self.all_steps()[::-1], []
+    steps, damaged, changed = self.all_steps()[::-1], [], {}
     for step in steps:
+      try:
+        self._verify(step)
+      except checksums.Damaged as e:
+        logging.warning('Checkpoint %s is damaged (%s): trying an older one.', self.directory / str(step), e)
+        damaged.append(step)
+        changed[step] = str(e)
+        continue
       try:
         saved = self.read_manifest(step)
       except Exception as e:  # pylint: disable=broad-except  (any failure: this checkpoint cannot be trusted)
@@ -268,7 +283,9 @@ class Checkpointer:
       if changes:
         logging.info('%s step %d with %d setting(s) changed since it was saved: %s',
                      'Resuming' if training else 'Reading', step, len(changes), '; '.join(changes))
-      self._set_aside(damaged, 'manifest unreadable')
+      self._set_aside([s for s in damaged if s not in changed], 'manifest unreadable')
+      for changed_step, why in changed.items():
+        self._set_aside([changed_step], why)
       return [s for s in steps if s <= step and s not in damaged]
     if not steps and self.incomplete_saves():
       # The run was killed while writing its first checkpoint: nothing complete was ever saved, so step 0 is the only
@@ -310,9 +327,18 @@ class Checkpointer:
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_iterator.get_state()),
         manifest=ocp.args.JsonSave(manifest))
+    self._finalizing.append(step)  # Before the save starts: its callback may run before save() returns.
+    started = False
     with self._save_failures(step):
-      started = storage.within_deadline(f'saving step {step}', self.directory,
-                                        lambda: self._manager.save(step, args=args, force=force))
+      try:
+        started = storage.within_deadline(f'saving step {step}', self.directory,
+                                          lambda: self._manager.save(step, args=args, force=force))
+      finally:
+        if not started and step in self._finalizing:
+          self._finalizing.remove(step)
+      if started and not self._async and jax.process_index() == 0:
+        checksums.record(self.directory / str(step))  # Committed already; a crash before this leaves it unverified.
+    self._verified.discard(step)
     if started:
       self._saving_step = step
     return started
@@ -349,6 +375,7 @@ class Checkpointer:
     return restored['state']
 
   def _restore_state_and_data(self, step: int, abstract_state_with_shardings):
+    self._verify(step)
     args = ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state_with_shardings),
         data=ocp.args.JsonRestore())
@@ -393,8 +420,27 @@ class Checkpointer:
 
   def restore_state(self, step: int, abstract_state_with_shardings):
     """Only the train state (e.g. for export, or onto another process count), into the given shardings."""
+    self._verify(step)
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state_with_shardings))
     return self._manager.restore(step, args=args)['state']
+
+  def _verify(self, step: int) -> None:
+    """checksums.Damaged if a file of `step` changed since its save; each step's files are read once."""
+    if step not in self._verified:
+      storage.within_deadline(f'verifying checkpoint {step}', self.directory, checksums.verify,
+                              self.directory / str(step))
+      self._verified.add(step)
+
+  def _record_checksums(self) -> None:
+    """Orbax's post-finalization callback (process 0, on its save thread): the oldest save in flight is written."""
+    step = self._finalizing.popleft() if self._finalizing else None
+    # Not yet committed: a local save is still in its tmp folder; in a bucket Orbax writes `<step>/` in place.
+    folder = self.directory / (str(step) if storage.is_cloud(self.directory) else f'{step}{_TMP_MARK}')
+    if step is None or not folder.exists():
+      logging.warning('No checksums recorded for the checkpoint being saved (%s not found): it will be restored '
+                      'without verifying it.', folder)
+      return
+    checksums.record(folder)
 
   def save_in_progress(self) -> bool:
     return self._manager.is_saving_in_progress()
