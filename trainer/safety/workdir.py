@@ -16,6 +16,11 @@ from trainer.base.errors import UserError
 from trainer.supervision import attempt
 
 _URL = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):/')
+# What a run makes under its workdir, by kind: one there of the other kind failed deep in the run, as a traceback
+# a supervised run retried (a file named checkpoints: NotADirectoryError at every attempt).
+_FOLDERS = ('checkpoints', 'damaged_checkpoints', 'tensorboard', 'plugins', 'logs', 'hangs', 'memory_profiles',
+            'evals', 'mlruns')
+_FILES = ('launch.lock', 'metrics.jsonl', 'goodput.jsonl', 'attempts.jsonl', 'config.json', 'sharding.txt')
 
 
 def check(workdir: str) -> storage.Path:
@@ -28,7 +33,11 @@ def check(workdir: str) -> storage.Path:
     raise UserError(f'--workdir={workdir}: {match["scheme"]}:// paths are not supported; use a local folder or a '
                     f'Cloud Storage URL (gs://bucket/run).')
   path = pathlib.Path(workdir).expanduser().absolute()
-  existing = next((p for p in (path, *path.parents) if p.exists()), None)
+  try:
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+  except PermissionError as e:  # A folder on the way that this user may not enter (no x bit for it).
+    raise UserError(f'--workdir={workdir}: this user cannot enter {pathlib.Path(e.filename).parent} (permission '
+                    f'denied); give it search permission (chmod +x) or choose another folder.') from None
   if existing is not None and not existing.is_dir():
     what = 'is a file' if existing == path else f'is inside {existing}, which is a file'
     raise UserError(f'--workdir={workdir} {what}, not a folder; choose a folder (it is created if missing).')
@@ -41,4 +50,14 @@ def check(workdir: str) -> storage.Path:
   except OSError as e:
     raise UserError(f'--workdir={workdir} is not writable by this user ({e.strerror}: {e.filename}); fix its '
                     f'permissions or choose another folder.') from e
+  _check_entries(path)
   return path
+
+
+def _check_entries(path: pathlib.Path) -> None:
+  """UserError naming an entry of the workdir that the run needs as a folder but is a file, or the other way."""
+  for names, wrong, want in ((_FOLDERS, pathlib.Path.is_file, 'a folder'), (_FILES, pathlib.Path.is_dir, 'a file')):
+    for name in names:
+      if wrong(path / name):
+        raise UserError(f'{path / name} is {"a file" if want == "a folder" else "a folder"}, but the run keeps '
+                        f'{want} there; move it out of the workdir (or choose another --workdir).')
