@@ -54,8 +54,8 @@ def record(folder: storage.Path) -> None:
   os.replace(partial, folder / FILE)
 
 
-def verify(folder: storage.Path, under: str = '') -> None:
-  """Raises Damaged if a file of checkpoint `folder` (those whose path starts with `under`) changed since its save.
+def verify(folder: storage.Path) -> None:
+  """Raises Damaged if a file of checkpoint `folder` is missing or changed since its save.
 
   A checkpoint without FILE (saved by an earlier version) passes, with a debug line.
   """
@@ -73,7 +73,6 @@ def verify(folder: storage.Path, under: str = '') -> None:
     logging.debug('Checkpoint %s was copied from %s: restored without verifying it.', folder,
                   'a bucket' if algorithm == _CLOUD else 'a local disk')
     return
-  expected = {name: digest for name, digest in expected.items() if name.startswith(under)}
   _, found = _digests(folder, only=set(expected), algorithm=algorithm)
   missing = sorted(name for name in expected if name not in found)
   changed = sorted(name for name, digest in expected.items() if name in found and found[name] != digest)
@@ -108,7 +107,9 @@ def _file_digest(file, algorithm: str) -> str:
 def _object_crc32cs(folder: storage.Path, only: set[str] | None) -> tuple[str, dict[str, str]]:
   """The CRC32C Cloud Storage keeps for each object under `folder`, from one listing."""
   prefix = os.fspath(folder)[len(storage.SCHEME):].rstrip('/') + '/'
-  listing = storage.filesystem().find(prefix, detail=True)
+  fs = storage.filesystem()
+  fs.invalidate_cache(prefix)  # Orbax wrote these through tensorstore, not gcsfs: its listing cache knows none.
+  listing = fs.find(prefix, detail=True)
   found = {}
   for name, info in listing.items():
     relative = name[len(prefix):]

@@ -349,21 +349,39 @@ class Checkpointer:
     try:
       yield
     except storage.StorageStall as e:
-      # The bucket stopped answering mid-save: Orbax's writers (and the metrics' uploads) would each wait out their
-      # own retries in the cleanup that follows, minutes of silence. The line now, and the exit the supervisor
-      # retries, as the hang watch does (trainer/supervision/hang.py).
-      attempt.note(stopped='storage stalled')
-      print(f'{pathlib.Path(sys.argv[0]).name}: error: could not save step {step}: {e}',
-            file=sys.stderr, flush=True)
-      os._exit(e.exit_code)
+      _stop_for_storage(step, e)
     except Exception as e:
+      failed_step = self._saving_step if self._saving_step is not None else step
+      lost = self._lost_from_bucket(failed_step, e)
+      if lost:
+        _stop_for_storage(failed_step, lost)
       code = disk.write_failure(e)
       if code is None:
         raise
-      failed_step = self._saving_step if self._saving_step is not None else step
       good = [s for s in self._complete_steps_on_disk() if s != failed_step]
       self._failed = disk.save_failed(self.directory, failed_step, code, good)
       raise self._failed from None
+
+  def _lost_from_bucket(self, step: int, error: Exception) -> storage.ObjectsGone | None:
+    """For a save that failed in a bucket: the error naming the bucket when it is gone, or emptied (the checkpoints
+    saved before are gone, or the objects this save wrote first: a write answered 'not found'); else None."""
+    if not storage.is_cloud(self.directory):
+      return None
+    # The steps committed before (Orbax's list, from memory), less the save that failed.
+    earlier = [s for s in self._manager.all_steps() if s not in (step, self._saving_step)]
+
+    def missing() -> list[int]:
+      storage.filesystem().invalidate_cache()
+      gone = [s for s in earlier if not (self.directory / str(s)).exists()]
+      if not gone and _not_found(error) and not (self.directory / str(step)).exists():
+        gone = [step]
+      return gone or ([] if storage.bucket_exists(self.directory) else [step])
+
+    try:
+      gone = storage.within_deadline('looking for the checkpoints saved before', self.directory, missing)
+    except Exception:  # pylint: disable=broad-except  (not answering either: the save's own error says more)
+      return None
+    return storage.objects_gone(self.directory, f'checkpoint {", ".join(map(str, gone))} of this run') if gone else None
 
   def _complete_steps_on_disk(self) -> list[int]:
     return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) if self.directory.exists() else []
@@ -407,6 +425,8 @@ class Checkpointer:
       return
     for step in steps:
       damaged_lib.move_aside(self.directory, step, why)
+    if storage.is_cloud(self.directory):  # Orbax's listings would still show them: saving one of those steps again
+      storage.forget_listings()  # would delete what is no longer there (FileNotFoundError).
     self._manager.reload()
 
   def restores(self, step: int, abstract_state_with_shardings) -> bool:
@@ -460,6 +480,29 @@ class Checkpointer:
     except Exception:  # pylint: disable=broad-except
       if not reported:
         raise
+
+
+def _not_found(error: BaseException) -> bool:
+  """Whether `error` or one it came from is a 'not found' (gcsfs's FileNotFoundError, tensorstore's NOT_FOUND)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, FileNotFoundError) or str(error).startswith('NOT_FOUND'):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def _stop_for_storage(step: int, stall: storage.StorageStall) -> None:
+  """The line and the exit the supervisor retries (74), at once, as the hang watch does (trainer/supervision/hang.py).
+
+  A bucket that stopped answering mid-save: Orbax's writers (and the metrics' uploads) would each wait out their own
+  retries in the cleanup that follows, minutes of silence. A bucket gone or emptied: every writer still open
+  (TensorBoard's, at exit) would fail with its own traceback.
+  """
+  attempt.note(stopped='storage stalled')
+  print(f'{pathlib.Path(sys.argv[0]).name}: error: could not save step {step}: {stall}', file=sys.stderr, flush=True)
+  os._exit(stall.exit_code)
 
 
 def _detach_on_cpu(state):
