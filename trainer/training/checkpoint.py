@@ -327,7 +327,8 @@ class Checkpointer:
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_iterator.get_state()),
         manifest=ocp.args.JsonSave(manifest))
-    self._finalizing.append(step)  # Before the save starts: its callback may run before save() returns.
+    if self._async and jax.process_index() == 0:  # Where Orbax calls _record_checksums.
+      self._finalizing.append(step)  # Before the save starts: its callback may run before save() returns.
     started = False
     with self._save_failures(step):
       try:
