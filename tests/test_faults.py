@@ -22,7 +22,7 @@ from parallel import sharding
 from trainer import data
 from trainer.base.errors import UserError
 from trainer.run import job as job_lib
-from trainer.safety import disk
+from trainer.safety import checksums, disk
 from trainer.training import checkpoint
 
 TINY = '--config=configs/tiny.py'
@@ -74,6 +74,59 @@ def test_a_read_only_workdir_is_refused(tmp_path):
   assert f'--workdir={target}/run is not writable by this user (' in line and 'fix its permissions' in line
 
 
+@pytest.mark.parametrize('entry, made_as', [('checkpoints', 'a file'), ('tensorboard', 'a file'),
+                                            ('metrics.jsonl', 'a folder')])
+def test_a_workdir_entry_of_the_wrong_kind_is_one_line_before_anything(tmp_path, entry, made_as):
+  """Was NotADirectoryError at each of --max_restarts' attempts: now exit 2 before the supervisor or jax starts."""
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  (workdir / entry).mkdir() if made_as == 'a folder' else (workdir / entry).write_text('notes')
+  result = run_launcher(TINY, f'--workdir={workdir}', '--max_restarts=2', timeout=600)
+  assert result.returncode == 2
+  assert _error_line(result) == (f'launch.py: error: {workdir / entry} is {made_as}, but the run keeps '
+                                 f'{"a file" if made_as == "a folder" else "a folder"} there; move it out of the '
+                                 f'workdir (or choose another --workdir).')
+  assert sorted(p.name for p in workdir.iterdir()) == [entry]  # Nothing written, no attempt recorded.
+
+
+def test_a_workdir_under_a_folder_this_user_cannot_enter_is_one_line(tmp_path):
+  """A real permission check: the check runs in a fork that, as root (whom mode bits do not stop), becomes `nobody`.
+
+  In-process: launch.py turns the UserError into its one line and exit 2 as for every --workdir check above.
+  """
+  from trainer.safety import workdir as workdir_lib
+  locked = tmp_path / 'locked'
+  locked.mkdir(mode=0o700)
+  if os.geteuid() != 0:
+    locked.chmod(0o600)  # No x bit: this user may not enter it.
+  tmp_path.chmod(0o755)  # `nobody` may reach tmp_path, not inside locked/ (root's, mode 0700).
+  read, write = os.pipe()
+  pid = os.fork()
+  if pid == 0:  # The child: report the check's outcome through the pipe, never return into pytest.
+    try:
+      if os.geteuid() == 0:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+      try:
+        workdir_lib.check(f'{locked}/run')
+        os.write(write, b'passed')
+      except UserError as e:
+        os.write(write, str(e).encode())
+      except BaseException as e:  # pylint: disable=broad-except
+        os.write(write, f'{type(e).__name__}: {e}'.encode())
+    finally:
+      os._exit(0)
+  os.close(write)
+  with os.fdopen(read) as pipe:
+    said = pipe.read()
+  os.waitpid(pid, 0)
+  locked.chmod(0o700)
+  assert said == (f'--workdir={locked}/run: this user cannot enter {locked} (permission denied); give it search '
+                  f'permission (chmod +x) or choose another folder.')
+  assert not (locked / 'run').exists()
+
+
 @pytest.mark.parametrize('source, expected', [
     ('def get_config(:\n  pass\n', 'cfg.py, line 1: invalid syntax; fix the file.'),
     ('import no_such_module\n\ndef get_config():\n  return None\n',
@@ -122,7 +175,7 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_its_step_trained_again(t
   [moved] = (workdir / 'damaged_checkpoints').iterdir()
   assert moved.name.startswith('8-')
   assert sorted(str(p.relative_to(moved)) for p in moved.rglob('*')) == damaged_files  # Kept whole.
-  assert f'{workdir}/checkpoints/8 is damaged (manifest unreadable): moved to {moved}' in result.stderr
+  assert f'{workdir}/checkpoints/8 is damaged (manifest/commit_success.txt is missing, and 1 more file(s) differ): moved to {moved}' in result.stderr
   assert 'Resuming from checkpoint at step 4' in result.stderr
   assert 'step 5: waiting for input' not in result.stderr  # The first window after a resume starts the threads.
   assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir()) == [4, 8]
@@ -175,6 +228,92 @@ def test_an_unrestorable_newest_step_is_moved_aside_so_it_can_be_saved_again(tra
   ckpt.save(8, state, iterator, manifest, force=True)  # Was StepAlreadyExistsError.
   ckpt.close()
   assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()) == [4, 8]
+
+
+def _flip(file: pathlib.Path, offset_fraction: float = 0.5, count: int = 64) -> None:
+  """Inverts `count` bytes (fewer in a smaller file) from `offset_fraction` of the way into `file`: silent damage."""
+  data = bytearray(file.read_bytes())
+  start = min(int(len(data) * offset_fraction), max(len(data) - count, 0))
+  data[start:start + count] = bytes(b ^ 0xFF for b in data[start:start + count])
+  file.write_bytes(bytes(data))
+
+
+def _largest_state_data(step_dir: pathlib.Path) -> pathlib.Path:
+  return max((p for p in (step_dir / 'state').rglob('*') if p.is_file() and '/d/' in str(p)),
+             key=lambda p: p.stat().st_size)
+
+
+def test_64_bytes_overwritten_in_the_newest_state_data_are_found_and_the_older_step_trains_on(trained, text_dir,
+                                                                                               tmp_path):
+  """Issue 54's repro: OCDBT data changed in place restored silently (a non-finite loss at every relaunch)."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(trained, workdir)
+  flipped = _largest_state_data(workdir / 'checkpoints' / '8')
+  _flip(flipped, 0.3)
+  result = run_launcher(TINY, f'--workdir={workdir}', f'--config.data.text_dir={text_dir}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  name = flipped.relative_to(workdir / 'checkpoints' / '8').as_posix()
+  assert (f'{workdir}/checkpoints/8 is damaged ({name} does not match the checksum recorded when it was saved)'
+          in result.stderr), result.stderr[-3000:]
+  [moved] = (workdir / 'damaged_checkpoints').iterdir()
+  assert f'{workdir}/checkpoints/8 is damaged ({name} does not match the checksum recorded when it was saved): ' \
+         f'moved to {moved}' in result.stderr
+  assert 'Resuming from checkpoint at step 4' in result.stderr
+  assert [r['step'] for r in read_metrics(workdir)][-3:] == [5, 6, 8]  # Steps 5..8 trained again, to the end.
+  assert (workdir / 'checkpoints' / '8' / 'checksums.json').exists()  # The step saved again has its checksums.
+
+
+@pytest.mark.parametrize('where', ['state/_METADATA', 'state/ocdbt.process_0/manifest.ocdbt', 'smallest state data',
+                                   'data/metadata', 'manifest/metadata'])
+def test_a_changed_file_anywhere_in_the_newest_checkpoint_sets_it_aside_for_the_older_one(trained, text_dir, tmp_path,
+                                                                                         where, caplog):
+  """The arrays' metadata and data, the data iterator's position, the run manifest: each checked before it is read."""
+  shutil.copytree(trained / 'checkpoints', tmp_path / 'checkpoints')
+  step_dir = tmp_path / 'checkpoints' / '8'
+  if where == 'smallest state data':
+    target = min((p for p in (step_dir / 'state').rglob('*') if p.is_file() and '/d/' in str(p)),
+                 key=lambda p: p.stat().st_size)
+  else:
+    target = step_dir / where
+  _flip(target, 0.6, count=4)
+  config = tiny.get_config()
+  config.data.text_dir = str(text_dir)
+  job, ckpt = _checkpointer(tmp_path, config)
+  manifest = checkpoint.run_manifest(config, job.abstract, job.mesh)
+  iterator = data.train_iterator_for(config)
+  with caplog.at_level(std_logging.WARNING):
+    steps = ckpt.resumable_steps(manifest)
+    step, state = ckpt.restore_newest_intact(steps, sharding.with_shardings(job.abstract, job.shardings), iterator)
+  assert step == 4 and int(state.step) == 4
+  name = target.relative_to(step_dir).as_posix()
+  assert f'{step_dir} is damaged ({name} does not match the checksum recorded when it was saved)' in caplog.text
+  [moved] = (tmp_path / 'damaged_checkpoints').iterdir()
+  assert moved.name.startswith('8-') and not step_dir.exists()
+  ckpt.save(8, state, iterator, manifest, force=True)  # The run goes on: step 8 saved again, with its checksums.
+  ckpt.close()
+  assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()) == [4, 8]
+  checksums.verify(step_dir)
+
+
+def test_a_checkpoint_saved_without_checksums_still_restores_and_a_sync_save_records_them(trained, text_dir,
+                                                                                          tmp_path, caplog):
+  shutil.copytree(trained / 'checkpoints', tmp_path / 'checkpoints')
+  (tmp_path / 'checkpoints' / '8' / 'checksums.json').unlink()  # As an earlier version saved it.
+  config = tiny.get_config()
+  config.data.text_dir, config.ckpt.async_save = str(text_dir), False
+  job, ckpt = _checkpointer(tmp_path, config)
+  manifest = checkpoint.run_manifest(config, job.abstract, job.mesh)
+  iterator = data.train_iterator_for(config)
+  with caplog.at_level(std_logging.DEBUG):
+    step, state = ckpt.restore_newest_intact(ckpt.resumable_steps(manifest),
+                                             sharding.with_shardings(job.abstract, job.shardings), iterator)
+  assert step == 8 and 'has no checksums.json (saved by an earlier version)' in caplog.text
+  ckpt.save(12, state, iterator, manifest, force=True)
+  ckpt.close()
+  checksums.verify(tmp_path / 'checkpoints' / '12')
+  _flip(tmp_path / 'checkpoints' / '12' / 'data' / 'metadata', count=1)
+  with pytest.raises(checksums.Damaged, match='data/metadata does not match'):
+    checksums.verify(tmp_path / 'checkpoints' / '12')
 
 
 def test_a_changed_data_order_is_named_not_called_damage(trained, text_dir, tmp_path):

@@ -127,3 +127,45 @@ def test_a_call_that_fails_to_connect_to_a_lost_endpoint_is_the_storage_line_not
   monkeypatch.setenv('STORAGE_EMULATOR_HOST', f'http://127.0.0.1:{server.getsockname()[1]}')
   with server, pytest.raises(aiohttp.ClientConnectorError):
     storage.within_deadline('taking the workdir lock', 'gs://lost-bucket/run', refused)
+
+
+def test_a_bucket_emptied_mid_run_is_one_line_naming_it_and_exit_74(tmp_path):
+  """The emulator restarted empty (issue 54): the save in flight, or TensorBoard's event file at the end, finds the
+  run's objects gone. Was tensorboardX's 412 tracebacks at close, exit 1, retried as a crash."""
+  text_dir = make_text_dir(tmp_path)
+  server, url = _start_emulator()
+  restarted = []
+
+  def on_line(proc, line):
+    if not restarted and re.search(r'step 12/', line):
+      server.kill()
+      server.wait()
+      restarted.append(start_fake_gcs('lost-bucket', port=int(url.rsplit(':', 1)[1]))[0])
+
+  try:
+    result, _ = watch_command(
+        [sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py', '--workdir=gs://lost-bucket/run',
+         f'--config.data.text_dir={text_dir}', '--config.train.steps=30', '--config.ckpt.every_steps=10',
+         '--config.log.every_steps=1', f'--config.ckpt.storage_deadline_s={DEADLINE_S}'],
+        launcher_env(STORAGE_EMULATOR_HOST=url), on_line, 600)  # A hang guard.
+    # The bucket itself gone: the same kind of line, naming it and how to get it back. In a process of its own: the
+    # storage layer points gcsfs and tensorstore at this emulator for the rest of the process that asks.
+    deleted = subprocess.run([sys.executable, '-c', 'from trainer.base import storage; e = storage.objects_gone('
+                              '"gs://never-made/run", "checkpoint 10"); print(e.exit_code, e)'],
+                             cwd=REPO, env=launcher_env(STORAGE_EMULATOR_HOST=url), capture_output=True, text=True,
+                             timeout=300)
+  finally:
+    server.kill()
+    for again in restarted:
+      again.kill()
+      again.wait()
+  assert restarted, result.stderr[-3000:]
+  assert result.returncode == 74, result.stderr[-3000:]
+  for noise in ('Traceback', 'Exception ignored', 'tensorboardX', 'PreconditionFailed'):
+    assert noise not in result.stderr, result.stderr[-3000:]
+  [line] = [l for l in result.stderr.splitlines() if l.startswith('launch.py: ')]
+  assert 'gs://lost-bucket: ' in line and 'is gone from the bucket (it was emptied, or its storage server lost it); ' \
+      'relaunch to resume from the newest checkpoint still there, or from step 0 if none is.' in line, line
+  assert deleted.stdout.startswith(
+      '74 gs://never-made: the bucket no longer exists (deleted, or its storage server lost it), and the run\'s '
+      'checkpoints with it; recreate it (gcloud storage buckets create gs://never-made)'), deleted.stdout + deleted.stderr

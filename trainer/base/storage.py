@@ -176,6 +176,34 @@ def bucket_name_problem(name: str) -> str | None:
   return None
 
 
+class ObjectsGone(StorageStall):
+  """Objects this run wrote to its bucket are gone (the bucket deleted or emptied): exit 74, at once, since every
+  writer still open to the bucket (TensorBoard's) would fail again at exit, each with its own traceback."""
+  exit_at_once = True
+
+
+def objects_gone(where: str | os.PathLike, what: str) -> ObjectsGone:
+  """The error for `what` (objects this run wrote under gs:// path `where`) found gone: names the bucket and why."""
+  name = bucket(where)
+  try:
+    deleted = not bucket_exists(where)
+  except Exception:  # pylint: disable=broad-except  (no answer either: say what is known)
+    deleted = False
+  if deleted:
+    return ObjectsGone(f'gs://{name}: the bucket no longer exists (deleted, or its storage server lost it), and the '
+                       f'run\'s checkpoints with it; recreate it (gcloud storage buckets create gs://{name}) or choose '
+                       f'another --workdir, then relaunch.')
+  return ObjectsGone(f'gs://{name}: {what} is gone from the bucket (it was emptied, or its storage server lost it); '
+                     f'relaunch to resume from the newest checkpoint still there, or from step 0 if none is.')
+
+
+def bucket_exists(where: str | os.PathLike) -> bool:
+  """Whether the bucket of gs:// path `where` exists now (asked of the server, not gcsfs's cache)."""
+  fs = filesystem()
+  fs.invalidate_cache()
+  return within_deadline('looking up the bucket', where, fs.exists, bucket(where))
+
+
 def _use_emulator() -> None:
   """With STORAGE_EMULATOR_HOST set, points every client at it without Google credentials.
 
@@ -204,6 +232,13 @@ def filesystem():
   _use_emulator()
   import fsspec
   return fsspec.filesystem('gcs')
+
+
+def forget_listings() -> None:
+  """Drops what every gcsfs file system here has listed (ours and etils' for Orbax, which are two instances): after
+  objects were moved, a cached listing still shows them."""
+  for fs in list(type(filesystem())._cache.values()):  # fsspec keeps one instance per set of arguments.
+    fs.invalidate_cache()
 
 
 def _check_reachable(workdir: str, answered_before: bool) -> None:

@@ -179,7 +179,12 @@ class MetricsWriter:
       self._trackers.close()
     if self._enabled:
       self._jsonl.close()
-      self._tb.close()
+      try:
+        self._tb.close()
+      except Exception as e:
+        if not (self._cloud and getattr(e, 'code', None) in (404, 412)):  # Its object or the bucket gone (issue 54).
+          raise
+        raise storage.objects_gone(self._workdir, 'TensorBoard\'s event file') from None
 
   def _write_goodput(self) -> None:
     """Printed, added to TensorBoard (goodput/* at the last step, and as text) and appended to goodput.jsonl."""

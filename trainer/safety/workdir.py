@@ -23,6 +23,10 @@ WRITTEN = ('launch.lock', 'config.json', 'sharding.txt', 'metrics.jsonl', 'goodp
 # The folders it makes for files of predictable names (checkpoints/ and tensorboard/ may be links to another disk).
 OWN_FOLDERS = ('logs', 'hangs', 'evals', 'memory_profiles')
 _URL = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):/')
+# What a run makes under its workdir, by kind: one there of the other kind failed deep in the run, as a traceback
+# a supervised run retried (a file named checkpoints: NotADirectoryError at every attempt).
+_FOLDERS = ('checkpoints', 'damaged_checkpoints', 'tensorboard', 'plugins', 'mlruns') + OWN_FOLDERS
+_FILES = tuple(name for name in WRITTEN if '/' not in name)
 
 
 def check(workdir: str) -> storage.Path:
@@ -35,7 +39,11 @@ def check(workdir: str) -> storage.Path:
     raise UserError(f'--workdir={workdir}: {match["scheme"]}:// paths are not supported; use a local folder or a '
                     f'Cloud Storage URL (gs://bucket/run).')
   path = pathlib.Path(workdir).expanduser().absolute()
-  existing = next((p for p in (path, *path.parents) if p.exists()), None)
+  try:
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+  except PermissionError as e:  # A folder on the way that this user may not enter (no x bit for it).
+    raise UserError(f'--workdir={workdir}: this user cannot enter {pathlib.Path(e.filename).parent} (permission '
+                    f'denied); give it search permission (chmod +x) or choose another folder.') from None
   if existing is not None and not existing.is_dir():
     what = 'is a file' if existing == path else f'is inside {existing}, which is a file'
     raise UserError(f'--workdir={workdir} {what}, not a folder; choose a folder (it is created if missing).')
@@ -52,4 +60,14 @@ def check(workdir: str) -> storage.Path:
     confined.check_target(path / name)
   for name in OWN_FOLDERS:
     confined.check_folder(path / name)
+  _check_entries(path)
   return path
+
+
+def _check_entries(path: pathlib.Path) -> None:
+  """UserError naming an entry of the workdir that the run needs as a folder but is a file, or the other way."""
+  for names, wrong, want in ((_FOLDERS, pathlib.Path.is_file, 'a folder'), (_FILES, pathlib.Path.is_dir, 'a file')):
+    for name in names:
+      if wrong(path / name):
+        raise UserError(f'{path / name} is {"a file" if want == "a folder" else "a folder"}, but the run keeps '
+                        f'{want} there; move it out of the workdir (or choose another --workdir).')

@@ -16,6 +16,7 @@ is good, the damaged ones are moved to WORKDIR/damaged_checkpoints/
 (trainer/safety/damaged.py) so the run can save those steps again.
 """
 
+import collections
 import contextlib
 import json
 import logging as std_logging
@@ -35,6 +36,7 @@ from parallel import sharding
 from trainer import attention
 from trainer.base import storage
 from trainer.base.errors import UserError
+from trainer.safety import checksums
 from trainer.safety import damaged as damaged_lib
 from trainer.safety import disk
 from trainer.supervision import attempt
@@ -211,14 +213,20 @@ class Checkpointer:
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(keep),
         enable_async_checkpointing=ckpt_config.async_save,
         cleanup_tmp_directories=False,  # An interrupted save is evidence; we report it, never delete it.
+        # An async save's checksums are written once Orbax has written its files, before it commits the folder.
+        async_options=ocp.AsyncOptions(post_finalization_callback=self._record_checksums)
+        if ckpt_config.async_save else None,
         create=True)
     if jax.process_count() == 1:  # Across hosts, Orbax's default spreads the writes of replicated arrays.
       with _without_override_warning():
         ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
             min_slice_bytes_for_replica_parallel=_MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL), override=True)
+    self._async = ckpt_config.async_save
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._saving_step = None  # The step of the save in flight, to name it if the write fails.
     self._failed = None  # The SaveFailedError already raised: close() does not raise it twice.
+    self._finalizing = collections.deque()  # Steps of the async saves not yet committed, oldest first.
+    self._verified = set()  # Steps whose files matched their checksums in this process (each is read once).
     disk.quiet_orbax_tracebacks()
 
   def latest_step(self) -> int | None:
@@ -252,8 +260,15 @@ class Checkpointer:
     for path in self.incomplete_saves():
       logging.warning('Checkpoint %s is an incomplete save (the run was killed while writing it): skipped, '
                       'left on disk.', path)
-    steps, damaged = self.all_steps()[::-1], []
+    steps, damaged, changed = self.all_steps()[::-1], [], {}
     for step in steps:
+      try:
+        self._verify(step)
+      except checksums.Damaged as e:
+        logging.warning('Checkpoint %s is damaged (%s): trying an older one.', self.directory / str(step), e)
+        damaged.append(step)
+        changed[step] = str(e)
+        continue
       try:
         saved = self.read_manifest(step)
       except Exception as e:  # pylint: disable=broad-except  (any failure: this checkpoint cannot be trusted)
@@ -268,7 +283,9 @@ class Checkpointer:
       if changes:
         logging.info('%s step %d with %d setting(s) changed since it was saved: %s',
                      'Resuming' if training else 'Reading', step, len(changes), '; '.join(changes))
-      self._set_aside(damaged, 'manifest unreadable')
+      self._set_aside([s for s in damaged if s not in changed], 'manifest unreadable')
+      for changed_step, why in changed.items():
+        self._set_aside([changed_step], why)
       return [s for s in steps if s <= step and s not in damaged]
     if not steps and self.incomplete_saves():
       # The run was killed while writing its first checkpoint: nothing complete was ever saved, so step 0 is the only
@@ -310,9 +327,19 @@ class Checkpointer:
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_iterator.get_state()),
         manifest=ocp.args.JsonSave(manifest))
+    if self._async and jax.process_index() == 0:  # Where Orbax calls _record_checksums.
+      self._finalizing.append(step)  # Before the save starts: its callback may run before save() returns.
+    started = False
     with self._save_failures(step):
-      started = storage.within_deadline(f'saving step {step}', self.directory,
-                                        lambda: self._manager.save(step, args=args, force=force))
+      try:
+        started = storage.within_deadline(f'saving step {step}', self.directory,
+                                          lambda: self._manager.save(step, args=args, force=force))
+      finally:
+        if not started and step in self._finalizing:
+          self._finalizing.remove(step)
+      if started and not self._async and jax.process_index() == 0:
+        checksums.record(self.directory / str(step))  # Committed already; a crash before this leaves it unverified.
+    self._verified.discard(step)
     if started:
       self._saving_step = step
     return started
@@ -323,21 +350,39 @@ class Checkpointer:
     try:
       yield
     except storage.StorageStall as e:
-      # The bucket stopped answering mid-save: Orbax's writers (and the metrics' uploads) would each wait out their
-      # own retries in the cleanup that follows, minutes of silence. The line now, and the exit the supervisor
-      # retries, as the hang watch does (trainer/supervision/hang.py).
-      attempt.note(stopped='storage stalled')
-      print(f'{pathlib.Path(sys.argv[0]).name}: error: could not save step {step}: {e}',
-            file=sys.stderr, flush=True)
-      os._exit(e.exit_code)
+      _stop_for_storage(step, e)
     except Exception as e:
+      failed_step = self._saving_step if self._saving_step is not None else step
+      lost = self._lost_from_bucket(failed_step, e)
+      if lost:
+        _stop_for_storage(failed_step, lost)
       code = disk.write_failure(e)
       if code is None:
         raise
-      failed_step = self._saving_step if self._saving_step is not None else step
       good = [s for s in self._complete_steps_on_disk() if s != failed_step]
       self._failed = disk.save_failed(self.directory, failed_step, code, good)
       raise self._failed from None
+
+  def _lost_from_bucket(self, step: int, error: Exception) -> storage.ObjectsGone | None:
+    """For a save that failed in a bucket: the error naming the bucket when it is gone, or emptied (the checkpoints
+    saved before are gone, or the objects this save wrote first: a write answered 'not found'); else None."""
+    if not storage.is_cloud(self.directory):
+      return None
+    # The steps committed before (Orbax's list, from memory), less the save that failed.
+    earlier = [s for s in self._manager.all_steps() if s not in (step, self._saving_step)]
+
+    def missing() -> list[int]:
+      storage.filesystem().invalidate_cache()
+      gone = [s for s in earlier if not (self.directory / str(s)).exists()]
+      if not gone and _not_found(error) and not (self.directory / str(step)).exists():
+        gone = [step]
+      return gone or ([] if storage.bucket_exists(self.directory) else [step])
+
+    try:
+      gone = storage.within_deadline('looking for the checkpoints saved before', self.directory, missing)
+    except Exception:  # pylint: disable=broad-except  (not answering either: the save's own error says more)
+      return None
+    return storage.objects_gone(self.directory, f'checkpoint {", ".join(map(str, gone))} of this run') if gone else None
 
   def _complete_steps_on_disk(self) -> list[int]:
     return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) if self.directory.exists() else []
@@ -349,6 +394,7 @@ class Checkpointer:
     return restored['state']
 
   def _restore_state_and_data(self, step: int, abstract_state_with_shardings):
+    self._verify(step)
     args = ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state_with_shardings),
         data=ocp.args.JsonRestore())
@@ -380,6 +426,8 @@ class Checkpointer:
       return
     for step in steps:
       damaged_lib.move_aside(self.directory, step, why)
+    if storage.is_cloud(self.directory):  # Orbax's listings would still show them: saving one of those steps again
+      storage.forget_listings()  # would delete what is no longer there (FileNotFoundError).
     self._manager.reload()
 
   def restores(self, step: int, abstract_state_with_shardings) -> bool:
@@ -393,8 +441,27 @@ class Checkpointer:
 
   def restore_state(self, step: int, abstract_state_with_shardings):
     """Only the train state (e.g. for export, or onto another process count), into the given shardings."""
+    self._verify(step)
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state_with_shardings))
     return self._manager.restore(step, args=args)['state']
+
+  def _verify(self, step: int) -> None:
+    """checksums.Damaged if a file of `step` changed since its save; each step's files are read once."""
+    if step not in self._verified:
+      storage.within_deadline(f'verifying checkpoint {step}', self.directory, checksums.verify,
+                              self.directory / str(step))
+      self._verified.add(step)
+
+  def _record_checksums(self) -> None:
+    """Orbax's post-finalization callback (process 0, on its save thread): the oldest save in flight is written."""
+    step = self._finalizing.popleft() if self._finalizing else None
+    # Not yet committed: a local save is still in its tmp folder; in a bucket Orbax writes `<step>/` in place.
+    folder = self.directory / (str(step) if storage.is_cloud(self.directory) else f'{step}{_TMP_MARK}')
+    if step is None or not folder.exists():
+      logging.warning('No checksums recorded for the checkpoint being saved (%s not found): it will be restored '
+                      'without verifying it.', folder)
+      return
+    checksums.record(folder)
 
   def save_in_progress(self) -> bool:
     return self._manager.is_saving_in_progress()
@@ -414,6 +481,29 @@ class Checkpointer:
     except Exception:  # pylint: disable=broad-except
       if not reported:
         raise
+
+
+def _not_found(error: BaseException) -> bool:
+  """Whether `error` or one it came from is a 'not found' (gcsfs's FileNotFoundError, tensorstore's NOT_FOUND)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, FileNotFoundError) or str(error).startswith('NOT_FOUND'):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def _stop_for_storage(step: int, stall: storage.StorageStall) -> None:
+  """The line and the exit the supervisor retries (74), at once, as the hang watch does (trainer/supervision/hang.py).
+
+  A bucket that stopped answering mid-save: Orbax's writers (and the metrics' uploads) would each wait out their own
+  retries in the cleanup that follows, minutes of silence. A bucket gone or emptied: every writer still open
+  (TensorBoard's, at exit) would fail with its own traceback.
+  """
+  attempt.note(stopped='storage stalled')
+  print(f'{pathlib.Path(sys.argv[0]).name}: error: could not save step {step}: {stall}', file=sys.stderr, flush=True)
+  os._exit(stall.exit_code)
 
 
 def _detach_on_cpu(state):
