@@ -56,11 +56,11 @@ def check(workdir: str) -> storage.Path:
   except OSError as e:
     raise UserError(f'--workdir={workdir} is not writable by this user ({e.strerror}: {e.filename}); fix its '
                     f'permissions or choose another folder.') from e
+  _check_entries(path)  # A folder where a file goes (or the other way) is named as such, not as a planted link.
   for name in WRITTEN:  # Before the lock or the supervisor: a planted link stops the launch before anything is written.
     confined.check_target(path / name)
   for name in OWN_FOLDERS:
     confined.check_folder(path / name)
-  _check_entries(path)
   return path
 
 
