@@ -42,6 +42,8 @@ def _strict(schema):
 
 
 SCHEMA = _strict(json.loads((REPO / 'tests/fixtures/jobset_crd_schema.json').read_text()))
+jsonschema.Draft7Validator.check_schema(SCHEMA)  # Once: jsonschema.validate would check the 73 KB schema each call.
+CRD = jsonschema.Draft7Validator(SCHEMA)
 
 
 def _dry_run(capsys, *args: str) -> dict:
@@ -61,15 +63,15 @@ def _env(container: dict) -> dict:
 @pytest.mark.parametrize('args', [V5P, V5E_TWO_SLICES, A3_TWO_NODES], ids=['v5p-2x2x2', 'v5e-2x4-x2', 'a3-x2'])
 def test_the_manifests_validate_against_the_jobset_crd(capsys, args):
   manifest = _dry_run(capsys, *args)
-  jsonschema.validate(manifest, SCHEMA)
+  CRD.validate(manifest)
   broken = copy.deepcopy(manifest)  # The check can fail: a misspelt field, a wrong type.
   broken['spec']['replicatedJobs'][0]['template']['spec']['parallelizm'] = 2
   with pytest.raises(jsonschema.ValidationError, match='parallelizm'):
-    jsonschema.validate(broken, SCHEMA)
+    CRD.validate(broken)
   broken = copy.deepcopy(manifest)
   broken['spec']['failurePolicy']['maxRestarts'] = 'once'
   with pytest.raises(jsonschema.ValidationError):
-    jsonschema.validate(broken, SCHEMA)
+    CRD.validate(broken)
 
 
 def _restart_policy_is_the_jobsets(manifest: dict, hosts: int) -> None:
@@ -344,3 +346,24 @@ def test_the_pods_train_like_launch_local_and_a_lost_pod_restarts_the_group_from
   assert sorted(losses) == sorted(expected) == list(range(1, 9))
   for step, loss in expected.items():
     assert abs(losses[step] - loss) <= 1e-6 * abs(loss), (step, losses[step], loss)
+
+
+def test_each_pod_of_two_v5e_slices_gets_its_own_process_id_and_its_slices_hosts(capsys, tmp_path):
+  """The pods' command as the shell in each container runs it, with `python` printing the argv it was given."""
+  manifest = _dry_run(capsys, *V5E_TWO_SLICES)
+  container = _container(manifest)
+  (tmp_path / 'python').write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+  (tmp_path / 'python').chmod(0o755)
+  seen = {}
+  for j in range(2):
+    for i in range(2):
+      env = _pod_env(container, j, i, {})
+      argv = subprocess.run([*container['command'], *container['args']], capture_output=True, text=True, check=True,
+                            env={**env, 'PATH': f'{tmp_path}:/bin:/usr/bin'}).stdout.splitlines()
+      assert argv[:5] == ['launch.py', *container['args']]
+      assert argv[5:7] == ['--coordinator_address=v5e-run-slice-0-0.v5e-run:1234', '--num_processes=4']
+      seen[argv[7]] = (j, i)
+      assert env['TPU_WORKER_ID'] == str(i) and env['MEGASCALE_SLICE_ID'] == str(j)
+      assert env['TPU_WORKER_HOSTNAMES'] == f'v5e-run-slice-{j}-0.v5e-run,v5e-run-slice-{j}-1.v5e-run'
+  assert seen == {'--process_id=0': (0, 0), '--process_id=1': (0, 1), '--process_id=2': (1, 0),
+                  '--process_id=3': (1, 1)}
