@@ -160,6 +160,10 @@ def check(request: Request, config) -> Shape:
   if layout.processes > 1 and not request.workdir.startswith('gs://'):
     raise UserError(f'--workdir={request.workdir!r}: a {layout.processes}-host run needs a gs:// workdir, which every '
                     f'pod reads and writes as one and which outlives the pods (a restart resumes from it).')
+  if request.is_tpu and layout.jobs > 1 and _slices(config.mesh) != layout.jobs:
+    raise UserError(f'--num_slices={layout.jobs}, but mesh.dcn_data x dcn_fsdp x dcn_pipeline = '
+                    f'{_slices(config.mesh)}: slices are joined by the data-centre network only, so the mesh must '
+                    f'split over them; add --config.mesh.dcn_data={layout.jobs} (docs/meshes.md).')
   sizes = [d * i for d, i in zip(mesh.dcn_shape(config.mesh, layout.devices),
                                  mesh.resolve_shape(config.mesh, layout.devices // _slices(config.mesh)))]
   data_parallel = math.prod(size for axis, size in zip(mesh.AXES, sizes) if axis in mesh.BATCH_AXES)

@@ -25,7 +25,7 @@ import launch_gke  # pylint: disable=wrong-import-position
 COMMON = ('--image=us-docker.pkg.dev/p/r/jax-launch:1', '--config=configs/tiny.py', '--workdir=gs://bucket/run1')
 V5P = ('--name=v5p-run', '--accelerator=v5p', '--topology=2x2x2')
 V5E_TWO_SLICES = ('--name=v5e-run', '--accelerator=v5e', '--topology=2x4', '--num_slices=2',
-                  '--config.train.batch_size=16')
+                  '--config.train.batch_size=16', '--config.mesh.dcn_data=2')
 A3_TWO_NODES = ('--name=a3-run', '--accelerator=a3', '--num_nodes=2', '--config.train.batch_size=16')
 
 
@@ -123,7 +123,7 @@ def test_two_v5e_slices_are_two_replicated_jobs_joined_by_megascale(capsys):
   assert (env['MEGASCALE_NUM_SLICES'], env['MEGASCALE_SLICE_ID'], env['MEGASCALE_COORDINATOR_ADDRESS']) == (
       '2', '$(JOB_INDEX)', 'v5e-run-slice-0-0.v5e-run')
   assert {p['containerPort'] for p in _container(manifest)['ports']} == {1234, 8471, 8080}
-  assert _container(manifest)['args'][3:] == ['--config.train.batch_size=16']
+  assert _container(manifest)['args'][3:] == ['--config.train.batch_size=16', '--config.mesh.dcn_data=2']
   assert manifest['metadata']['labels']['kueue.x-k8s.io/queue-name'] == 'team-a'
 
 
@@ -148,15 +148,17 @@ def test_two_a3_nodes_are_one_job_of_two_pods_with_eight_gpus(capsys):
     (('--name=r', '--accelerator=v4', '--topology=4x4x6'), "--topology='4x4x6' is not a v4 slice"),
     (('--name=r', '--accelerator=a3', '--num_nodes=2', '--config.train.batch_size=16', '--workdir=/mnt/runs/r'),
      "--workdir='/mnt/runs/r': a 2-host run needs a gs:// workdir"),
-    (('--name=r', '--accelerator=v5e', '--topology=2x4', '--num_slices=2'),
+    (('--name=r', '--accelerator=v5e', '--topology=2x4', '--num_slices=2', '--config.mesh.dcn_data=2'),
      'train.batch_size=8 does not divide over the 16 data-parallel devices'),
+    (('--name=r', '--accelerator=v5e', '--topology=2x4', '--num_slices=2', '--config.train.batch_size=16'),
+     '--num_slices=2, but mesh.dcn_data x dcn_fsdp x dcn_pipeline = 1'),
     (('--name=r', '--accelerator=v5p', '--topology=2x2x2', '--config.train.batch_size=12'),
      'train.batch_size=12 does not divide over the 8 data-parallel devices of 8 (2 hosts x 4); nearest valid: 8 or 16'),
     (('--name=Run_1', '--accelerator=a3'), "--name='Run_1' must be lowercase"),
     (('--name=r', '--accelerator=tpu9', '--topology=2x2'), "--accelerator='tpu9' is not one of"),
     (('--name=r', '--accelerator=a3', '--config.train.nope=1'), '--config.train.nope=1'),
-], ids=['v5p-2d', 'v5e-3d', 'v4-not-cubes', 'local-workdir', 'batch-slices', 'batch-slice', 'name', 'accelerator',
-        'override'])
+], ids=['v5p-2d', 'v5e-3d', 'v4-not-cubes', 'local-workdir', 'batch-slices', 'slices-not-on-dcn', 'batch-slice',
+        'name', 'accelerator', 'override'])
 @pytest.mark.parametrize('mode', ['apply', 'dry_run', 'xpk'])
 def test_bad_input_is_one_line_and_exit_2_before_anything_is_written_or_applied(capsys, tmp_path, monkeypatch,
                                                                                  args, message, mode):
@@ -231,7 +233,7 @@ def test_xpk_command_for_the_same_settings(capsys):
   # On TPU, jax finds the hosts from GKE's environment: no coordinator flags.
   assert _xpk_launch_argv(tpu.command, {}) == [
       'launch.py', '--config=configs/tiny.py', '--workdir=gs://bucket/run1', '--max_restarts=0',
-      '--config.train.batch_size=16']
+      '--config.train.batch_size=16', '--config.mesh.dcn_data=2']
   gpu = _xpk(capsys, *A3_TWO_NODES)
   assert (gpu.device_type, gpu.num_nodes, gpu.tpu_type) == ('h100-80gb-8', 2, None)
   # xpk's GPU pods get JAX_COORDINATOR_ADDRESS, JAX_COORDINATOR_PORT and NODE_RANK (src/xpk/core/docker_resources.py).
@@ -360,9 +362,9 @@ def test_each_pod_of_two_v5e_slices_gets_its_own_process_id_and_its_slices_hosts
       env = _pod_env(container, j, i, {})
       argv = subprocess.run([*container['command'], *container['args']], capture_output=True, text=True, check=True,
                             env={**env, 'PATH': f'{tmp_path}:/bin:/usr/bin'}).stdout.splitlines()
-      assert argv[:5] == ['launch.py', *container['args']]
-      assert argv[5:7] == ['--coordinator_address=v5e-run-slice-0-0.v5e-run:1234', '--num_processes=4']
-      seen[argv[7]] = (j, i)
+      assert argv[:6] == ['launch.py', *container['args']]
+      assert argv[6:8] == ['--coordinator_address=v5e-run-slice-0-0.v5e-run:1234', '--num_processes=4']
+      seen[argv[8]] = (j, i)
       assert env['TPU_WORKER_ID'] == str(i) and env['MEGASCALE_SLICE_ID'] == str(j)
       assert env['TPU_WORKER_HOSTNAMES'] == f'v5e-run-slice-{j}-0.v5e-run,v5e-run-slice-{j}-1.v5e-run'
   assert seen == {'--process_id=0': (0, 0), '--process_id=1': (0, 1), '--process_id=2': (1, 0),
