@@ -141,6 +141,9 @@ def shape(request: Request) -> Shape:
   if request.num_nodes != 1:
     raise UserError(f'--accelerator={request.accelerator} is a TPU: give --topology (and --num_slices), not '
                     f'--num_nodes; the topology decides the hosts.')
+  if not request.topology:
+    raise UserError(f'--accelerator={request.accelerator} is a TPU: give its slice as --topology, e.g. '
+                    f'{"2x2x2" if platform.dims == 3 else "2x4"}.')
   problem = _topology_error(request)
   if problem:
     raise UserError(f'--topology={request.topology!r} is not a {request.accelerator} slice: {problem}.')
@@ -157,6 +160,10 @@ def check(request: Request, config) -> Shape:
     raise UserError(f'--name={request.name!r} must be lowercase letters, digits and dashes, starting with a letter, '
                     f'at most {_NAME_MAX} characters (it names the pods and their DNS hostnames).')
   layout = shape(request)
+  if not 0 < request.coordinator_port < 65536:
+    raise UserError(f'--coordinator_port={request.coordinator_port} is not a port: give one from 1 to 65535.')
+  if request.max_restarts < 0:
+    raise UserError(f'--max_restarts={request.max_restarts}: give the group restarts as a count >= 0.')
   if layout.processes > 1 and not request.workdir.startswith('gs://'):
     raise UserError(f'--workdir={request.workdir!r}: a {layout.processes}-host run needs a gs:// workdir, which every '
                     f'pod reads and writes as one and which outlives the pods (a restart resumes from it).')

@@ -156,9 +156,10 @@ def test_two_a3_nodes_are_one_job_of_two_pods_with_eight_gpus(capsys):
      'train.batch_size=12 does not divide over the 8 data-parallel devices of 8 (2 hosts x 4); nearest valid: 8 or 16'),
     (('--name=Run_1', '--accelerator=a3'), "--name='Run_1' must be lowercase"),
     (('--name=r', '--accelerator=tpu9', '--topology=2x2'), "--accelerator='tpu9' is not one of"),
+    (('--name=r', '--accelerator=v6e'), '--accelerator=v6e is a TPU: give its slice as --topology, e.g. 2x4'),
     (('--name=r', '--accelerator=a3', '--config.train.nope=1'), '--config.train.nope=1'),
 ], ids=['v5p-2d', 'v5e-3d', 'v4-not-cubes', 'local-workdir', 'batch-slices', 'slices-not-on-dcn', 'batch-slice',
-        'name', 'accelerator', 'override'])
+        'name', 'accelerator', 'no-topology', 'override'])
 @pytest.mark.parametrize('mode', ['apply', 'dry_run', 'xpk'])
 def test_bad_input_is_one_line_and_exit_2_before_anything_is_written_or_applied(capsys, tmp_path, monkeypatch,
                                                                                  args, message, mode):
