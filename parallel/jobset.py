@@ -10,7 +10,8 @@ through the JobSet's headless service), `--num_processes` and `--process_id = JO
 JOB_COMPLETION_INDEX` (the slice's index from JobSet's annotation, the host's from the Indexed Job's): the same
 check-in and peer watchdog as any explicit launch (parallel/distributed.py), on TPU and GPU alike. On TPU the pod
 also gets what libtpu reads to wire the slice and the slices together (TPU_WORKER_ID, TPU_WORKER_HOSTNAMES,
-MEGASCALE_* for more than one slice), the values GKE's TPU webhook gives a JobSet's pods.
+MEGASCALE_* for more than one slice), written out here rather than left to what GKE injects, so the manifest says
+where every host and slice is.
 
 Who restarts what: the JobSet. launch.py runs unsupervised in the pod (`--max_restarts=0`), so any failure ends
 the pod; its Job fails (backoffLimit 0) and the JobSet recreates every Job (`failurePolicy.maxRestarts`, default 1),
