@@ -17,6 +17,7 @@ from absl import logging
 from parallel import sharding
 from trainer import data, pipeline
 from trainer import evals as evals_lib
+from trainer.evals import dispatch
 from trainer.base import storage
 from trainer.hf import load as hf_load
 from trainer.memory import runtime_oom
@@ -254,7 +255,7 @@ def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
 
 def _evaluate(eval_step, params, eval_set, objective) -> dict[str, float]:
   """The task's eval summary (loss and perplexity, or loss and accuracy) over the fixed held-out batches."""
-  per_batch = jax.device_get([eval_step(params, batch) for batch in eval_set])
+  per_batch = dispatch.fetched(lambda batch: eval_step(params, batch), eval_set)  # Bounded: trainer/evals/dispatch.py.
   return objective.eval_summary({k: float(np.mean([m[k] for m in per_batch])) for k in per_batch[0]})
 
 
