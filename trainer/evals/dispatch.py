@@ -6,7 +6,9 @@ read at the end. Dispatching all of them before one fetch queues every call on t
 `max_inflight_computations_per_device`); a 33rd blocks the dispatching thread partway through a program, after
 some devices have started it and entered its all-reduce, and the rendezvous waits for participants that never
 come: `rendezvous ... may be stuck`, then `Termination timeout` and an abort (exit 134) 40 s later. Observed with
-the tiny config's eval step on 8 CPU devices: 32 calls in flight finished and 33 aborted, 3 of 3 tries each.
+the tiny config's eval step on 8 CPU devices: 32 calls in flight finished and 33 aborted, 3 of 3 tries each (33,
+34, 40, 64 all aborted); scripts/eval.py's scoring calls, whose rows are copied in call by call, ran behind far
+enough to abort too once rows were 128 tokens (2000 questions) or 256 (300 questions).
 
 IN_FLIGHT = 2 is what the training loop itself keeps (a step runs while the next is dispatched, its metrics
 fetched a step late): the device always has the next call queued while the host fetches one result, far below
