@@ -68,13 +68,18 @@ def check_finished_run(workdir: str, step: int, expects_eval: bool, write: bool)
   path = storage.path(workdir) / 'metrics.jsonl'
   if not (expects_eval and write and path.is_file()):  # Process 0's check: it writes metrics.jsonl.
     return
-  records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  records = []
+  for line in path.read_text().splitlines():
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:  # A last line cut short by a killed writer.
+      continue
   final = {key for record in records if record.get('step') == step for key in record}
-  if {'eval_loss', 'eval_failed', 'missing_final_eval'} & final or any(k.startswith('eval_') for k in final):
+  if 'missing_final_eval' in final or any(key.startswith('eval_') for key in final):  # eval_loss, eval_failed, ...
     return
   log = storage.AppendLog(path)
   log.write(json.dumps({'step': step, 'missing_final_eval': 1.0}) + '\n')
   log.close()
   raise UserError(f'The final eval of step {step} is not in {path}: the attempt that trained step {step} ended '
-                  f'during it (its log says how). The checkpoint is saved and a finished run does not evaluate again; '
-                  f'metrics.jsonl now records missing_final_eval at step {step}.')
+                  f'during it (its log says how), or ran without it. The checkpoint is saved and a finished run '
+                  f'does not evaluate again; metrics.jsonl now records missing_final_eval at step {step}.')
