@@ -35,7 +35,7 @@ CODECS = {
 }
 CONTEXTS = ['The sky is', 'Question: 2+2?\n', 'Q:\n\n', 'a\tb\t', 'x \n\t ', 'end\xa0', 'end\u2028', '  \n', '\t',
             ' ', '']
-CONTINUATIONS = [' A', 'A', '\n\nA', ' blue']
+CONTINUATIONS = [' A', 'A', '\n\nA', ' blue', chr(EOT) + 'A']  # The last starts with the end-of-text token.
 
 
 def _lm_eval_rule(codec: Codec, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -69,6 +69,7 @@ def test_pairs_are_lm_evals_for_every_context(codec):
   assert scorer.encode_pair(gpt2, 'Q\n', '\nA') == ([ord('Q')], [256, ord('A')])
   assert scorer.encode_pair(gpt2, ' \t', ' A') == ([EOT], [ord(' '), 258, 257])
   assert scorer.encode_pair(gpt2, '', ' A') == ([EOT], [257])
+  assert scorer.encode_pair(gpt2, '', chr(EOT) + 'A') == ([EOT], [ord('A')])  # Not the token twice.
 
 
 def test_whitespace_only_prompts_score_every_token_or_are_refused(tmp_path):
