@@ -1,4 +1,5 @@
-"""scripts/eval.py: a checkpoint scored the way a run with eval.tasks scores itself; sample-based tasks decoded."""
+"""scripts/eval.py: a checkpoint scored the way a run with eval.tasks scores itself; sample-based tasks decoded; evals
+of any size on 8 devices, in the run and in the script (trainer/evals/dispatch.py)."""
 
 import json
 import subprocess
