@@ -30,7 +30,6 @@ from trainer.run import job as job_lib
 from trainer.safety import guardrails, preemption, startup_signals
 from trainer.supervision import attempt, faults, hang, notices, stragglers
 from trainer.training import checkpoint, objectives, optimizer
-from trainer.training import state as state_lib
 
 
 # Step metrics the window summarizes itself, or that are for the guardrails only.
