@@ -122,16 +122,30 @@ def test_a_model_without_constraints_trains_under_the_per_device_strategies(stra
   assert len([r for r in read_metrics(tmp_path) if 'loss' in r]) == 2
 
 
-def test_the_final_step_is_saved_before_the_final_eval(tmp_path, monkeypatch):
-  def failing_eval(*args):
-    raise RuntimeError('eval went wrong')
+def test_the_final_step_is_saved_before_the_final_eval_and_a_lost_eval_is_said(tmp_path, monkeypatch):
+  """A failed final eval: the step saved, one line (exit 2), recorded; one an attempt died in: said on relaunch."""
+  from trainer.run import evaluation
 
-  monkeypatch.setattr(loop, '_evaluate', failing_eval)
+  def failing_eval(*args):
+    raise RuntimeError('eval went\nwrong')
+
+  monkeypatch.setattr(evaluation, 'held_out', failing_eval)
   config = _config('lm1b', mesh=(8, 1, 1), steps=2)
   config.model.unshifted_inputs, config.train.eval_batches = True, 1
-  with pytest.raises(RuntimeError, match='eval went wrong'):
+  with pytest.raises(UserError, match=r'^The final eval at step 2 failed \(RuntimeError: eval went wrong\); step 2 '
+                                      r'is saved in .*metrics.jsonl records eval_failed at step 2'):
     loop.run(config, str(tmp_path))
   assert sorted(p.name for p in (tmp_path / 'checkpoints').iterdir()) == ['2']
+  assert [r.get('eval_failed') for r in read_metrics(tmp_path) if r['step'] == 2] == [1.0]
+  loop.run(config, str(tmp_path))  # Finished, its failure recorded: nothing to say again.
+  # An attempt that died inside the final eval (an abort, a hang killed) leaves no record of step 2 at all.
+  metrics = tmp_path / 'metrics.jsonl'
+  metrics.write_text(''.join(line + '\n' for line in metrics.read_text().splitlines() if '"step": 2,' not in line))
+  with pytest.raises(UserError, match=r'^The final eval of step 2 is not in .*metrics.jsonl: the attempt that '
+                                      r'trained step 2 ended during it'):
+    loop.run(config, str(tmp_path))
+  assert [r for r in read_metrics(tmp_path) if r['step'] == 2] == [{'step': 2, 'missing_final_eval': 1.0}]
+  loop.run(config, str(tmp_path))  # Said once.
 
 
 def test_packed_rows_need_the_keywords_and_say_so(tmp_path):

@@ -161,10 +161,10 @@ def test_a_held_feed_transfers_only_what_the_loop_waits_for(shardings, transfers
 
 def test_a_run_transfers_nothing_while_its_first_step_or_an_eval_runs(tmp_path, monkeypatch, transfers):
   """The loop (trainer/run/loop.py) releases the feed only with step 1's outputs computed, and holds it during evals."""
-  from trainer.run import loop
+  from trainer.run import evaluation, loop
   from trainer.data import device_feed
   events = []
-  real_release_after, real_evaluate = device_feed.DeviceFeed.release_after, loop._evaluate
+  real_release_after, real_evaluate = device_feed.DeviceFeed.release_after, evaluation.held_out
 
   def release_after(feed, outputs):
     real_release_after(feed, outputs)
@@ -178,7 +178,7 @@ def test_a_run_transfers_nothing_while_its_first_step_or_an_eval_runs(tmp_path, 
     return summary
 
   monkeypatch.setattr(device_feed.DeviceFeed, 'release_after', release_after)
-  monkeypatch.setattr(loop, '_evaluate', evaluate)
+  monkeypatch.setattr(evaluation, 'held_out', evaluate)
   config = tiny.get_config()
   config.train.steps, config.train.eval_every_steps = 6, 3
   loop.run(config, str(tmp_path / 'run'))

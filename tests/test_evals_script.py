@@ -1,4 +1,5 @@
-"""scripts/eval.py: a checkpoint scored the way a run with eval.tasks scores itself; sample-based tasks decoded."""
+"""scripts/eval.py: a checkpoint scored the way a run with eval.tasks scores itself; sample-based tasks decoded; evals
+of any size on 8 devices, in the run and in the script (trainer/evals/dispatch.py)."""
 
 import json
 import subprocess
@@ -8,12 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, run_python
+from conftest import REPO, launcher_env, read_metrics, run_launcher, run_python, xla_flags
 from test_evals import _config, _trained_task_dir, _write
 
 
-def _script(name: str, *args: str) -> subprocess.CompletedProcess:
-  return run_python([sys.executable, str(REPO / 'scripts' / name), *args], timeout=300)
+def _script(name: str, *args: str, env=None) -> subprocess.CompletedProcess:
+  return run_python([sys.executable, str(REPO / 'scripts' / name), *args], timeout=300, env=env)
 
 
 @pytest.fixture(scope='module')
@@ -69,3 +70,42 @@ def test_eval_script_refuses_a_bad_task_line_in_one_line(run, tmp_path):
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1] == (f'eval.py: error: eval task file {bad}, line 1: "choices" must '
                                                     f'be a list of at least 2 non-empty strings.')
+
+
+def test_an_eval_of_2000_calls_on_8_devices_completes(tmp_path):
+  """2000 held-out batches, once all dispatched before one fetch: past XLA:CPU's 32 computations in flight per
+  device the rendezvous of their all-reduce aborted the run (exit 134) and the final eval was lost
+  (trainer/evals/dispatch.py)."""
+  result = run_launcher('--config=configs/tiny.py', f'--workdir={tmp_path}', '--config.train.steps=1',
+                        '--config.train.eval_batches=2000', timeout=240)
+  assert result.returncode == 0, result.stderr[-3000:]
+  final = [r for r in read_metrics(tmp_path) if 'eval_loss' in r]
+  assert [r['step'] for r in final] == [1] and 4.0 < final[0]['eval_loss'] < 7.0  # Near ln(256): one step trained.
+
+
+def test_2000_questions_score_on_8_devices_as_on_1(tmp_path):
+  """2000 questions, 4000 rows in 500 calls: on 8 devices they once aborted (all dispatched before one fetch, rows of
+  128 tokens outran the devices past 32 calls in flight); now equal to one device's, log-likelihood by
+  log-likelihood."""
+  from test_strategies import TEXT_DIR
+  trained = run_launcher('--config=configs/tiny.py', f'--workdir={tmp_path / "run"}', f'--config.data.text_dir={TEXT_DIR}',
+                         '--config.train.steps=1', '--config.train.eval_batches=0', '--config.data.seq_len=128')
+  assert trained.returncode == 0, trained.stderr[-3000:]
+  words = ['blue', 'green', 'red', 'sky', 'sea', 'tree']
+  quiz = _write(tmp_path / 'many.jsonl', [
+      {'context': f'Question {i}: the {words[i % 6]} is' + '\n' * (i % 2), 'choices': [words[(i + 1) % 6],
+                                                                                     words[(i + 2) % 6] * 2],
+       'gold': i % 2} for i in range(2000)])
+  records = []
+  for devices in (8, 1):
+    out = tmp_path / f'out_{devices}.json'
+    env = {**launcher_env(), 'XLA_FLAGS': xla_flags(devices)}
+    result = _script('eval.py', f'--workdir={tmp_path / "run"}', f'--tasks={quiz}', f'--output={out}', env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records.append(json.loads(out.read_text())['tasks']['many'])
+  eight, one = records
+  assert eight['questions'] == one['questions'] == 2000
+  np.testing.assert_allclose([q['log_likelihoods'] for q in eight['per_question']],
+                             [q['log_likelihoods'] for q in one['per_question']], rtol=1e-5, atol=1e-5)
+  assert (eight['acc'], eight['acc_norm']) == (one['acc'], one['acc_norm'])
+  assert 0.0 < eight['acc'] < 1.0

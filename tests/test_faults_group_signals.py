@@ -26,7 +26,7 @@ HOLD = r'''
 import importlib.abc, importlib.util, os, signal, sys, time
 
 _where = os.environ.get('TEST_HOLD')
-_patched = {'compile': ('trainer.run.preflight', 'compile_checked'), 'final_eval': ('trainer.run.loop', '_evaluate')}
+_patched = {'compile': ('trainer.run.preflight', 'compile_checked'), 'final_eval': ('trainer.run.evaluation', 'held_out')}
 
 
 def _signal_taken():

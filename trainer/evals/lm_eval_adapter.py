@@ -5,7 +5,9 @@ its `hf` extra pulls torch). Where it is installed (`pip install lm-eval`), scri
 registered tasks, or YAML tasks of --lm_eval_include, against a checkpoint:
 
 - `loglikelihood` (multiple-choice tasks) scores every request's (context, continuation) as one row of the same
-  jitted, sharded function eval.tasks uses (scorer.py), tokenized by lm-eval's own rule (encode_pair);
+  jitted, sharded function eval.tasks uses (scorer.py), tokenized by lm-eval 0.4.11's own rule
+  (encode_pair: trailing whitespace moves to the continuation, an empty context is scored after the BOS or
+  end-of-text token);
 - `generate_until` decodes greedily with scripts/sample.py's decoder, passed in as `generate`;
 - `loglikelihood_rolling` (perplexity tasks) is not offered: the launcher's eval loss is that figure.
 
@@ -15,6 +17,7 @@ registered tasks, or YAML tasks of --lm_eval_include, against a checkpoint:
 import numpy as np
 from lm_eval.api.model import LM
 
+from trainer.base.errors import UserError
 from trainer.evals import scorer as scorer_lib
 from trainer.evals.codec import Codec
 
@@ -30,6 +33,9 @@ class LaunchLM(LM):
     for request in requests:
       context, continuation = request.args
       context_ids, continuation_ids = scorer_lib.encode_pair(self._codec, context, continuation)
+      if not context_ids:
+        raise UserError(f"lm-eval request {context!r} + {continuation!r}: the context is empty or only whitespace and "
+                        f"the run's tokenizer has no BOS or end-of-text token to score the continuation after.")
       rows.append(scorer_lib.row(context_ids, continuation_ids, self._seq_len))
     stacked = scorer_lib.Rows(*(np.stack(parts) for parts in zip(*rows)), question=np.arange(len(rows), dtype=np.int32))
     return [(float(ll), False) for ll in self._scorer.log_likelihoods(self._params, stacked)]

@@ -4,7 +4,7 @@ Every (question, choice) pair becomes one row of data.seq_len tokens, as lm-eval
 requests: the prompt's and the continuation's tokens, cut from the left when longer than a row (+1, for the shift),
 `inputs` the row, `targets` it shifted left, and a mask on the continuation's targets. Rows are right-padded: the
 model is causal, so padding after a token never reaches that token's logits. Rows go to the devices in calls of
-`rows_per_call` (the training batch split over the same 'batch' axes), all dispatched before one fetch; the
+`rows_per_call` (the training batch split over the same 'batch' axes), a bounded number in flight (dispatch.py); the
 function compiles once per row count and parameter layout.
 
 The function is the task's own forward (`Task.outputs`: the compute dtype, the mesh context, the context split's
@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer.base.errors import UserError
+from trainer.evals import dispatch
 from trainer.evals.codec import Codec
 from trainer.evals.tasks import TaskFile
 
@@ -36,16 +37,29 @@ class Rows:
 
 
 def encode_pair(codec: Codec, prompt: str, continuation: str) -> tuple[list[int], list[int]]:
-  """(context ids, continuation ids) as lm-eval's `_encode_pair`: trailing spaces of the prompt move to the
-  continuation, and the continuation is what encoding the whole adds after the context's own encoding."""
-  spaces = len(prompt) - len(prompt.rstrip(' '))
-  if spaces:
-    prompt, continuation = prompt[:-spaces], prompt[-spaces:] + continuation
-  context = [*codec.prefix, *codec.encode(prompt)]
-  whole = [*codec.prefix, *codec.encode(prompt + continuation)]
-  if whole[:len(context)] != context:  # A tokenizer that merges across the boundary: score the pieces apart.
-    return context, codec.encode(continuation)
-  return context, whole[len(context):]
+  """(context ids, continuation ids) as lm-eval-harness 0.4.11 pairs them (`TemplateLM.loglikelihood`).
+
+  A non-empty prompt goes through its `_encode_pair`: all trailing whitespace of the prompt (str.rstrip(): spaces,
+  newlines, tabs, any Unicode whitespace) moves to the continuation; the context is the rest encoded with the
+  run's prefix (BOS), and the continuation is what encoding the whole adds after the context's length. An empty
+  prompt is scored after the prefix token (`prefix_token_id`: BOS, else the end-of-text token), the continuation
+  encoded alone (a continuation that starts with that token gives it up as the context). A whitespace-only prompt
+  whose context is left with no token at all (no BOS) is scored as an empty one: lm-eval's own Hugging Face model
+  stops at an assertion there, and after the end-of-text token is what it does for the empty prompt. A run whose
+  tokenizer has neither token (bytes) gets ([], ...): build_rows refuses the question in one line.
+  """
+  start = [*codec.prefix[:1], *codec.eos[:1]][:1]  # lm-eval's prefix_token_id: BOS, else end-of-text.
+  if prompt:
+    moved = len(prompt) - len(prompt.rstrip())
+    if moved:
+      prompt, continuation = prompt[:-moved], prompt[-moved:] + continuation
+    context = [*codec.prefix, *codec.encode(prompt)]
+    if context:
+      return context, [*codec.prefix, *codec.encode(prompt + continuation)][len(context):]
+  ids = codec.encode(continuation)
+  if start and ids[:1] == start:
+    return ids[:1], ids[1:]
+  return start, ids
 
 
 def build_rows(task: TaskFile, codec: Codec, seq_len: int) -> Rows:
@@ -54,6 +68,10 @@ def build_rows(task: TaskFile, codec: Codec, seq_len: int) -> Rows:
   for index, question in enumerate(task.questions):
     for continuation in question.continuations:
       context, cont = encode_pair(codec, question.prompt, continuation)
+      if not context:
+        raise UserError(f'eval task file {task.path}, line {question.line}: the prompt is only whitespace and the '
+                        f"run's tokenizer has no BOS or end-of-text token to score the choices after (lm-eval's "
+                        f'rule); give the question a context with text in it.')
       if not cont or len(cont) > seq_len:
         raise UserError(f'eval task file {task.path}, line {question.line}: the continuation {continuation!r} is '
                         f'{len(cont)} tokens; it must be 1 to data.seq_len={seq_len}.')
@@ -126,9 +144,9 @@ class Scorer:
     def pad(a):
       return np.concatenate([a, np.zeros((padded - n,) + a.shape[1:], a.dtype)])
     inputs, targets, mask = pad(rows.inputs), pad(rows.targets), pad(rows.mask)
-    outs = [self._fn(params, *(self._global(a[i:i + per]) for a in (inputs, targets, mask)))
-            for i in range(0, padded, per)]  # All dispatched, then one fetch.
-    return np.concatenate([np.asarray(o, np.float64) for o in jax.device_get(outs)])[:n]
+    outs = dispatch.fetched(lambda i: self._fn(params, *(self._global(a[i:i + per]) for a in (inputs, targets, mask))),
+                            range(0, padded, per))  # A bounded number in flight (dispatch.py).
+    return np.concatenate([np.asarray(o, np.float64) for o in outs])[:n]
 
 
 def multiple_choice_scores(task: TaskFile, rows: Rows, lls: np.ndarray) -> tuple[dict[str, float], list[dict]]:

@@ -25,12 +25,11 @@ from trainer.observe import expert_load, flops, profiling, progress
 from trainer.observe import goodput as goodput_lib
 from trainer.observe import trackers as trackers_lib
 from trainer.observe.metrics import MetricsWriter
-from trainer.run import compilation_cache, preflight
+from trainer.run import compilation_cache, evaluation, preflight
 from trainer.run import job as job_lib
 from trainer.safety import guardrails, preemption, startup_signals
 from trainer.supervision import attempt, faults, hang, notices, stragglers
 from trainer.training import checkpoint, objectives, optimizer
-from trainer.training import state as state_lib
 
 
 # Step metrics the window summarizes itself, or that are for the guardrails only.
@@ -140,6 +139,9 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
                  '--config.train.steps to train further).', resumable[0], ckpt.directory, config.train.steps)
     train_iter.close()
     ckpt.close()
+    # An attempt that died in the final eval left none: said once, in one line (evaluation.py).
+    evaluation.check_finished_run(workdir, resumable[0], bool(eval_set) or downstream is not None,
+                                  write=process_index == 0)
     return
   if config.model.init_from and not resumable:
     hf_load.check_weights(config, job.abstract.params)  # Headers only: a wrong folder fails before the compile.
@@ -258,12 +260,6 @@ def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
                  sharding.summary(job.abstract, job.shardings, totals), workdir)
 
 
-def _evaluate(eval_step, params, eval_set, objective) -> dict[str, float]:
-  """The task's eval summary (loss and perplexity, or loss and accuracy) over the fixed held-out batches."""
-  per_batch = jax.device_get([eval_step(params, batch) for batch in eval_set])
-  return objective.eval_summary({k: float(np.mean([m[k] for m in per_batch])) for k in per_batch[0]})
-
-
 def _train(run: 'RunContext', state, start_step: int) -> None:
   config, ckpt, guard, preempt, profiler, train_iter = (run.config, run.ckpt, run.guard, run.preempt, run.profiler,
                                                         run.train_iter)
@@ -271,12 +267,11 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
   if start_step >= total:
     logging.info('Checkpoint step %d already reaches train.steps=%d: nothing to train.', start_step, total)
     return
-  eval_every = config.train.eval_every_steps
 
   def is_log_step(s):
     return s == start_step + 1 or s % config.log.every_steps == 0 or s == total or s in evals
 
-  window, evals, pending = Window(first=True), {}, None
+  window, evals, pending, failed = Window(first=True), {}, None, None
   # Waits measured since the last fetch: they lie inside the step time that fetch closes, so a window's wait is a
   # part of its step time (pairing a step with its own batch's wait, taken a fetch earlier, gave shares over 100%).
   last_fetch, side_time, waited = time.perf_counter(), 0.0, 0.0
@@ -320,22 +315,7 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
       elif preempted:
         preempted = 'unsaved'
     t_eval = time.perf_counter()
-    if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
-      run.hang.phase('eval')
-      train_iter.hold()  # Likewise while the eval step runs (its first run is a capture too).
-      evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
-      if run.sources:  # A mixture: each source's held-out rows on their own too.
-        evals[step].update(run.sources.evaluate(lambda b: _evaluate(run.eval_step, state.params, b, run.objective)))
-      if state.ema_params is not None:  # The same eval step, on the average.
-        ema = state_lib.params_of(state, 'ema')
-        evals[step]['eval_ema_loss'] = _evaluate(run.eval_step, ema, run.eval_set, run.objective)['eval_loss']
-      train_iter.release()
-    # Not on the way out of a preemption: the grace period is for the save.
-    if run.downstream and not preempted and run.downstream.due(step, total, step % config.ckpt.every_steps == 0):
-      run.hang.phase('eval')
-      train_iter.hold()  # The scoring function's first run is a capture too (data/device_feed.py).
-      evals.setdefault(step, {}).update(run.downstream.score(step, state))
-      train_iter.release()
+    failed = evaluation.at_step(run, state, step, total, preempted, evals)  # A failure: one line, recorded.
     run.writer.goodput.record_side(eval_s=time.perf_counter() - t_eval, checkpoint_s=t_eval - t_side)
     side_time += time.perf_counter() - t_side
     if preempted:
@@ -351,6 +331,8 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
       break
   _finish(run, pending, window, last_fetch, side_time, evals, is_log_step, waited)
   profiler.close(state)  # A trace window reaching the last step ends here, once its steps finished.
+  if failed and step == total:
+    raise evaluation.final_failed(failed)
 
 
 def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_time: float,
