@@ -97,24 +97,25 @@ def test_the_tools_name_the_checkpoint_they_read(step_bound):
 
 
 def test_an_input_bound_resume_warns_with_a_share_of_its_step(step_bound, text_dir, tmp_path):
-  """Resumed to 8 steps with every batch from step 5 on taking 0.3 s to arrive; the restore is announced and timed."""
+  """Resumed to 8 steps with every batch from step 5 on taking 1 s to read; the restore is announced and timed."""
   import shutil
   workdir = tmp_path / 'resumed'
   shutil.copytree(step_bound[0], workdir)
   result = _launch(_args(workdir, text_dir, '--config.train.steps=8', '--config.train.accept_schedule_change=True'),
-                   fault='slow_data@5,seconds=0.3')
+                   fault='slow_data@5,seconds=1.0')
   assert result.returncode == 0, result.stderr[-3000:]
   assert _order(result.stderr, f'Restoring checkpoint step 4 from {workdir}/checkpoints ...',
                 'Resuming from checkpoint at step 4')
   assert re.search(r'Resuming from checkpoint at step 4 .* after \d+\.\ds', result.stderr)
   [line] = [l for l in result.stderr.splitlines() if WARNING in l]
   share, waited, step_time = re.search(r'took (\d+)% of the step time \(([\d.]+) ms of ([\d.]+) ms\)', line).groups()
-  # Each batch takes 0.3 s to read in the pipeline's thread, part of it while the step before runs.
-  assert 200 <= float(waited) <= float(step_time) and 10 < int(share) <= 100, line
+  # Each batch takes 1 s to read in the pipeline's thread, part of it while the step before runs (a tiny step: tens of
+  # milliseconds, a few hundred on a loaded machine).
+  assert 500 <= float(waited) <= float(step_time) and 10 < int(share) <= 100, line
   # A step's record holds the waits inside its time: the loop takes batch k+1 before it fetches step k's metrics, so
   # steps 5..7 hold the waits for batches 6..8, and the last step none.
   records = {r['step']: r for r in read_metrics(workdir) if r['step'] > 4}
-  assert all(0.2 <= records[s]['data_wait_s'] <= records[s]['step_time_s'] for s in (5, 6, 7)), records
+  assert all(0.5 <= records[s]['data_wait_s'] <= records[s]['step_time_s'] for s in (5, 6, 7)), records
   assert records[8]['data_wait_s'] == 0
 
 
