@@ -1,0 +1,174 @@
+"""LoRA (model.lora_rank, trainer/models/lora.py through Qwix): rank 8 on the tiny imported Llama trains only its
+adapters (the optimizer state and sharding.txt hold nothing else, the base stays bit for bit), the loss falls, a
+resume is exact, the merged export imports back with the run's logits, the PEFT folder is PEFT's layout and its
+B @ A is the merged change; bad settings are one line."""
+
+import json
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from configs import base
+from trainer.base.errors import UserError
+from trainer.hf import load as hf_load
+from trainer.run import job as job_lib
+from trainer.run import loop
+from trainer.training import checkpoint, validation
+
+from scripts import export_hf, sample
+
+FIXTURE = pathlib.Path(__file__).parent / 'fixtures' / 'hf' / 'llama'  # 2 layers, d_model 64, GQA 4/2 heads.
+STEPS = 12
+
+
+def _config(folder=FIXTURE, rank=8, steps=STEPS):
+  c = base.get_config()
+  c.model.init_from = f'hf:{folder}'
+  c.model.lora_rank = rank
+  c.model.scan_layers = True  # The scanned path every deep preset takes: adapters stacked on 'layers'.
+  c.data.source = 'synthetic'
+  c.data.seq_len = 24
+  c.train.batch_size = 4
+  c.train.steps = steps
+  c.train.warmup_steps = 0
+  c.train.learning_rate = 1e-2
+  c.train.eval_batches = 0
+  c.train.compute_dtype = 'float32'
+  c.ckpt.every_steps = STEPS // 2
+  c.log.every_steps = 1
+  return c
+
+
+def _devices():
+  return jax.devices()[:1]
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('lora_run') / 'run'
+  loop.run(_config(), str(workdir), devices=_devices())
+  return workdir
+
+
+def _state(workdir, step=None, rank=8):
+  job = job_lib.build_job(hf_load.configure(_config(rank=rank)), _devices())
+  return job, checkpoint.restore_for_tool(job, str(workdir), step)[1]
+
+
+def test_only_the_adapters_train_and_hold_optimizer_state(trained):
+  job, state = _state(trained)
+  moments = [(jax.tree_util.keystr(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+             if leaf.ndim > 0]  # Adam's mu and nu; the step counts are scalars.
+  assert moments and all('_lora_a' in p or '_lora_b' in p for p, _ in moments), moments[:3]
+  assert len(moments) == 2 * 2 * 7  # mu and nu of a and b on the 7 targets (layers stacked).
+  rows = {line.split()[0]: line.split() for line in (trained / 'sharding.txt').read_text().splitlines()}
+  adapter_bytes = sum(int(row[-2].replace(',', '')) for name, row in rows.items() if '_lora_' in name)
+  assert rows['layers/mlp/up/kernel_lora_b'][-1] == 'yes' and rows['layers/mlp/up/kernel'][-1] == 'no'  # decay
+  opt_bytes = int(rows['opt_state'][3].replace(',', ''))  # 'opt_state per device: N bytes of N in total'
+  assert 2 * adapter_bytes <= opt_bytes <= 2 * adapter_bytes + 64  # Adam's two moments of the adapters, counts.
+  imported = hf_load.load_params(hf_load.configure(_config(rank=0)), *(_plain(job.abstract.params, job.shardings.params)))
+  for path, want in jax.tree_util.tree_flatten_with_path(imported)[0]:  # The base is frozen: bit for bit.
+    got = state.params
+    for key in path:
+      got = got[key.key]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert np.abs(np.asarray(state.params['layers']['mlp']['up']['kernel_lora_b'])).max() > 0  # The adapters moved.
+
+
+def _plain(*trees):
+  from trainer.models import lora
+  return tuple(lora.base(t) for t in trees)
+
+
+def test_the_loss_falls(trained):
+  losses = [json.loads(line)['loss'] for line in (trained / 'metrics.jsonl').read_text().splitlines()
+            if 'loss' in json.loads(line)]
+  assert len(losses) >= STEPS - 1
+  assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.05, losses
+
+
+def test_a_resume_from_the_middle_is_exact(trained, tmp_path):
+  run = tmp_path / 'resumed'
+  shutil.copytree(trained, run)
+  shutil.rmtree(run / 'checkpoints' / str(STEPS))  # Back to the step-6 checkpoint (a copy; the run is untouched).
+  loop.run(_config(), str(run), devices=_devices())
+  _, straight = _state(trained)
+  _, resumed = _state(run)
+  for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _logits_of_run(workdir):
+  config = sample.load_run_config(workdir)
+  _, bind, params = sample.restore_model(config, workdir, 'latest')
+  tokens = np.load(FIXTURE.parent / 'input_ids.npy')
+  return np.asarray(bind(params)(tokens)), tokens
+
+
+def test_the_merged_export_imports_with_the_runs_logits(trained, tmp_path):
+  out = tmp_path / 'merged'
+  export_hf.export(str(trained), str(out))
+  assert not any('lora' in name for name in load_file(out / 'model.safetensors'))
+  want, tokens = _logits_of_run(trained)
+  config = _config(out, rank=0)
+  config.model.init_from = f'hf:{out}'
+  job = job_lib.build_job(hf_load.configure(config), _devices())
+  params = hf_load.load_params(job.config, job.abstract.params, job.shardings.params)
+  got = np.asarray(job.task.outputs(params, {'inputs': tokens, 'targets': np.roll(tokens, -1, axis=1)}))
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+  base_logits = np.load(FIXTURE.parent / 'llama.logits.npy')  # transformers' logits of the base fixture.
+  assert np.abs(got - base_logits).max() > 1e-3  # The adapters changed the model.
+
+
+def test_the_peft_folder_is_peft_layout_and_its_product_is_the_merged_change(trained, tmp_path):
+  merged, peft = tmp_path / 'merged', tmp_path / 'peft'
+  export_hf.export(str(trained), str(merged), lora_mode='merge')
+  export_hf.export(str(trained), str(peft), lora_mode='peft')
+  config = json.loads((peft / 'adapter' / 'adapter_config.json').read_text())
+  assert config['peft_type'] == 'LORA' and config['r'] == 8 and config['lora_alpha'] == 16.0
+  assert config['base_model_name_or_path'] == str(peft.resolve())
+  assert sorted(config['target_modules']) == sorted(['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj',
+                                                     'down_proj'])
+  adapters = load_file(peft / 'adapter' / 'adapter_model.safetensors')
+  assert len(adapters) == 2 * 7 * 2  # A and B, 7 modules, 2 layers.
+  base_weights, merged_weights = load_file(peft / 'model.safetensors'), load_file(merged / 'model.safetensors')
+  np.testing.assert_array_equal(base_weights['model.embed_tokens.weight'],
+                                load_file(FIXTURE / 'model.safetensors')['model.embed_tokens.weight'])
+  for name in base_weights:
+    stem = 'base_model.model.' + name[:-len('.weight')]
+    if f'{stem}.lora_A.weight' not in adapters:
+      np.testing.assert_array_equal(base_weights[name], merged_weights[name])
+      continue
+    a, b = adapters[f'{stem}.lora_A.weight'], adapters[f'{stem}.lora_B.weight']
+    assert a.shape == (8, base_weights[name].shape[1]) and b.shape == (base_weights[name].shape[0], 8)
+    np.testing.assert_allclose(base_weights[name] + (16.0 / 8) * b @ a, merged_weights[name], atol=1e-5)
+
+
+@pytest.mark.parametrize('change, words', [
+    ({'lora_targets': ('query', 'proj_q')}, "model.lora_targets names 'proj_q', which is no matmul"),
+    ({'lora_rank': 65}, "model.lora_rank=65 exceeds the 'query' matrix's smaller dimension 64"),
+    ({'lora_rank': -1}, 'model.lora_rank=-1'),
+    ({'name': 'vit', 'task': 'classifier'}, "LoRA adapts only the built-in Llama (model.name='llama')"),
+])
+def test_bad_lora_settings_are_one_line(change, words):
+  config = _config(rank=8)
+  config.model.init_from = None
+  config.model.d_model, config.model.num_heads, config.model.mlp_dim = 64, 4, 128
+  for key, value in change.items():
+    config.model[key] = value
+  with pytest.raises(UserError) as e:
+    validation.validate_config(config)
+  assert words in str(e.value) and '\n' not in str(e.value)
+
+
+def test_a_bad_target_from_the_command_line_exits_2(launcher, tmp_path):
+  r = launcher('--config=configs/tiny.py', f'--workdir={tmp_path / "run"}', '--config.model.lora_rank=4',
+               "--config.model.lora_targets=('query','qkv')")
+  assert r.returncode == 2, r.stderr[-2000:]
+  line = r.stderr.strip().splitlines()[-1]
+  assert line.startswith('launch.py: error: model.lora_targets names') and 'query, key, value, out' in line
+  assert 'Traceback' not in r.stderr
