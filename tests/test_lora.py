@@ -19,18 +19,22 @@ from trainer.run import job as job_lib
 from trainer.run import loop
 from trainer.training import checkpoint, validation
 
+from scripts import eval as eval_script
 from scripts import export_hf, sample
 
 FIXTURE = pathlib.Path(__file__).parent / 'fixtures' / 'hf' / 'llama'  # 2 layers, d_model 64, GQA 4/2 heads.
 STEPS = 12
 
 
-def _config(folder=FIXTURE, rank=8, steps=STEPS):
+def _config(folder=FIXTURE, rank=8, steps=STEPS, text_dir=None, task=None):
   c = base.get_config()
   c.model.init_from = f'hf:{folder}'
   c.model.lora_rank = rank
   c.model.scan_layers = True  # The scanned path every deep preset takes: adapters stacked on 'layers'.
-  c.data.source = 'synthetic'
+  c.data.source = 'synthetic' if text_dir is None else 'text'  # Bytes: the fixture's vocabulary is 256.
+  if text_dir is not None:
+    c.data.text_dir, c.data.file_glob, c.data.eval_percent = str(text_dir), '*.txt', 0
+    c.eval.tasks = (task,)
   c.data.seq_len = 24
   c.train.batch_size = 4
   c.train.steps = steps
@@ -47,15 +51,27 @@ def _devices():
   return jax.devices()[:1]
 
 
+ANIMALS = [('cat', 'meow'), ('dog', 'woof'), ('cow', 'moo'), ('owl', 'hoot')]
+
+
 @pytest.fixture(scope='module')
 def trained(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('lora_run') / 'run'
-  loop.run(_config(), str(workdir), devices=_devices())
-  return workdir
+  """The LoRA run: rank 8 on the imported fixture, on text saying what each animal says, scored on it in the run."""
+  root = tmp_path_factory.mktemp('lora_run')
+  (root / 'text').mkdir()
+  order = np.random.default_rng(0).permutation(len(ANIMALS) * 40) % len(ANIMALS)
+  (root / 'text' / 'animals.txt').write_text(''.join(f'{ANIMALS[i][0]} says {ANIMALS[i][1]}.\n' for i in order))
+  lines = [{'template': '{context} says'}] + [
+      {'context': animal, 'choices': [sound, ANIMALS[(i + 1) % len(ANIMALS)][1]], 'gold': 0}
+      for i, (animal, sound) in enumerate(ANIMALS)]
+  (root / 'animals.jsonl').write_text(''.join(json.dumps(line) + '\n' for line in lines))
+  config = _config(text_dir=root / 'text', task=str(root / 'animals.jsonl'))
+  loop.run(config, str(root / 'run'), devices=_devices())
+  return root / 'run'
 
 
-def _state(workdir, step=None, rank=8):
-  job = job_lib.build_job(hf_load.configure(_config(rank=rank)), _devices())
+def _state(workdir, step=None):
+  job = job_lib.build_job(sample.load_run_config(workdir), _devices())
   return job, checkpoint.restore_for_tool(job, str(workdir), step)[1]
 
 
@@ -95,7 +111,7 @@ def test_a_resume_from_the_middle_is_exact(trained, tmp_path):
   run = tmp_path / 'resumed'
   shutil.copytree(trained, run)
   shutil.rmtree(run / 'checkpoints' / str(STEPS))  # Back to the step-6 checkpoint (a copy; the run is untouched).
-  loop.run(_config(), str(run), devices=_devices())
+  loop.run(sample.load_run_config(trained), str(run), devices=_devices())
   _, straight = _state(trained)
   _, resumed = _state(run)
   for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
@@ -172,3 +188,12 @@ def test_bad_lora_settings_are_one_line(change, words):
   with pytest.raises(UserError) as e:  # launch.py prints a UserError as its one line and exits 2.
     validation.validate_config(config)
   assert words in str(e.value) and '\n' not in str(e.value)
+
+
+def test_eval_script_scores_the_adapted_model_as_the_run_did(trained, tmp_path):
+  task = sample.load_run_config(trained).eval.tasks[0]
+  record = eval_script.evaluate(str(trained), [task], 'latest', 'raw', 0, 8, 4, str(tmp_path / 'out.json'))
+  in_run = json.loads((trained / 'evals' / f'step_{STEPS}.json').read_text())['params']['animals']
+  script = record['tasks']['animals']
+  np.testing.assert_allclose([q['log_likelihoods'] for q in script['per_question']],
+                             [q['log_likelihoods'] for q in in_run['per_question']], rtol=1e-5, atol=1e-5)
