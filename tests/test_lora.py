@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 from configs import base
 from trainer.base.errors import UserError
 from trainer.hf import load as hf_load
+from trainer.models import lora
 from trainer.run import job as job_lib
 from trainer.run import loop
 from trainer.training import checkpoint, validation
@@ -96,7 +97,6 @@ def test_only_the_adapters_train_and_hold_optimizer_state(trained):
 
 
 def _plain(*trees):
-  from trainer.models import lora
   return tuple(lora.base(t) for t in trees)
 
 
@@ -120,15 +120,24 @@ def test_a_resume_from_the_middle_is_exact(trained, tmp_path):
 
 @pytest.fixture(scope='module')
 def run_logits(trained):
-  """(config, params, tokens, logits) of the LoRA run's last checkpoint, as scripts/sample.py and eval.py run it."""
+  """(config, params, tokens, logits, bind) of the LoRA run's last checkpoint, as scripts/sample.py and eval.py run
+  it."""
   config = sample.load_run_config(trained)
   _, bind, params = sample.restore_model(config, trained, 'latest')
   tokens = np.load(FIXTURE.parent / 'input_ids.npy')
-  return config, params, tokens, np.asarray(bind(params)(tokens))
+  return config, params, tokens, np.asarray(bind(params)(tokens)), bind
+
+
+def test_the_reference_view_is_the_imported_base(run_logits):
+  """What a DPO reference reads under LoRA: the adapted model on lora.reference(params) is transformers' base."""
+  _, params, tokens, trained_logits, bind = run_logits
+  got = np.asarray(bind(lora.reference(params))(tokens))
+  np.testing.assert_allclose(got, np.load(FIXTURE.parent / 'llama.logits.npy'), atol=1e-4, rtol=0)
+  assert np.abs(trained_logits - got).max() > 1e-3
 
 
 def test_decoding_with_the_kv_cache_runs_the_adapters(run_logits):
-  config, params, tokens, want = run_logits
+  config, params, tokens, want, _ = run_logits
   decoder = sample.cached_decoder(config)  # llama.for_decoding: Qwix's subclass kept, adapters and all.
   got, _ = decoder.apply({'params': params}, tokens[:1], mutable=['cache'])
   np.testing.assert_allclose(np.asarray(got), want[:1], atol=1e-4, rtol=0)
@@ -138,7 +147,7 @@ def test_the_merged_export_imports_with_the_runs_logits(trained, run_logits, tmp
   out = tmp_path / 'merged'
   export_hf.export(str(trained), str(out))
   assert not any('lora' in name for name in load_file(out / 'model.safetensors'))
-  _, _, tokens, want = run_logits
+  _, _, tokens, want, _ = run_logits
   config = _config(out, rank=0)
   config.model.init_from = f'hf:{out}'
   job = job_lib.build_job(hf_load.configure(config), _devices())

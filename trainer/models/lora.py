@@ -150,6 +150,18 @@ def merge(params, model_config):
   return walk(params)
 
 
+def reference(params):
+  """`params` with every `b` at zero: the same tree, so the same (adapted) model computes the frozen base's outputs.
+
+  A preference objective's reference model (DPO) is the run's starting point; under LoRA that is the base, held once
+  in the state, so the reference needs no second copy of the weights, only this view (x @ a @ 0 costs a rank-sized
+  matmul per target).
+  """
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p: jnp.zeros_like(p) if is_adapter(path) and str(getattr(path[-1], 'key', path[-1])).endswith(
+          '_lora_b') else jax.lax.stop_gradient(p), params)
+
+
 def base(params):
   """The frozen base: `params` without the adapter leaves."""
   if not isinstance(params, dict):
