@@ -206,3 +206,12 @@ def test_eval_script_scores_the_adapted_model_as_the_run_did(trained, tmp_path):
   script = record['tasks']['animals']
   np.testing.assert_allclose([q['log_likelihoods'] for q in script['per_question']],
                              [q['log_likelihoods'] for q in in_run['per_question']], rtol=1e-5, atol=1e-5)
+
+
+def test_targets_that_adapt_nothing_in_the_built_model_are_one_line():
+  config = _config(rank=4)
+  config.model.init_from = None
+  config.model.d_model, config.model.num_heads, config.model.mlp_dim, config.model.num_layers = 32, 2, 64, 2
+  config.model.num_experts, config.model.lora_targets = 4, ('gate', 'down')  # Every block MoE: no dense MLP.
+  with pytest.raises(UserError, match=r"model.lora_targets=\('gate', 'down'\) adapts no matmul of this model"):
+    job_lib.build_job(config, _devices())

@@ -78,6 +78,14 @@ def check_config(config) -> None:
                     f'the blocks without their adapters; set mesh.pipeline=1 or model.lora_rank=0.')
 
 
+def check_adapted(model_config, abstract_params) -> None:
+  """One UserError when model.lora_targets adapted nothing in the built model (only MoE blocks, say): the run would
+  train nothing."""
+  if enabled(model_config) and not has_adapters(abstract_params):
+    raise UserError(f'model.lora_targets={targets(model_config)} adapts no matmul of this model (the experts of MoE '
+                    f'blocks are not adapted): add an attention target such as \'query\', or set model.lora_rank=0.')
+
+
 def wrap(module, model_config):
   """The Linen Llama `module` with adapters on model.lora_targets (Qwix's LoRA provider); same fields and methods."""
   import qwix  # Imported here: a run without LoRA never loads it.

@@ -108,6 +108,7 @@ def _assemble(config, devices: Sequence[jax.Device] | None) -> Job:
   validation.validate_grad_accum(config, mesh)
   rules = pipeline.layer_rules(sharding.rules_from_config(config.parallel), mesh)
   task = task_lib.build_task(config, mesh, rules)
+  lora.check_adapted(config.model, task.model.abstract_params)
   sharding.check_divisible(task.model.abstract_boxed, mesh, rules)
   defaults = base_config.get_config().train
   optimizer.validate(config.train, defaults)
