@@ -63,8 +63,11 @@ def export(workdir: str, output: str, step: str = 'latest', dtype: str | None = 
                     f"(model.name='llama') exports to a Hugging Face folder.")
   if lora_mode not in LORA_MODES:
     raise UserError(f'--lora={lora_mode!r}: choose one of {", ".join(LORA_MODES)}.')
-  restored, _, weights = sample.restore_model(config, run, step, params)
   adapted = lora.enabled(config.model)
+  if lora_mode == 'peft' and not adapted:
+    raise UserError(f'--lora=peft: --workdir={workdir!r} trained no adapters (model.lora_rank=0); export it without '
+                    f'--lora.')
+  restored, _, weights = sample.restore_model(config, run, step, params)
   with tool_outputs.written_whole(output) as partial:  # Renamed to --output once every file is written.
     model_weights = (lora.merge(weights, config.model) if lora_mode == 'merge' else lora.base(weights)) if adapted \
         else weights

@@ -220,3 +220,14 @@ def test_targets_that_adapt_nothing_in_the_built_model_are_one_line():
   config.model.num_experts, config.model.lora_targets = 4, ('gate', 'down')  # Every block MoE: no dense MLP.
   with pytest.raises(UserError, match=r"model.lora_targets=\('gate', 'down'\) adapts no matmul of this model"):
     job_lib.build_job(config, _devices())
+
+
+def test_a_peft_export_of_a_run_without_adapters_is_one_line(trained, tmp_path):
+  run = tmp_path / 'plain'
+  run.mkdir()
+  config = json.loads((trained / 'config.json').read_text())
+  config['model']['lora_rank'] = 0
+  (run / 'config.json').write_text(json.dumps(config))
+  with pytest.raises(UserError, match=r"--lora=peft: .* trained no adapters \(model.lora_rank=0\)"):
+    export_hf.export(str(run), str(tmp_path / 'out'), lora_mode='peft')
+  assert not (tmp_path / 'out').exists()
