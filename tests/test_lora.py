@@ -231,3 +231,13 @@ def test_a_peft_export_of_a_run_without_adapters_is_one_line(trained, tmp_path):
   with pytest.raises(UserError, match=r"--lora=peft: .* trained no adapters \(model.lora_rank=0\)"):
     export_hf.export(str(run), str(tmp_path / 'out'), lora_mode='peft')
   assert not (tmp_path / 'out').exists()
+
+
+def test_bfloat16_compute_compiles_through_the_scanned_blocks():
+  """The adapters' float32 product is added in the layer's compute dtype (GPUs' 'auto'): the scan carry stays bf16."""
+  config = _config(rank=4)
+  config.model.init_from = None
+  config.model.d_model, config.model.num_heads, config.model.mlp_dim, config.model.num_layers = 32, 2, 64, 2
+  config.train.compute_dtype = 'bfloat16'
+  job = job_lib.build_job(config, _devices())  # The model's abstract init runs the scan: refused before the fix.
+  assert job.abstract.params['layers']['mlp']['up']['kernel_lora_a'].shape == (2, 32, 4)

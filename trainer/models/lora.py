@@ -91,9 +91,20 @@ def wrap(module, model_config):
   import qwix  # Imported here: a run without LoRA never loads it.
   # Qwix 0.1.8 checks for flax's removed nnx.VariableState alias on every intercepted call: one warning a call.
   warnings.filterwarnings('ignore', message="'VariableState' was removed", category=DeprecationWarning)
+
+  class InComputeDtype(qwix.LoraProvider):
+    """Qwix's LoRA with each adapted output in its input's dtype, as the layer's own: Qwix adds the float32
+    adapters' x @ a @ b to a bfloat16 output, and a float32 block output breaks the scanned blocks' carry type."""
+
+    def dot_general(self, lhs, rhs, *args, **kwargs):
+      return super().dot_general(lhs, rhs, *args, **kwargs).astype(lhs.dtype)
+
+    def einsum(self, einsum_str, *operands, **kwargs):
+      return super().einsum(einsum_str, *operands, **kwargs).astype(operands[0].dtype)
+
   paths = '|'.join(TARGETS[n][0] for n in targets(model_config))
-  provider = qwix.LoraProvider(module_path=f'(.*/)?({paths})', rank=model_config.lora_rank,
-                               alpha=float(model_config.lora_alpha))
+  provider = InComputeDtype(module_path=f'(.*/)?({paths})', rank=model_config.lora_rank,
+                            alpha=float(model_config.lora_alpha))
   return qwix.apply_lora_to_model(module, provider)
 
 
