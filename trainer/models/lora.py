@@ -88,7 +88,11 @@ def check_adapted(model_config, abstract_params) -> None:
 
 def wrap(module, model_config):
   """The Linen Llama `module` with adapters on model.lora_targets (Qwix's LoRA provider); same fields and methods."""
-  import qwix  # Imported here: a run without LoRA never loads it.
+  try:
+    import qwix  # Imported here: a run without LoRA never loads it.
+  except ImportError as e:
+    raise UserError(f'model.lora_rank={model_config.lora_rank} needs Qwix ({e}): install requirements.txt '
+                    f'(qwix==0.1.8) into this environment, or set model.lora_rank=0.') from e
   # Qwix 0.1.8 checks for flax's removed nnx.VariableState alias on every intercepted call: one warning a call.
   warnings.filterwarnings('ignore', message="'VariableState' was removed", category=DeprecationWarning)
 
