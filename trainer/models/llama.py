@@ -37,7 +37,7 @@ from trainer import attention as attention_lib
 from trainer import pipeline as pipeline_lib
 from trainer.base.errors import UserError
 from trainer.base.precision import compute_dtype
-from trainer.models import checkpoint_policies, kv_cache, layer_scan, sown
+from trainer.models import checkpoint_policies, kv_cache, layer_scan, lora, sown
 from trainer.models import moe as moe_lib
 
 # What each block keeps for the backward pass; everything else is recomputed there.
@@ -381,7 +381,8 @@ def for_decoding(model: Llama) -> Llama:
   `apply({'params': p, 'cache': cache}, tokens_1L, positions=positions_1L, mutable=['cache'])` runs only the new
   tokens, writing their slots and attending to slots up to their positions. No remat: nothing is differentiated.
   """
-  return Llama(dataclasses.replace(model.cfg, decode=True, remat_policy='none', pipeline=None))
+  # type(model): a LoRA model (trainer/models/lora.py) is Qwix's subclass of the Llama; its adapters decode too.
+  return type(model)(dataclasses.replace(model.cfg, decode=True, remat_policy='none', pipeline=None))
 
 
 ROPE_SCALINGS = ('none', 'llama3')
@@ -433,7 +434,7 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     moe_fields['moe'] = moe_lib.for_platform(moe_fields['moe'], platform)  # The experts' kernel of the devices.
     logging.info(moe_lib.dispatch_note(moe_fields['moe'], platform))
-  return Llama(LlamaConfig(
+  model = Llama(LlamaConfig(
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
       head_dim_override=m.get('head_dim', 0),
       vocab_size=m.vocab_size, num_kv_heads=m.num_kv_heads, tie_embeddings=m.tie_embeddings,
@@ -448,3 +449,4 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
       context_scheme=m.get('context_scheme', 'auto'),
       max_segments=config.data.max_documents_per_row if config.data.packing else None, mesh=mesh, rules=tuple(rules),
       pipeline=pipeline_lib.from_config(config.train, mesh), **moe_fields))
+  return lora.wrap(model, m) if lora.enabled(m) else model  # model.lora_rank > 0: adapters on model.lora_targets.

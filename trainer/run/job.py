@@ -22,7 +22,7 @@ from parallel import sharding
 from trainer import pipeline
 from trainer.hf import load as hf_load
 from trainer.memory import footprint, measure, remat
-from trainer.models import contract, registry
+from trainer.models import contract, lora, registry
 from trainer.safety import guardrails
 from trainer.training import optimizer, strategy, validation
 from trainer.training import state as state_lib
@@ -66,7 +66,8 @@ class Job:
     """The fresh state: random parameters, or model.init_from's weights read straight into their shardings."""
     params = None
     if self.config.model.get('init_from'):
-      params = hf_load.load_params(self.config, self.abstract.params, self.shardings.params)
+      # The base weights only: LoRA's adapters are not in the checkpoint, and start from their init.
+      params = hf_load.load_params(self.config, lora.base(self.abstract.params), lora.base(self.shardings.params))
     return state_lib.create_state(seed, self.task.model, self.tx, self.shardings, self.config.train.ema_decay, params)
 
 
@@ -107,6 +108,7 @@ def _assemble(config, devices: Sequence[jax.Device] | None) -> Job:
   validation.validate_grad_accum(config, mesh)
   rules = pipeline.layer_rules(sharding.rules_from_config(config.parallel), mesh)
   task = task_lib.build_task(config, mesh, rules)
+  lora.check_adapted(config.model, task.model.abstract_params)
   sharding.check_divisible(task.model.abstract_boxed, mesh, rules)
   defaults = base_config.get_config().train
   optimizer.validate(config.train, defaults)

@@ -20,7 +20,7 @@ from trainer import evals as evals_lib
 from trainer.base import confined, storage
 from trainer.hf import load as hf_load
 from trainer.memory import runtime_oom
-from trainer.models import contract, moe
+from trainer.models import contract, lora, moe
 from trainer.observe import expert_load, flops, profiling, progress
 from trainer.observe import goodput as goodput_lib
 from trainer.observe import trackers as trackers_lib
@@ -144,7 +144,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
                                   write=process_index == 0)
     return
   if config.model.init_from and not resumable:
-    hf_load.check_weights(config, job.abstract.params)  # Headers only: a wrong folder fails before the compile.
+    hf_load.check_weights(config, lora.base(job.abstract.params))  # Headers only: a wrong folder fails before the compile.
   if (not resumable and job.brought_model and objective.kind == 'lm' and not job.task.custom_loss
       and config.model.check_alignment):
     contract.check_alignment(job, config.train.seed)  # Seconds, and before the long compile.

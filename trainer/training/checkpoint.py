@@ -32,6 +32,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+from configs import base as base_config
 from parallel import sharding
 from trainer import attention
 from trainer.base import storage
@@ -306,9 +307,11 @@ class Checkpointer:
     except Exception as e:  # Any failure here means we cannot trust this checkpoint for resuming.
       raise UserError(f'checkpoint {self.directory / str(step)} has no readable manifest ({type(e).__name__}); '
                       f'it was not written by this launcher or is damaged. Use a fresh --workdir.') from e
+    # A key newer than the checkpoint (absent from its manifest) is what the key's default says: the model it built.
+    defaults = base_config.get_config().model.to_dict()
     diffs = [f'model.{k}: checkpoint {saved["model"].get(k)!r} vs config {v!r}'
              for k, v in manifest['model'].items()
-             if saved['model'].get(k) != _as_saved(v) and k not in _KERNEL_ONLY_KEYS]
+             if saved['model'].get(k, _as_saved(defaults.get(k))) != _as_saved(v) and k not in _KERNEL_ONLY_KEYS]
     if not diffs and saved['param_shapes'] != manifest['param_shapes']:
       diffs = ['parameter shapes differ']
     if diffs:

@@ -22,6 +22,7 @@ import ml_collections
 import optax
 
 from trainer.base.errors import UserError
+from trainer.models import lora
 from trainer.training import param_groups
 
 OPTIMIZERS = ('adamw', 'adafactor', 'lion', 'muon', 'sgd')
@@ -152,7 +153,9 @@ def _base(train_config, schedule, infos):
 
 def decaying_params(train_config, abstract_params) -> dict[str, bool]:
   """'/'-joined parameter path -> whether weight decay applies to it (the sharding table's 'decay' column)."""
+  frozen = lora.has_adapters(abstract_params)  # LoRA: only the adapters are updated, hence decayed.
   return {path: param_groups.decays(info, train_config.weight_decay_exclude) and train_config.weight_decay > 0
+          and not (frozen and not lora.is_adapter(path.split('/')))
           for path, info in param_groups.describe(abstract_params).items()}
 
 
@@ -169,7 +172,10 @@ def build_optimizer(train_config, abstract_params=None) -> tuple[optax.GradientT
   infos = None if abstract_params is None else param_groups.describe(abstract_params)
   tx = _base(train_config, schedule, infos)
   if train_config.grad_clip_norm > 0:
-    return optax.chain(optax.clip_by_global_norm(train_config.grad_clip_norm), tx), schedule
+    tx = optax.chain(optax.clip_by_global_norm(train_config.grad_clip_norm), tx)
+  if abstract_params is not None and lora.has_adapters(abstract_params):
+    # LoRA: the optimizer (and its clipping) sees only the adapters; the frozen base gets no state and no update.
+    tx = optax.multi_transform({'adapter': tx, 'frozen': optax.set_to_zero()}, lora.labels)
   return tx, schedule
 
 

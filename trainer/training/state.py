@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from parallel import sharding
 from trainer.base.errors import UserError
+from trainer.models import lora
 from trainer.models.adapters import AdaptedModel
 from trainer.training import optimizer
 
@@ -45,6 +46,9 @@ def _init_boxed(seed: jax.Array, model: AdaptedModel, tx: optax.GradientTransfor
   the step's key is folded off it.
   """
   key = jax.random.key(seed)
+  if params is not None and lora.has_adapters(model.abstract_params) and not lora.has_adapters(params):
+    # Imported base weights: the adapters start from their init (b = 0); under jit the unused base init is dropped.
+    params = lora.fill_adapters(params, model.init(key))
   params = model.box(model.init(key) if params is None else params)
   # optax maps over the boxes, so Adam's moments inherit the parameters' logical axes.
   ema = jax.tree.map(lambda p: p.astype(jnp.float32), params) if ema_decay else None

@@ -42,7 +42,7 @@ from parallel import param_names, sharding
 from trainer import pipeline
 from trainer.base import precision
 from trainer.base.errors import UserError
-from trainer.models import adapters, call_convention, registry, sown
+from trainer.models import adapters, call_convention, lora, registry, sown
 from trainer.training import objectives
 
 Batch = objectives.Batch
@@ -71,6 +71,9 @@ class Task:
   eval_convention: call_convention.CallConvention = call_convention.CallConvention()
   # mesh.context: > 1 puts every row's tokens in the balanced order (parallel/context.py) before the model.
   context_parts: int = 1
+  # model.lora_rank > 0 (trainer/models/lora.py): the base weights enter the loss behind stop_gradient, so the
+  # backward pass computes no gradient for them (the optimizer keeps no state for them either).
+  frozen_base: bool = False
 
   def for_eval(self) -> 'Task':
     """This task calling the model the way eval does."""
@@ -92,6 +95,8 @@ class Task:
   def loss(self, params, batch: Batch) -> tuple[jax.Array, Metrics]:
     """(loss to minimize, metrics), both means over `weight(batch)`."""
     batch = self.balanced(batch)
+    if self.frozen_base:
+      params = lora.freeze_base(params)
     with self.context():
       model = self.bind(params)
       if self.custom_loss:
@@ -194,7 +199,8 @@ def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
   return Task(objective, model, custom_loss=custom_loss,
               mesh=mesh if under_jit and made_for is None else None, rules=tuple(rules), cast_params_to=cast_to,
               param_notes=notes, physical_context=foreign, convention=convention, eval_convention=eval_convention,
-              context_parts=mesh.shape.get(context_lib.AXIS, 1) if under_jit and mesh is not None else 1)
+              context_parts=mesh.shape.get(context_lib.AXIS, 1) if under_jit and mesh is not None else 1,
+              frozen_base=lora.enabled(config.model))
 
 
 def _require_chunkable_model(config, model: adapters.AdaptedModel, custom_loss: bool) -> None:

@@ -8,7 +8,7 @@ from parallel import mesh as mesh_lib
 from trainer import data
 from trainer.base import config_schema
 from trainer.base.errors import UserError
-from trainer.models import layer_scan
+from trainer.models import layer_scan, lora
 from trainer.supervision import notices
 from trainer.training import pipeline_checks
 
@@ -34,6 +34,7 @@ def validate_config(config) -> None:
   notices.check_config(config.train)
   _warn_if_warmup_exceeds_steps(config.train)
   layer_scan.check(config.model)
+  lora.check_config(config)
   pipeline_checks.check_config(config, pipeline_checks.stages_of(config.mesh))
 
 
