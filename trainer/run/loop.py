@@ -258,9 +258,11 @@ def _describe(job: job_lib.Job, workdir: str, write: bool) -> None:
                  sharding.summary(job.abstract, job.shardings, totals), workdir)
 
 
-def _evaluate(eval_step, params, eval_set, objective) -> dict[str, float]:
-  """The task's eval summary (loss and perplexity, or loss and accuracy) over the fixed held-out batches."""
-  per_batch = jax.device_get([eval_step(params, batch) for batch in eval_set])
+def _evaluate(eval_step, params, eval_set, objective, frozen=None) -> dict[str, float]:
+  """The task's eval summary (loss and perplexity, or loss and accuracy) over the fixed held-out batches;
+  `frozen`: the state's reference parameters (train.objective='dpo')."""
+  frozen = () if frozen is None else (frozen,)
+  per_batch = jax.device_get([eval_step(params, batch, *frozen) for batch in eval_set])
   return objective.eval_summary({k: float(np.mean([m[k] for m in per_batch])) for k in per_batch[0]})
 
 
@@ -323,12 +325,13 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
       run.hang.phase('eval')
       train_iter.hold()  # Likewise while the eval step runs (its first run is a capture too).
-      evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective)
+      evals[step] = _evaluate(run.eval_step, state.params, run.eval_set, run.objective, state.reference_params)
       if run.sources:  # A mixture: each source's held-out rows on their own too.
         evals[step].update(run.sources.evaluate(lambda b: _evaluate(run.eval_step, state.params, b, run.objective)))
       if state.ema_params is not None:  # The same eval step, on the average.
         ema = state_lib.params_of(state, 'ema')
-        evals[step]['eval_ema_loss'] = _evaluate(run.eval_step, ema, run.eval_set, run.objective)['eval_loss']
+        evals[step]['eval_ema_loss'] = _evaluate(run.eval_step, ema, run.eval_set, run.objective,
+                                                 state.reference_params)['eval_loss']
       train_iter.release()
     # Not on the way out of a preemption: the grace period is for the save.
     if run.downstream and not preempted and run.downstream.due(step, total, step % config.ckpt.every_steps == 0):
