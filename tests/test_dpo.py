@@ -115,23 +115,27 @@ def test_a_pair_longer_than_seq_len_is_refused_with_the_length_that_fits(tmp_pat
   assert not (tmp_path / 'run' / 'checkpoints').exists()
 
 
-def _launch(pairs_dir, workdir, **env) -> None:
+def _launch(pairs_dir, workdir, *extra, **env) -> None:
   result = run_python([sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py', f'--workdir={workdir}',
                        '--config.train.objective=dpo', '--config.data.source=array_record',
                        f'--config.data.path={pairs_dir}', f'--config.data.seq_len={SEQ_LEN}',
                        '--config.train.steps=40', '--config.train.learning_rate=0.003', '--config.log.every_steps=1',
-                       '--config.ckpt.every_steps=20', '--config.ckpt.async_save=False', '--restart_backoff_s=1'],
+                       '--config.ckpt.every_steps=20', '--config.ckpt.async_save=False', '--restart_backoff_s=1', *extra],
                       env=launcher_env(**env))
   assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.fixture(scope='module')
 def runs(pairs_dir, tmp_path_factory):
-  """The same 40 steps twice: straight through, and killed (SIGKILL) at step 30 then resumed from step 20."""
+  """The same 40 steps twice: straight through (scoring a multiple-choice task of held-out words at each save),
+  and killed (SIGKILL) at step 30 then resumed from step 20."""
   straight, killed = tmp_path_factory.mktemp('straight'), tmp_path_factory.mktemp('killed')
-  _launch(pairs_dir, straight)
+  task = straight / 'upper.jsonl'
+  task.write_text(''.join(json.dumps(line) + '\n' for line in [{'template': '{context}:', 'target_delimiter': ''}] + [
+      {'context': p['rejected'], 'choices': [p['rejected'], p['chosen']], 'gold': 1} for p in _pairs(16, seed=1)]))
+  _launch(pairs_dir, straight, f'--config.eval.tasks=("{task}",)')
   _launch(pairs_dir, killed, LAUNCH_TEST_FAULT='kill@30,attempt=1', LAUNCH_MAX_RESTARTS='1')
-  return read_metrics(straight), read_metrics(killed), killed
+  return read_metrics(straight), read_metrics(killed), killed, straight, task
 
 
 def test_margin_and_accuracy_rise_and_a_held_out_pair_prefers_the_rule(runs):
@@ -148,7 +152,7 @@ def test_margin_and_accuracy_rise_and_a_held_out_pair_prefers_the_rule(runs):
 
 
 def test_a_kill_9_resume_is_exact(runs):
-  straight, killed, workdir = runs
+  straight, killed, workdir = runs[:3]
   attempts = [json.loads(l) for l in (workdir / 'attempts.jsonl').read_text().splitlines()]
   assert [a.get('cause') for a in attempts][0] == 'killed by SIGKILL' and attempts[1]['resumed_step'] == 20
   by_step = lambda rows: {m['step']: m for m in rows if 'rewards/margins' in m}
@@ -157,3 +161,15 @@ def test_a_kill_9_resume_is_exact(runs):
     for key in ('loss', 'rewards/chosen', 'rewards/rejected', 'rewards/accuracies', 'grad_norm'):
       assert got[step][key] == want[step][key], (step, key)
   assert got[40]['eval_loss'] == [m for m in straight if 'eval_loss' in m][-1]['eval_loss']
+
+
+def test_multiple_choice_evals_score_a_dpo_run_in_the_run_and_with_eval_py(runs):
+  """The task asks which of a word and its upper case follows 'word:'; DPO taught the upper case."""
+  straight, workdir, task = runs[0], runs[3], runs[4]
+  [scored] = [m for m in straight if m['step'] == 40 and 'eval_upper_acc' in m]
+  assert scored['eval_upper_acc'] >= 0.9
+  out = workdir / 'scored.json'
+  result = run_python([sys.executable, str(REPO / 'scripts' / 'eval.py'), f'--workdir={workdir}', f'--tasks={task}',
+                       f'--output={out}'])
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert json.loads(out.read_text())['tasks']['upper']['acc'] == scored['eval_upper_acc']
