@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 from conftest import REPO, launcher_env, read_metrics, run_python
+from test_finetune import FIXTURES, MESSAGES, TRANSFORMERS_IDS
 from configs import base
+from parallel import sharding
 from trainer import data
+from trainer.data import token_shards
 from trainer.run import job as job_lib
 
 sys.path.insert(0, str(REPO / 'scripts'))
@@ -62,12 +65,38 @@ def test_a_row_holds_the_prompt_with_each_answer_as_two_segments_masked_on_the_a
   assert row['loss_mask'][row['segment_ids'] == 0].sum() == 0
 
 
+def test_chat_pairs_are_the_ids_the_template_renders_and_only_the_answer_is_trained(tmp_path):
+  """The chosen conversation is test_finetune's MESSAGES, whose ids transformers gave; its earlier answer is prompt."""
+  green = [{'role': 'assistant', 'content': 'green'}]
+  explicit = {'prompt': MESSAGES[:3], 'chosen': MESSAGES[3]['content'], 'rejected': green}
+  implicit = {'chosen': MESSAGES, 'rejected': MESSAGES[:3] + green}  # The prompt: the messages both share.
+  source, out = tmp_path / 'pairs.jsonl', tmp_path / 'data'
+  source.write_text(''.join(json.dumps(r) + '\n' for r in [explicit, implicit]))
+  prepare_data.main([f'--input={source}', f'--output={out}', '--eval_percent=0', f'--tokenizer={FIXTURES / "tokenizer"}'])
+  import tokenizers
+  tok = tokenizers.Tokenizer.from_file(str(FIXTURES / 'tokenizer' / 'tokenizer.json'))
+  docs = token_shards.load_documents(out, 'train')
+  for pair in range(2):
+    (chosen, chosen_mask), (rejected, rejected_mask) = [
+        (docs.span(d, 0, int(docs.lengths[d])).tolist(), docs.mask_span(d, 0, int(docs.lengths[d])))
+        for d in (2 * pair, 2 * pair + 1)]
+    prompt = list(chosen_mask).index(1)  # The mask is 0 on the whole prompt, then 1 on the answer.
+    assert chosen == TRANSFORMERS_IDS and rejected[:prompt] == chosen[:prompt] and rejected_mask[:prompt].sum() == 0
+    trained = lambda ids, mask: ''.join(tok.id_to_token(t) for t, m in zip(ids, mask) if m)
+    assert (trained(chosen, chosen_mask), trained(rejected, rejected_mask)) == ('▁blue</s>', '▁green</s>')
+
+
 def test_the_loss_equals_a_numpy_computation_from_the_log_probabilities(pairs_dir):
   config = _config(pairs_dir)
   job = job_lib.build_job(config, jax.devices()[:1])
   rows = data.load_sources(config).train
   batch = {k: np.stack([rows[i][k] for i in range(4)]) for k in rows[0]}
-  policy = job.init_state(0).params
+  state = job.init_state(0)
+  policy = state.params
+  for start, frozen in zip(jax.tree.leaves(policy), jax.tree.leaves(state.reference_params)):  # The starting weights.
+    np.testing.assert_array_equal(np.asarray(start), np.asarray(frozen))
+  _, totals = sharding.sharding_table(job.abstract, job.shardings)  # What sharding.txt and --plan count.
+  assert totals['reference_params_bytes_per_device'] == totals['params_bytes_per_device'] > 0
   reference = jax.tree.map(lambda p: p * 0.9 + 0.01, policy)  # Another model, so that both terms count.
   loss, metrics = jax.jit(lambda p, r, b: job.task.loss(p, b, frozen=r))(policy, reference, batch)
   outputs = jax.jit(job.task.outputs)
@@ -173,3 +202,17 @@ def test_multiple_choice_evals_score_a_dpo_run_in_the_run_and_with_eval_py(runs)
                        f'--output={out}'])
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.loads(out.read_text())['tasks']['upper']['acc'] == scored['eval_upper_acc']
+
+
+def test_a_dpo_workdir_resumed_with_another_objective_is_one_line(runs, pairs_dir):
+  workdir = runs[3]
+  saved = sorted(p.name for p in (workdir / 'checkpoints').iterdir())
+  result = run_python([sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py', f'--workdir={workdir}',
+                       '--config.data.source=array_record', f'--config.data.path={pairs_dir}',
+                       '--config.train.steps=50'])
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1] == (
+      f"launch.py: error: --workdir {workdir} was trained with train.objective='dpo'; resume with "
+      f"--config.train.objective=dpo, or start train.objective='task' in a fresh --workdir (from an exported "
+      f"checkpoint: scripts/export_hf.py, then model.init_from=hf:FOLDER).")
+  assert sorted(p.name for p in (workdir / 'checkpoints').iterdir()) == saved
