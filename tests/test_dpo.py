@@ -63,6 +63,12 @@ def test_a_row_holds_the_prompt_with_each_answer_as_two_segments_masked_on_the_a
   assert (answer(1), answer(2)) == (word.upper(), word)  # The loss reads the answers, not the prompt.
   assert list(row['positions'][row['segment_ids'] == 2]) == list(range(6))  # Each answer from position 0.
   assert row['loss_mask'][row['segment_ids'] == 0].sum() == 0
+  config = _config(pairs_dir)
+  config.data.packing, config.data.seq_len = True, 40  # Pairs of 12 tokens: 3 a row.
+  packed = data.load_sources(config).train
+  assert len(packed) == -(-len(rows) // 3) and list(np.unique(packed[0]['segment_ids'])) == list(range(7))
+  assert [packed[0][k][12:24].tolist() for k in ('inputs', 'loss_mask')] == [rows[1][k][:12].tolist()
+                                                                             for k in ('inputs', 'loss_mask')]
 
 
 def test_chat_pairs_are_the_ids_the_template_renders_and_only_the_answer_is_trained(tmp_path):
@@ -88,9 +94,11 @@ def test_chat_pairs_are_the_ids_the_template_renders_and_only_the_answer_is_trai
 
 def test_the_loss_equals_a_numpy_computation_from_the_log_probabilities(pairs_dir):
   config = _config(pairs_dir)
+  config.data.packing, config.data.seq_len = True, 2 * SEQ_LEN  # 2 pairs a row, and rows that hold one.
   job = job_lib.build_job(config, jax.devices()[:1])
   rows = data.load_sources(config).train
   batch = {k: np.stack([rows[i][k] for i in range(4)]) for k in rows[0]}
+  batch['segment_ids'][3, batch['segment_ids'][3] > 2] = 0  # The last row: its second pair dropped.
   state = job.init_state(0)
   policy = state.params
   for start, frozen in zip(jax.tree.leaves(policy), jax.tree.leaves(state.reference_params)):  # The starting weights.
@@ -106,15 +114,17 @@ def test_the_loss_equals_a_numpy_computation_from_the_log_probabilities(pairs_di
     shifted = logits - logits.max(-1, keepdims=True)
     token = (np.take_along_axis(shifted, batch['targets'][..., None], -1)[..., 0]
              - np.log(np.exp(shifted).sum(-1)))
-    return [[sum(token[r, t] for t in range(SEQ_LEN) if batch['segment_ids'][r, t] == s and batch['loss_mask'][r, t])
-             for s in (1, 2)] for r in range(4)]
+    return [[sum(token[r, t] for t in range(2 * SEQ_LEN)
+                 if batch['segment_ids'][r, t] == s and batch['loss_mask'][r, t]) for s in (2 * k + 1, 2 * k + 2)]
+            for r in range(4) for k in range(2) if 2 * k + 1 in batch['segment_ids'][r]]
 
   beta, smoothing = 0.5, 0.1
   h = np.array([beta * ((pc - rc) - (pr - rr)) for (pc, pr), (rc, rr) in zip(logps(policy), logps(reference))])
   want = np.mean((1 - smoothing) * np.log1p(np.exp(-h)) + smoothing * np.log1p(np.exp(h)))
   assert abs(float(loss) - want) < 1e-5
   assert abs(float(metrics['rewards/margins']) - h.mean()) < 1e-5
-  assert float(metrics['rewards/accuracies']) == np.mean(h > 0)
+  assert abs(float(metrics['rewards/accuracies']) - np.mean(h > 0)) < 1e-6 and len(h) == 7
+  assert float(job.task.weight(batch)) == 7  # Pairs: what gradient accumulation weighs microbatches by.
 
 
 @pytest.mark.parametrize('record, says', [
@@ -147,8 +157,9 @@ def test_a_pair_longer_than_seq_len_is_refused_with_the_length_that_fits(tmp_pat
 def _launch(pairs_dir, workdir, *extra, **env) -> None:
   result = run_python([sys.executable, str(REPO / 'launch.py'), '--config=configs/tiny.py', f'--workdir={workdir}',
                        '--config.train.objective=dpo', '--config.data.source=array_record',
-                       f'--config.data.path={pairs_dir}', f'--config.data.seq_len={SEQ_LEN}',
-                       '--config.train.steps=40', '--config.train.learning_rate=0.003', '--config.log.every_steps=1',
+                       f'--config.data.path={pairs_dir}', f'--config.data.seq_len={2 * SEQ_LEN}',
+                       '--config.data.packing=True', '--config.train.steps=40', '--config.train.learning_rate=0.003',
+                       '--config.log.every_steps=1',
                        '--config.ckpt.every_steps=20', '--config.ckpt.async_save=False', '--restart_backoff_s=1', *extra],
                       env=launcher_env(**env))
   assert result.returncode == 0, result.stderr[-3000:]
@@ -156,7 +167,7 @@ def _launch(pairs_dir, workdir, *extra, **env) -> None:
 
 @pytest.fixture(scope='module')
 def runs(pairs_dir, tmp_path_factory):
-  """The same 40 steps twice: straight through (scoring a multiple-choice task of held-out words at each save),
+  """Two pairs a row, the same 40 steps twice: straight through (scoring a multiple-choice task of held-out words at each save),
   and killed (SIGKILL) at step 30 then resumed from step 20."""
   straight, killed = tmp_path_factory.mktemp('straight'), tmp_path_factory.mktemp('killed')
   task = straight / 'upper.jsonl'

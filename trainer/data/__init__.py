@@ -11,8 +11,8 @@ Sources (`data.source`):
                   train batches come from a pool drawn once (trainer/data/synthetic_pool.py), so they cost nothing.
 Which sources fit depends on model.task: an 'lm' reads tokens (every source but 'arrays'), a 'classifier'
 reads images and labels ('arrays' or 'synthetic'); `build` refuses the other pairs.
-With train.objective='dpo', 'array_record' shards of preference pairs give one pair a
-row (trainer/data/pair_rows.py).
+With train.objective='dpo', 'array_record' shards of preference pairs give rows of
+whole pairs, one or (data.packing) as many as fit (trainer/data/pair_rows.py).
 Token sources are cut into examples by trainer/data/documents.py (stream windows,
 or document packing with segment ids), then batched, sharded over processes and
 made resumable by trainer/data/pipeline.py.
@@ -31,7 +31,7 @@ from trainer.base.errors import UserError
 from trainer.data import arrays, mixture, pipeline, synthetic_pool, token_shards
 from trainer.data.device_feed import DeviceFeed  # noqa: F401
 from trainer.data.documents import PackedRows, StreamWindows
-from trainer.data.pair_rows import PairRows
+from trainer.data.pair_rows import PairRows, pairs_per_row
 # The names the loop, job and tools use: `from trainer import data; data.build(...)`.
 from trainer.data.pipeline import TrainIterator, eval_batches, to_global, train_iterator, warn_if_stalled  # noqa: F401
 from trainer.data.text import TextCorpus, TextWindows, default_text_dir, load_text_corpus  # noqa: F401
@@ -85,7 +85,7 @@ class Needs:
   seed: int  # train.seed: shuffling and synthetic draws.
   steps: int  # train.steps: a mixture's staged weights are described over the run.
   eval_batches: int  # train.eval_batches.
-  objective: str = 'task'  # train.objective: 'dpo' reads preference pairs, one a row (trainer/data/pair_rows.py).
+  objective: str = 'task'  # train.objective: 'dpo' reads rows of preference pairs (trainer/data/pair_rows.py).
 
   @classmethod
   def of(cls, model, train) -> 'Needs':
@@ -183,9 +183,11 @@ def _pair_sources(d, needs: Needs) -> Sources:
   if not token_shards.read_meta(pathlib.Path(d.path)).get('pairs'):
     raise UserError(f"train.objective='dpo' trains on preference pairs, but data.path={d.path!r} holds other "
                     f'documents: prepare {{"prompt", "chosen", "rejected"}} JSONL with scripts/prepare_data.py.')
-  train = PairRows(train_docs, d.seq_len, 'train')
-  eval_ = PairRows(eval_docs, d.seq_len, 'eval') if eval_docs is not None and eval_docs.num_tokens else None
-  return Sources(train, eval_, f'{where.replace("documents", "answers")}; one pair a row of {d.seq_len}')
+  most = pairs_per_row(d)
+  train = PairRows(train_docs, d.seq_len, 'train', most)
+  eval_ = PairRows(eval_docs, d.seq_len, 'eval', most) if eval_docs is not None and eval_docs.num_tokens else None
+  how = f'up to {most} pairs' if most > 1 else 'one pair'
+  return Sources(train, eval_, f'{where.replace("documents", "answers")}; {how} a row of {d.seq_len}')
 
 
 def _cutter(d, masked: bool):

@@ -1,15 +1,19 @@
-"""Preference pairs as rows: row i holds pair i, its chosen answer then its rejected one, side by side.
+"""Preference pairs as rows: each pair's chosen answer then its rejected one, side by side; with data.packing, as
+many whole pairs a row as fit.
 
 scripts/prepare_data.py writes a pair as two consecutive masked documents of the
 token shards (meta 'pairs': true): the prompt and chosen answer, then the prompt
 and rejected answer, each as the chat template renders it (trainer/data/preference_jsonl.py).
-A row packs the two as segments 1 and 2, each shifted into (input, target) pairs
-on its own, with its own positions (offsets in its document) and the loss mask
-on its answer's tokens; the rest of the row is padding (segment 0, mask 0). The
-model's packed attention keeps the segments apart, so one forward pass scores
-both answers (trainer/training/preference.py). One pair a row, in order, keeps
-the dataset random access: the shuffle, the split over processes and the resume
-position are those of any other row source.
+A row packs pair k of the row as segments 2k + 1 (chosen) and 2k + 2 (rejected),
+each shifted into (input, target) pairs on its own, with its own positions
+(offsets in its document) and the loss mask on its answer's tokens; the rest of
+the row is padding (segment 0, mask 0). The model's packed attention keeps the
+segments apart, so one forward pass scores every answer (trainer/training/preference.py).
+Without packing a row holds one pair; with it, the pairs in their order fill a row
+until the next does not fit or the row holds data.max_documents_per_row // 2 of
+them (the bound cuDNN's attention is sized by). The rows are fixed by an index
+made once, so the dataset stays random access: the shuffle, the split over
+processes and the resume position are those of any other row source.
 """
 
 import numpy as np
@@ -18,10 +22,15 @@ from trainer.base.errors import UserError
 from trainer.data.documents import Documents
 
 
-class PairRows:
-  """Grain random-access source of one pair a row, each row `seq_len` long."""
+def pairs_per_row(data_config) -> int:
+  """The most pairs a row holds: one, or with data.packing as many as data.max_documents_per_row has segments for."""
+  return max(1, data_config.max_documents_per_row // 2) if data_config.packing else 1
 
-  def __init__(self, documents: Documents, seq_len: int, split: str):
+
+class PairRows:
+  """Grain random-access source of whole pairs, up to `pairs_per_row` a row, each row `seq_len` long."""
+
+  def __init__(self, documents: Documents, seq_len: int, split: str, pairs_per_row: int = 1):
     lengths = documents.lengths
     if len(lengths) % 2 or not documents.has_mask:
       raise UserError(f'{documents.name} are not preference pairs (an even count of masked documents): prepare them '
@@ -35,14 +44,17 @@ class PairRows:
                       f'{int(lengths[2 * longest + 1])}, less one each) but data.seq_len={seq_len}: set '
                       f'--config.data.seq_len={int(self._needed.max())} (or more), or prepare the data with '
                       f'shorter answers.')
+    self.pairs_per_row = pairs_per_row
+    self._starts = _row_starts(self._needed, seq_len, pairs_per_row)
 
   def __len__(self) -> int:
-    return len(self._needed)
+    return len(self._starts) - 1
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     row = {k: np.zeros(self._seq_len, np.int32) for k in ('inputs', 'targets', 'segment_ids', 'positions', 'loss_mask')}
     at = 0
-    for segment, d in ((1, 2 * index), (2, 2 * index + 1)):
+    first = int(self._starts[index])
+    for segment, d in enumerate(range(2 * first, 2 * int(self._starts[index + 1])), start=1):
       n = int(self._documents.lengths[d])
       tokens = self._documents.span(d, 0, n).astype(np.int32)
       end = at + n - 1
@@ -54,4 +66,18 @@ class PairRows:
     return row
 
   def __repr__(self) -> str:
-    return f'PairRows(pairs={len(self)}, seq_len={self._seq_len})'
+    return f'PairRows(pairs={len(self._needed)}, rows={len(self)}, seq_len={self._seq_len})'
+
+
+def _row_starts(needed: np.ndarray, seq_len: int, pairs_per_row: int) -> np.ndarray:
+  """The first pair of each row, and the pair count at the end: pairs in order, a row closed when the next pair
+  does not fit its tokens or it holds `pairs_per_row`."""
+  if pairs_per_row == 1 or not len(needed):
+    return np.arange(len(needed) + 1)
+  starts, used, count = [0], 0, 0
+  for k, n in enumerate(needed.tolist()):
+    if count == pairs_per_row or used + n > seq_len:
+      starts.append(k)
+      used, count = 0, 0
+    used, count = used + n, count + 1
+  return np.asarray(starts + [len(needed)])

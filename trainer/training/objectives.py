@@ -156,19 +156,20 @@ class LanguageModeling:
 
 @dataclasses.dataclass(frozen=True)
 class PreferenceOptimization(LanguageModeling):
-  """train.objective='dpo': a language model's rows are pairs of answers (trainer/training/preference.py)."""
+  """train.objective='dpo': a language model's rows hold pairs of answers (trainer/training/preference.py)."""
   keys: tuple[str, ...] = preference.KEYS
   beta: float = 0.1  # train.dpo_beta.
   label_smoothing: float = 0.0  # train.dpo_label_smoothing.
+  pairs: int = 1  # The most pairs a row holds (data.pairs_per_row).
 
   @classmethod
   def from_config(cls, model, data_config, train) -> 'PreferenceOptimization':
     del model
     return cls(train.batch_size, data_config.seq_len, beta=float(train.dpo_beta),
-               label_smoothing=float(train.dpo_label_smoothing))
+               label_smoothing=float(train.dpo_label_smoothing), pairs=data.pairs_per_row(data_config))
 
   def weight(self, batch: Batch) -> jax.Array:
-    return jnp.asarray(batch['targets'].shape[0], jnp.float32)  # The loss is a mean over rows (pairs).
+    return jnp.sum(preference.pair_count_BP(batch, self.pairs))  # The loss is a mean over pairs.
 
   def loss(self, model: Callable, batch: Batch, reference: Callable | None = None) -> tuple[jax.Array, Metrics]:
     """The DPO loss of the policy `model` against the `reference` model (both bound, called alike); the packed
@@ -176,9 +177,11 @@ class PreferenceOptimization(LanguageModeling):
     if reference is None:
       raise ValueError("train.objective='dpo' needs the reference model: the state's reference_params.")
     args, kwargs = self.model_inputs(batch)
-    policy = preference.answer_logps(model(*args, **kwargs), batch)
-    frozen = jax.tree.map(jax.lax.stop_gradient, preference.answer_logps(reference(*args, **kwargs), batch))
-    return preference.dpo_loss(policy, frozen, self.beta, self.label_smoothing)
+    policy = preference.answer_logps(model(*args, **kwargs), batch, self.pairs)
+    frozen = preference.answer_logps(reference(*args, **kwargs), batch, self.pairs)
+    frozen = jax.tree.map(jax.lax.stop_gradient, frozen)
+    return preference.dpo_loss(policy, frozen, preference.pair_count_BP(batch, self.pairs), self.beta,
+                               self.label_smoothing)
 
   def eval_summary(self, means: dict[str, float]) -> dict[str, float]:
     return {'eval_loss': means['loss'], 'eval_rewards/margins': means['rewards/margins'],
