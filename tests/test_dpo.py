@@ -227,3 +227,18 @@ def test_a_dpo_workdir_resumed_with_another_objective_is_one_line(runs, pairs_di
       f"--config.train.objective=dpo, or start train.objective='task' in a fresh --workdir (from an exported "
       f"checkpoint: scripts/export_hf.py, then model.init_from=hf:FOLDER).")
   assert sorted(p.name for p in (workdir / 'checkpoints').iterdir()) == saved
+
+
+@pytest.mark.parametrize('key, value, says', [
+    ('data.source', 'text', 'set --config.data.source=array_record'),
+    ('parallel.strategy', 'shard_map', 'set --config.parallel.strategy=jit'),
+    ('train.loss_chunks', 2, 'set --config.train.loss_chunks=1'),
+])
+def test_what_dpo_does_not_run_with_is_refused_before_any_compile(pairs_dir, key, value, says):
+  from trainer.base.errors import UserError
+  from trainer.training import validation
+  config = _config(pairs_dir)
+  section, name = key.split('.')
+  config[section][name] = value
+  with pytest.raises(UserError, match=f"train.objective='dpo' .*{says}.*, or set --config.train.objective=task"):
+    validation.validate_config(config)
