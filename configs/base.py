@@ -47,6 +47,9 @@ def get_config() -> config_dict.ConfigDict:
   c.train.grad_accum_steps = 1  # Microbatches per step, run by lax.scan with gradients summed: the same update in less memory.
   c.train.loss_chunks = 1  # > 1: the output head and loss run on this many slices of positions, so the (batch, seq_len, vocab) logits are never held whole (one more head matmul per token); must divide data.seq_len.
   c.train.z_loss_weight = 0.0  # Weight of the z-loss mean(logsumexp(logits)^2), which keeps logits from drifting; 0 disables it (PaLM used 1e-4).
+  c.train.objective = 'task'  # 'task': model.task's own loss; 'dpo': direct preference optimization on pairs that scripts/prepare_data.py wrote from chosen/rejected JSONL, against the starting weights (docs/dpo.md).
+  c.train.dpo_beta = 0.1  # 'dpo': strength of the pull towards the reference (TRL's beta): the implicit reward is beta x the log-probability ratio to it.
+  c.train.dpo_label_smoothing = 0.0  # 'dpo': the fraction of pairs assumed mislabelled (cDPO / robust DPO); 0 = plain DPO, below 0.5.
   c.train.compilation_cache_dir = config_dict.placeholder(str)  # Persistent XLA compilation cache folder shared by runs; None disables it.
   c.train.eval_every_steps = 200  # Evaluate on held-out data every N steps and at the last step; 0 = only at the end.
   c.train.eval_batches = 8  # Global batches per evaluation (fewer if the held-out set is smaller).

@@ -95,7 +95,8 @@ def sharding_table(abstract_state, shardings, notes: dict[str, str] | None = Non
                 + (('yes' if decays.get(where) else 'no',) if decays else ())
                 + ((notes.get(where, 'from the model'),) if notes else ()))
   totals = {}
-  parts = ('params', 'opt_state') + (('ema_params',) if getattr(abstract_state, 'ema_params', None) is not None else ())
+  parts = ('params', 'opt_state') + tuple(part for part in ('ema_params', 'reference_params')  # When kept.
+                                          if getattr(abstract_state, part, None) is not None)
   for part in parts:
     leaves = jax.tree.leaves(getattr(abstract_state, part))
     named = jax.tree.leaves(getattr(shardings, part))
@@ -119,7 +120,9 @@ def summary(abstract_state, shardings, totals: dict[str, int]) -> str:
           f'device {mib(totals["params_bytes_per_device"])} of parameters (of {mib(totals["params_bytes_total"])}) and '
           f'{mib(totals["opt_state_bytes_per_device"])} of optimizer state (of {mib(totals["opt_state_bytes_total"])})'
           + (f' and {mib(totals["ema_params_bytes_per_device"])} of parameter average (train.ema_decay)'
-             if 'ema_params_bytes_per_device' in totals else ''))
+             if 'ema_params_bytes_per_device' in totals else '')
+          + (f' and {mib(totals["reference_params_bytes_per_device"])} of frozen reference (train.objective=dpo)'
+             if 'reference_params_bytes_per_device' in totals else ''))
 
 
 def check_divisible(abstract_boxed_params, mesh: Mesh, rules: Rules) -> None:

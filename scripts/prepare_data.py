@@ -19,7 +19,10 @@ refused. User errors end in one line and exit status 2.
 tokenizer's chat template, each a document whose tokens carry a loss mask (1 on
 the completion and its EOS or on the assistant turns, 0 on the rest;
 trainer/data/finetune_jsonl.py),
-for runs with --config.data.loss_mask=True (configs/finetune_llama.py).
+for runs with --config.data.loss_mask=True (configs/finetune_llama.py). A .jsonl
+file whose first line has "chosen" and "rejected" is preference pairs for
+--config.train.objective=dpo (trainer/data/preference_jsonl.py, docs/dpo.md):
+each pair two documents, the prompt with each answer, the answer masked.
 
 Each input file is one document. Text is tokenized as raw bytes (vocabulary
 256) unless --tokenizer names a LOCAL tokenizer: a Hugging Face model folder
@@ -111,8 +114,8 @@ import numpy as np  # noqa: E402
 
 from trainer.base import confined  # noqa: E402
 from trainer.base.errors import UserError  # noqa: E402
-from trainer.data import (corpus_formats, finetune_jsonl, hf_tokenizer, staged_output, token_shards,  # noqa: E402
-                          tokenize_job)
+from trainer.data import (corpus_formats, finetune_jsonl, hf_tokenizer, preference_jsonl,  # noqa: E402
+                          staged_output, token_shards, tokenize_job)
 
 load_tokenizer = tokenize_job.load_tokenizer  # The name other scripts and tests use.
 
@@ -128,9 +131,9 @@ class UserExit(SystemExit):
     return self.message
 
 
-def read_finetune_jsonl(path: pathlib.Path, tokenizer_path: str | None, encode, tokenizer: str):
-  """(name, tokens, loss mask) per prompt/completion line; a Hugging Face tokenizer adds its document prefix (BOS)
-  before the prompt and its EOS after the completion."""
+def read_finetune_jsonl(path: pathlib.Path, tokenizer_path: str | None, encode, tokenizer: str, reader=finetune_jsonl):
+  """(name, tokens, loss mask) per prompt/completion line (`reader`=preference_jsonl: (name, chosen, rejected) per
+  pair); a Hugging Face tokenizer adds its document prefix (BOS) before the prompt and its EOS after the completion."""
   if not path.is_file():
     raise UserError(f'--input={str(path)!r} is not a file; give a .jsonl file of {{"prompt", "completion"}} lines.')
   prefix, end, render = (), (), None
@@ -139,7 +142,7 @@ def read_finetune_jsonl(path: pathlib.Path, tokenizer_path: str | None, encode, 
     encode = lambda text: tok.encode(text, document=False)
     prefix, end = tok.prefix, ((tok.eos_id,) if tok.eos_id is not None else tok.suffix)
     render = tok.render_chat if tok.chat_template else None
-  return finetune_jsonl.read(path, lambda text: np.asarray(encode(text)).tolist(), prefix, end, render)
+  return reader.read(path, lambda text: np.asarray(encode(text)).tolist(), prefix, end, render)
 
 
 def model_vocab_size(model: str) -> int:
@@ -251,7 +254,12 @@ def _records(work: pathlib.Path, count: int, eval_split: bool):
 def _finetune(args, source: pathlib.Path, out: pathlib.Path, encode, tokenizer_vocab: int, tokenizer: str,
               vocab_size: int | None) -> tuple[dict, int]:
   """Writes the fine-tuning examples into `out` (the stage's output folder); returns (meta, lines skipped)."""
-  docs = read_finetune_jsonl(source, args.tokenizer, encode, tokenizer)
+  pairs = next((preference_jsonl.is_preference_record(r) for _, r in corpus_formats.json_lines(source)), False)
+  if pairs:  # Each pair as two documents in a row, named alike so that both fall in one split.
+    docs = [(name, *doc) for name, *both in read_finetune_jsonl(source, args.tokenizer, encode, tokenizer,
+                                                               preference_jsonl) for doc in both]
+  else:
+    docs = read_finetune_jsonl(source, args.tokenizer, encode, tokenizer)
   kept = [(name, tokens, mask) for name, tokens, mask in docs if len(tokens) >= 2]
   if not kept:
     raise UserError(f'every line of --input={args.input!r} has fewer than 2 tokens; nothing to train on.')
@@ -271,6 +279,8 @@ def _finetune(args, source: pathlib.Path, out: pathlib.Path, encode, tokenizer_v
   meta = token_shards.write_shards(out, splits, vocab_size, tokenizer, args.num_shards, masks)
   meta['trained_tokens'] = sum(int(m.sum()) for split in splits for m in masks[split])
   meta['skipped_documents'] = len(docs) - len(kept)
+  if pairs:
+    meta['pairs'] = True  # trainer/data/pair_rows.py reads documents 2i and 2i + 1 as pair i.
   token_shards.write_meta(out, meta)
   return meta, len(docs) - len(kept)
 

@@ -123,6 +123,8 @@ SCHEMA: dict[str, Check] = {
     'train.adam_mu_dtype': one_of(*DTYPES), 'train.device_memory_gb': optional(POSITIVE),
     'train.pipeline_microbatches': COUNT_OR_OFF, 'train.pipeline_repeats': COUNT,
     'train.grad_accum_steps': COUNT, 'train.loss_chunks': COUNT, 'train.z_loss_weight': NON_NEGATIVE,
+    'train.objective': one_of('task', 'dpo'), 'train.dpo_beta': POSITIVE,
+    'train.dpo_label_smoothing': number(0, 0.5, high_open=True),
     'train.compilation_cache_dir': optional(TEXT),
     'train.eval_every_steps': COUNT_OR_OFF, 'train.eval_batches': COUNT_OR_OFF,
     'train.hang_timeout_s': optional(NON_NEGATIVE), 'train.straggler_warn_fraction': POSITIVE,

@@ -11,6 +11,8 @@ Sources (`data.source`):
                   train batches come from a pool drawn once (trainer/data/synthetic_pool.py), so they cost nothing.
 Which sources fit depends on model.task: an 'lm' reads tokens (every source but 'arrays'), a 'classifier'
 reads images and labels ('arrays' or 'synthetic'); `build` refuses the other pairs.
+With train.objective='dpo', 'array_record' shards of preference pairs give rows of
+whole pairs, one or (data.packing) as many as fit (trainer/data/pair_rows.py).
 Token sources are cut into examples by trainer/data/documents.py (stream windows,
 or document packing with segment ids), then batched, sharded over processes and
 made resumable by trainer/data/pipeline.py.
@@ -29,6 +31,7 @@ from trainer.base.errors import UserError
 from trainer.data import arrays, mixture, pipeline, synthetic_pool, token_shards
 from trainer.data.device_feed import DeviceFeed  # noqa: F401
 from trainer.data.documents import PackedRows, StreamWindows
+from trainer.data.pair_rows import PairRows, pairs_per_row
 # The names the loop, job and tools use: `from trainer import data; data.build(...)`.
 from trainer.data.pipeline import TrainIterator, eval_batches, to_global, train_iterator, warn_if_stalled  # noqa: F401
 from trainer.data.text import TextCorpus, TextWindows, default_text_dir, load_text_corpus  # noqa: F401
@@ -82,13 +85,15 @@ class Needs:
   seed: int  # train.seed: shuffling and synthetic draws.
   steps: int  # train.steps: a mixture's staged weights are described over the run.
   eval_batches: int  # train.eval_batches.
+  objective: str = 'task'  # train.objective: 'dpo' reads rows of preference pairs (trainer/data/pair_rows.py).
 
   @classmethod
   def of(cls, model, train) -> 'Needs':
     """From config.model and config.train."""
     return cls(task=model.task, model_name=model.name, vocab_size=model.vocab_size,
                num_classes=model.get('num_classes'), pretrained=bool(model.get('init_from')),
-               batch_size=train.batch_size, seed=train.seed, steps=train.steps, eval_batches=train.eval_batches)
+               batch_size=train.batch_size, seed=train.seed, steps=train.steps, eval_batches=train.eval_batches,
+               objective=train.get('objective', 'task'))  # A run's config.json from before the key: its task's.
 
 
 def check_task(d, needs: Needs) -> None:
@@ -152,6 +157,8 @@ def read_sources(d, needs: Needs) -> Sources:
                    f'synthetic random tokens (vocab {vocab}, seq_len {d.seq_len})')
   if d.source == 'mixture':
     return _mixture_sources(d, needs)
+  if needs.objective == 'dpo':
+    return _pair_sources(d, needs)
   if d.source == 'text':
     corpus = load_text_corpus(d)
     train_docs, eval_docs = corpus.documents('train'), corpus.documents('eval')
@@ -168,6 +175,19 @@ def read_sources(d, needs: Needs) -> Sources:
   eval_ = cut(eval_docs, 'eval') if eval_docs is not None and eval_docs.num_tokens else None
   how = f'packed by document into rows of {d.seq_len}' if d.packing else f'windows of {d.seq_len} over the stream'
   return Sources(train, eval_, f'{where}; {how}')
+
+
+def _pair_sources(d, needs: Needs) -> Sources:
+  """train.objective='dpo': the prepared pairs of data.path, one a row of data.seq_len."""
+  train_docs, eval_docs, where = _token_shards(d, needs)
+  if not token_shards.read_meta(pathlib.Path(d.path)).get('pairs'):
+    raise UserError(f"train.objective='dpo' trains on preference pairs, but data.path={d.path!r} holds other "
+                    f'documents: prepare {{"prompt", "chosen", "rejected"}} JSONL with scripts/prepare_data.py.')
+  most = pairs_per_row(d)
+  train = PairRows(train_docs, d.seq_len, 'train', most)
+  eval_ = PairRows(eval_docs, d.seq_len, 'eval', most) if eval_docs is not None and eval_docs.num_tokens else None
+  how = f'up to {most} pairs' if most > 1 else 'one pair'
+  return Sources(train, eval_, f'{where.replace("documents", "answers")}; {how} a row of {d.seq_len}')
 
 
 def _cutter(d, masked: bool):

@@ -258,12 +258,12 @@ def _jsonl(path: pathlib.Path, field: str) -> Iterator[Document]:
 
 
 def is_finetune_jsonl(path: pathlib.Path, text_column: str | None = None) -> bool:
-  """Whether a .jsonl file holds fine-tuning pairs or chats: its first object has "prompt" or "messages" and
-  --text_column was not given (`text_column` None); one UserError for a file with no JSON line at all."""
+  """Whether a .jsonl file holds fine-tuning pairs, chats or preference pairs: its first object has "prompt",
+  "messages" or "chosen", and --text_column was not given (`text_column` None); one UserError for a file with no JSON line at all."""
   for _, record in json_lines(path):
     if text_column is not None:
       return False  # The user named the field holding the text: pretraining, whatever else a line carries.
-    return isinstance(record, dict) and ('prompt' in record or 'messages' in record)
+    return isinstance(record, dict) and any(k in record for k in ('prompt', 'messages', 'chosen'))
   raise UserError(f'--input={str(path)!r} holds no JSON line (it is empty or blank); give one object a line: '
                   f'{{"text": ...}} documents, or {{"prompt": ..., "completion": ...}} / {{"messages": [...]}} '
                   f'fine-tuning examples.')

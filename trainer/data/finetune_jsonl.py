@@ -50,7 +50,7 @@ def _split(encode_piece, text: str, cuts: Sequence[int]) -> tuple[list[int], lis
   return ids, found
 
 
-def _masked(encode_piece, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+def masked_tokens(encode_piece, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
   """Tokens of `text` and a mask of 1 on the tokens of its trained character `spans`."""
   ids, at = _split(encode_piece, text, [c for span in spans for c in span])
   mask = [0] * len(ids)
@@ -94,7 +94,7 @@ def _chat(messages, render, encode_piece, where: str) -> list[tuple[list[int], l
   if render is None:
     raise UserError(f'{where} is a chat ("messages"), which needs --tokenizer with a chat template '
                     f'(tokenizer_config.json chat_template, or chat_template.jinja).')
-  return [_masked(encode_piece, text, spans) for text, spans in _turns(messages, render, where)]
+  return [masked_tokens(encode_piece, text, spans) for text, spans in _turns(messages, render, where)]
 
 
 def read(path: pathlib.Path, encode_piece: Callable[[str], Sequence[int]], prefix: Sequence[int] = (),
@@ -111,7 +111,7 @@ def read(path: pathlib.Path, encode_piece: Callable[[str], Sequence[int]], prefi
     elif isinstance(record, dict) and all(isinstance(record.get(k), str) for k in FIELDS):
       checked_text([record[k] for k in FIELDS], where, '"prompt" or "completion"')
       text = record['prompt'] + record['completion']
-      ids, mask = _masked(encode_piece, text, [(len(record['prompt']), len(text))])
+      ids, mask = masked_tokens(encode_piece, text, [(len(record['prompt']), len(text))])
       documents = [([*prefix, *ids, *end], [0] * len(prefix) + mask + [1] * len(end))]
     else:
       keys = sorted(record) if isinstance(record, dict) else type(record).__name__

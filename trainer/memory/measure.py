@@ -34,6 +34,7 @@ class Plan:
   traced: traced_flops.Count | None = None  # Any model; None where the step does not trace without a mesh.
   attention: str | None = None  # The kernel a built-in model's attention runs on this mesh, and why; None otherwise.
   ema_bytes: int = 0  # The float32 parameter average (train.ema_decay > 0).
+  reference_bytes: int = 0  # The frozen reference parameters (train.objective='dpo').
 
   @property
   def total_bytes(self) -> int:
@@ -69,6 +70,7 @@ def plan_of(job) -> Plan:
       mesh_shape=dict(job.mesh.shape), device_kind=job.mesh.devices.flat[0].device_kind,
       params_bytes=totals['params_bytes_per_device'], opt_state_bytes=totals['opt_state_bytes_per_device'],
       ema_bytes=totals.get('ema_params_bytes_per_device', 0),
+      reference_bytes=totals.get('reference_params_bytes_per_device', 0),
       argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
       alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
       code_bytes=memory.generated_code_size_in_bytes,

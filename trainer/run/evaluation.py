@@ -18,9 +18,11 @@ from trainer.evals import dispatch
 from trainer.training import state as state_lib
 
 
-def held_out(eval_step, params, eval_set, objective) -> dict[str, float]:
-  """The task's eval summary (loss and perplexity, or loss and accuracy) over the fixed held-out batches."""
-  per_batch = dispatch.fetched(lambda batch: eval_step(params, batch), eval_set)  # Bounded: evals/dispatch.py.
+def held_out(eval_step, params, eval_set, objective, frozen=None) -> dict[str, float]:
+  """The task's eval summary (loss and perplexity, or loss and accuracy) over the fixed held-out batches;
+  `frozen`: the state's reference parameters (train.objective='dpo')."""
+  frozen = () if frozen is None else (frozen,)
+  per_batch = dispatch.fetched(lambda batch: eval_step(params, batch, *frozen), eval_set)  # Bounded: evals/dispatch.py.
   return objective.eval_summary({k: float(np.mean([m[k] for m in per_batch])) for k in per_batch[0]})
 
 
@@ -31,12 +33,13 @@ def at_step(run, state, step: int, total: int, preempted, evals: dict[int, dict[
     if run.eval_set and (step == total or (eval_every and step % eval_every == 0)):
       run.hang.phase('eval')
       run.train_iter.hold()  # No transfer while the eval step runs (its first run is a capture too).
-      evals[step] = held_out(run.eval_step, state.params, run.eval_set, run.objective)
+      evals[step] = held_out(run.eval_step, state.params, run.eval_set, run.objective, state.reference_params)
       if run.sources:  # A mixture: each source's held-out rows on their own too.
         evals[step].update(run.sources.evaluate(lambda b: held_out(run.eval_step, state.params, b, run.objective)))
       if state.ema_params is not None:  # The same eval step, on the average.
         ema = state_lib.params_of(state, 'ema')
-        evals[step]['eval_ema_loss'] = held_out(run.eval_step, ema, run.eval_set, run.objective)['eval_loss']
+        evals[step]['eval_ema_loss'] = held_out(run.eval_step, ema, run.eval_set, run.objective,
+                                                state.reference_params)['eval_loss']
       run.train_iter.release()
     # Not on the way out of a preemption: the grace period is for the save.
     if run.downstream and not preempted and run.downstream.due(step, total,

@@ -68,7 +68,8 @@ class Job:
     if self.config.model.get('init_from'):
       # The base weights only: LoRA's adapters are not in the checkpoint, and start from their init.
       params = hf_load.load_params(self.config, lora.base(self.abstract.params), lora.base(self.shardings.params))
-    return state_lib.create_state(seed, self.task.model, self.tx, self.shardings, self.config.train.ema_decay, params)
+    return state_lib.create_state(seed, self.task.model, self.tx, self.shardings, self.config.train.ema_decay, params,
+                                  reference=self.shardings.reference_params is not None)
 
 
 def batch_shardings(mesh: Mesh, rules, shapes: dict[str, jax.ShapeDtypeStruct]) -> dict[str, NamedSharding]:
@@ -117,14 +118,18 @@ def _assemble(config, devices: Sequence[jax.Device] | None) -> Job:
   tx, schedule = optimizer.build_optimizer(config.train, task.model.abstract_boxed)
   guardrails.validate(config.train.on_nonfinite)
   tx = guardrails.guard_optimizer(tx)  # A non-finite update is never applied, in any train.on_nonfinite mode.
-  abstract, shardings = state_lib.abstract_state(task.model, tx, mesh, rules, config.train.ema_decay)
+  abstract, shardings = state_lib.abstract_state(task.model, tx, mesh, rules, config.train.ema_decay,
+                                                 # Under LoRA the frozen base is the reference (task.py).
+                                                 reference=(config.train.get('objective', 'task') == 'dpo'
+                                                            and not lora.enabled(config.model)))
   shapes = task.batch_shapes()
   per_key = batch_shardings(mesh, rules, shapes)
   abstract_batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=per_key[k]) for k, s in shapes.items()}
   name = config.parallel.strategy
   train_step = strategy.partition_train_step(name, mesh, shardings, per_key, task=task, tx=tx, schedule=schedule,
                                              options=step_lib.StepOptions.from_config(config.train))
-  eval_step = strategy.partition_eval_step(name, mesh, shardings.params, per_key, task=task.for_eval())
+  eval_step = strategy.partition_eval_step(name, mesh, shardings.params, per_key, task=task.for_eval(),
+                                           frozen_shardings=shardings.reference_params)
   job = Job(config, mesh, task, tx, abstract, shardings, per_key, abstract_batch, train_step, eval_step)
   if job.brought_model:
     contract.check_strategy(job)

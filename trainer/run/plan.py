@@ -171,6 +171,7 @@ def report(plan: Plan, config, topology: str | None = None) -> str:
       f'  parameters          {_gib(plan.params_bytes)}',
       f'  optimizer state     {_gib(plan.opt_state_bytes)} ({config.train.optimizer})',
       *([f'  parameter average   {_gib(plan.ema_bytes)} (train.ema_decay)'] if plan.ema_bytes else []),
+      *([f'  frozen reference    {_gib(plan.reference_bytes)} (train.objective=dpo)'] if plan.reference_bytes else []),
       f'  temporaries         {_gib(plan.temp_bytes)}',
       f'  inputs {_gib(plan.argument_bytes)}, outputs {_gib(plan.output_bytes)}, of which donated and reused '
       f'{_gib(plan.alias_bytes)}; code {_gib(plan.code_bytes)}',

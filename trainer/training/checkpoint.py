@@ -159,6 +159,15 @@ def _check_same_average(saved: dict[str, Any], manifest: dict[str, Any], directo
                     f'train.ema_decay={now}.')
 
 
+def _check_same_objective(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
+  """A DPO run's checkpoints hold its reference parameters, another run's none: train.objective stays as it was."""
+  before, now = (m.get('config', {}).get('train', {}).get('objective', 'task') for m in (saved, manifest))
+  if (before == 'dpo') != (now == 'dpo'):
+    raise UserError(f'--workdir {directory.parent} was trained with train.objective={before!r}; resume with '
+                    f'--config.train.objective={before}, or start train.objective={now!r} in a fresh --workdir '
+                    f'(from an exported checkpoint: scripts/export_hf.py, then model.init_from=hf:FOLDER).')
+
+
 def _check_same_optimizer(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
   """Another optimizer's state cannot be restored into this one's (a schedule change can, and is logged)."""
   # Checkpoints written before train.optimizer existed were AdamW's.
@@ -320,6 +329,7 @@ class Checkpointer:
                       f'nothing was changed.')
     _check_same_optimizer(saved, manifest, self.directory)
     _check_same_average(saved, manifest, self.directory)
+    _check_same_objective(saved, manifest, self.directory)
     # Another process count is fine: the data position is a count of global examples (trainer/data/pipeline.py).
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator, manifest: dict[str, Any],

@@ -3,6 +3,8 @@
 - 'lm': batches of token rows `inputs`/`targets` (B, L) int32, plus `segment_ids`
   and `positions` when data.packing; next-token cross entropy in float32 over
   non-padding tokens, plus the optional z-loss; eval loss and perplexity.
+- train.objective='dpo' on an 'lm': pairs of answers, one a row, and the DPO loss
+  against the starting weights (trainer/training/preference.py).
 - 'classifier': `images` (B, H, W, C) float32 and `labels` (B,) int32; cross
   entropy and accuracy; eval loss and accuracy.
 
@@ -23,6 +25,7 @@ import optax
 
 from trainer import data
 from trainer.base.errors import UserError
+from trainer.training import preference
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -152,6 +155,40 @@ class LanguageModeling:
 
 
 @dataclasses.dataclass(frozen=True)
+class PreferenceOptimization(LanguageModeling):
+  """train.objective='dpo': a language model's rows hold pairs of answers (trainer/training/preference.py)."""
+  keys: tuple[str, ...] = preference.KEYS
+  beta: float = 0.1  # train.dpo_beta.
+  label_smoothing: float = 0.0  # train.dpo_label_smoothing.
+  pairs: int = 1  # The most pairs a row holds (data.pairs_per_row).
+
+  @classmethod
+  def from_config(cls, model, data_config, train) -> 'PreferenceOptimization':
+    del model
+    return cls(train.batch_size, data_config.seq_len, beta=float(train.dpo_beta),
+               label_smoothing=float(train.dpo_label_smoothing), pairs=data.pairs_per_row(data_config))
+
+  def weight(self, batch: Batch) -> jax.Array:
+    return jnp.sum(preference.pair_count_BP(batch, self.pairs))  # The loss is a mean over pairs.
+
+  def loss(self, model: Callable, batch: Batch, reference: Callable | None = None) -> tuple[jax.Array, Metrics]:
+    """The DPO loss of the policy `model` against the `reference` model (both bound, called alike); the packed
+    call keeps a row's two answers apart."""
+    if reference is None:
+      raise ValueError("train.objective='dpo' needs the reference model: the state's reference_params.")
+    args, kwargs = self.model_inputs(batch)
+    policy = preference.answer_logps(model(*args, **kwargs), batch, self.pairs)
+    frozen = preference.answer_logps(reference(*args, **kwargs), batch, self.pairs)
+    frozen = jax.tree.map(jax.lax.stop_gradient, frozen)
+    return preference.dpo_loss(policy, frozen, preference.pair_count_BP(batch, self.pairs), self.beta,
+                               self.label_smoothing)
+
+  def eval_summary(self, means: dict[str, float]) -> dict[str, float]:
+    return {'eval_loss': means['loss'], 'eval_rewards/margins': means['rewards/margins'],
+            'eval_rewards/accuracies': means['rewards/accuracies']}
+
+
+@dataclasses.dataclass(frozen=True)
 class Classification:
   batch_size: int = 1  # Global batch, in images.
   image_shape: tuple[int, ...] = (32, 32, 3)  # (H, W, C).
@@ -187,13 +224,18 @@ class Classification:
     return {'eval_loss': means['loss'], 'eval_accuracy': means['accuracy']}
 
 
-Objective = LanguageModeling | Classification
+Objective = LanguageModeling | Classification | PreferenceOptimization
 
 
 def for_config(model, data_config, train) -> Objective:
   """The objective of config.model.task, from config.model, config.data and config.train."""
   if model.task not in TASKS:
     raise UserError(f'model.task={model.task!r}: choose one of {TASKS}.')
+  if train.get('objective', 'task') == 'dpo':  # A run from before the key: its task's own loss.
+    if model.task != 'lm':
+      raise UserError(f"train.objective='dpo' trains a language model on answer pairs, but model.task="
+                      f"{model.task!r}; set --config.train.objective=task.")
+    return PreferenceOptimization.from_config(model, data_config, train)
   return (LanguageModeling if model.task == 'lm' else Classification).from_config(model, data_config, train)
 
 

@@ -35,10 +35,13 @@ class TrainState:
   # sharded like them (mapped over their boxes) and checkpointed with the state.
   ema_params: Any = None
   ema_decay: float = flax.struct.field(pytree_node=False, default=0.0)
+  # train.objective='dpo': the starting parameters, frozen (never updated, no optimizer state), sharded like the
+  # parameters and checkpointed with the state, so a resume compares with the same reference (docs/dpo.md).
+  reference_params: Any = None
 
 
 def _init_boxed(seed: jax.Array, model: AdaptedModel, tx: optax.GradientTransformation,
-                ema_decay: float = 0.0, params=None) -> TrainState:
+                ema_decay: float = 0.0, params=None, reference: bool = False) -> TrainState:
   """The initial state with Flax's logical-axis boxes still on the parameter leaves.
 
   The parameters come from `jax.random.key(seed)` itself (see adapters.py), so a
@@ -53,13 +56,15 @@ def _init_boxed(seed: jax.Array, model: AdaptedModel, tx: optax.GradientTransfor
   # optax maps over the boxes, so Adam's moments inherit the parameters' logical axes.
   ema = jax.tree.map(lambda p: p.astype(jnp.float32), params) if ema_decay else None
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                    rng=jax.random.key_data(jax.random.fold_in(key, 1)), ema_params=ema, ema_decay=ema_decay)
+                    rng=jax.random.key_data(jax.random.fold_in(key, 1)), ema_params=ema, ema_decay=ema_decay,
+                    reference_params=jax.tree.map(jnp.copy, params) if reference else None)
 
 
-def abstract_state(model: AdaptedModel, tx, mesh: Mesh, rules, ema_decay: float = 0.0) -> tuple[TrainState, TrainState]:
+def abstract_state(model: AdaptedModel, tx, mesh: Mesh, rules, ema_decay: float = 0.0,
+                   reference: bool = False) -> tuple[TrainState, TrainState]:
   """(abstract state, its NamedShardings), both as TrainState trees; nothing is allocated."""
   # From the adapter's abstract parameters: tracing the model's init again here cost a launch of the tiny model 0.15 s.
-  boxed = jax.eval_shape(lambda s, p: _init_boxed(s, model, tx, ema_decay, p), jnp.zeros((), jnp.uint32),
+  boxed = jax.eval_shape(lambda s, p: _init_boxed(s, model, tx, ema_decay, p, reference), jnp.zeros((), jnp.uint32),
                          model.abstract_params)
   boxed = boxed.replace(opt_state=optimizer.fit_state_axes(boxed.opt_state))
   shardings = sharding.tree_shardings(boxed, mesh, rules)
@@ -67,13 +72,14 @@ def abstract_state(model: AdaptedModel, tx, mesh: Mesh, rules, ema_decay: float 
 
 
 def create_state(seed: int, model: AdaptedModel, tx, shardings: TrainState, ema_decay: float = 0.0,
-                 params=None) -> TrainState:
+                 params=None, reference: bool = False) -> TrainState:
   """Initializes the state directly into its shardings; `params` (already in shardings.params, e.g. a published
   model's weights from trainer/hf/) replace the random init and are donated to the state."""
   seed = jnp.asarray(seed, jnp.uint32)
   if params is None:
-    return jax.jit(lambda s: nn.meta.unbox(_init_boxed(s, model, tx, ema_decay)), out_shardings=shardings)(seed)
-  init = jax.jit(lambda s, p: nn.meta.unbox(_init_boxed(s, model, tx, ema_decay, p)), out_shardings=shardings,
+    return jax.jit(lambda s: nn.meta.unbox(_init_boxed(s, model, tx, ema_decay, reference=reference)),
+                   out_shardings=shardings)(seed)
+  init = jax.jit(lambda s, p: nn.meta.unbox(_init_boxed(s, model, tx, ema_decay, p, reference)), out_shardings=shardings,
                  donate_argnums=1)
   return init(seed, params)
 

@@ -16,6 +16,7 @@ spread unevenly over the microbatches.
 """
 
 import dataclasses
+import functools
 from typing import Any, Protocol
 
 import jax
@@ -32,7 +33,7 @@ Metrics = dict[str, jax.Array]
 class LossTask(Protocol):
   """What the step needs from a task (trainer.training.task.Task is one)."""
 
-  def loss(self, params, batch: Batch) -> tuple[jax.Array, Metrics]: ...
+  def loss(self, params, batch: Batch) -> tuple[jax.Array, Metrics]: ...  # Also `frozen=` when the state has one.
 
   def weight(self, batch: Batch) -> jax.Array: ...
 
@@ -59,12 +60,20 @@ def _microbatches(x: jax.Array, n: int) -> jax.Array:
   return jnp.swapaxes(x.reshape((x.shape[0] // n, n) + x.shape[1:]), 0, 1)
 
 
-def grads_and_metrics(params, batch: Batch, task: LossTask,
-                      options: StepOptions = StepOptions()) -> tuple[Any, Metrics]:
-  """Gradients of the batch-mean loss, and the batch's metrics (means over the batch)."""
+def _loss_fn(task: LossTask, frozen):
+  """The task's loss, given the frozen parameters it reads but never trains (DPO's reference) when there are any."""
+  return task.loss if frozen is None else functools.partial(task.loss, frozen=frozen)
+
+
+def grads_and_metrics(params, batch: Batch, task: LossTask, options: StepOptions = StepOptions(),
+                      frozen=None) -> tuple[Any, Metrics]:
+  """Gradients of the batch-mean loss, and the batch's metrics (means over the batch); `frozen`: parameters the
+  loss reads without differentiating them (TrainState.reference_params)."""
+  loss_fn = _loss_fn(task, frozen)
+
   def grad_fn(batch, scale=1.0):
     def scaled_loss(p):
-      loss, metrics = task.loss(p, batch)
+      loss, metrics = loss_fn(p, batch)
       return scale * loss, jax.tree.map(lambda m: scale * m, metrics)
     (_, metrics), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
     return grads, metrics
@@ -104,10 +113,10 @@ def apply_gradients(state: TrainState, grads, metrics: Metrics, *, tx: optax.Gra
 def train_step(state: TrainState, batch: Batch, *, task: LossTask, tx: optax.GradientTransformation,
                schedule: optax.Schedule, options: StepOptions = StepOptions()) -> tuple[TrainState, Metrics]:
   with jax.named_scope(GRADS_SCOPE):  # Where trainer/observe/flops.py finds the step's model FLOPs in its jaxpr.
-    grads, metrics = grads_and_metrics(state.params, batch, task, options)
+    grads, metrics = grads_and_metrics(state.params, batch, task, options, state.reference_params)
   return apply_gradients(state, grads, metrics, tx=tx, schedule=schedule)
 
 
-def eval_step(params, batch: Batch, *, task: LossTask) -> Metrics:
-  _, metrics = task.loss(params, batch)
+def eval_step(params, batch: Batch, frozen=None, *, task: LossTask) -> Metrics:
+  _, metrics = _loss_fn(task, frozen)(params, batch)
   return metrics

@@ -56,15 +56,18 @@ def partition_train_step(strategy: str, mesh: Mesh, state_shardings: Any, batch_
 
 
 def partition_eval_step(strategy: str, mesh: Mesh, params_shardings: Any, batch_shardings: Any, *,
-                        task: step_lib.LossTask) -> Any:
-  """`(params, global batch) -> metrics`, partitioned the way the train step is.
+                        task: step_lib.LossTask, frozen_shardings: Any = None) -> Any:
+  """`(params, global batch) -> metrics`, partitioned the way the train step is; `(params, batch, frozen)` with
+  `frozen_shardings` (the reference parameters of train.objective='dpo', which runs under 'jit' only).
 
   Not jit for every strategy: who chose 'shard_map' or 'pmap' to keep GSPMD out
   gets none in eval either, and eval_loss then checks the same per-device path.
   """
   step = functools.partial(step_lib.eval_step, task=task)
   if strategy == 'jit':
-    return jax.jit(step, in_shardings=(params_shardings, batch_shardings), out_shardings=sharding.replicated(mesh))
+    frozen = () if frozen_shardings is None else (frozen_shardings,)
+    return jax.jit(step, in_shardings=(params_shardings, batch_shardings, *frozen),
+                   out_shardings=sharding.replicated(mesh))
   if strategy == 'shard_map':
     param_specs = _specs(params_shardings)
 

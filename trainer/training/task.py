@@ -92,16 +92,22 @@ class Task:
       return physical_mesh_context(self.mesh)
     return mesh_context(self.mesh, self.rules)
 
-  def loss(self, params, batch: Batch) -> tuple[jax.Array, Metrics]:
-    """(loss to minimize, metrics), both means over `weight(batch)`."""
+  def loss(self, params, batch: Batch, frozen=None) -> tuple[jax.Array, Metrics]:
+    """(loss to minimize, metrics), both means over `weight(batch)`; `frozen`: the reference parameters of an
+    objective that compares with one (train.objective='dpo'), bound and called like the model."""
     batch = self.balanced(batch)
     if self.frozen_base:
+      if frozen is None and isinstance(self.objective, objectives.PreferenceOptimization):
+        frozen = lora.reference(params)  # The reference is the frozen base: the adapters at zero, no second copy.
       params = lora.freeze_base(params)
     with self.context():
       model = self.bind(params)
       if self.custom_loss:
         return model.loss(batch)
-      loss, metrics = self.objective.loss(model, batch)
+      if frozen is not None:
+        loss, metrics = self.objective.loss(model, batch, reference=self.bind(frozen))
+      else:
+        loss, metrics = self.objective.loss(model, batch)
       return sown.add_to_loss(loss, metrics, getattr(model, 'sown', {}))  # MoE balancing and z-losses.
 
   def balanced(self, batch: Batch) -> Batch:
@@ -195,6 +201,9 @@ def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
   boxed, notes = param_names.name_params(model.abstract_boxed, rules, mesh_shape, unnamed, name, model.framework)
   model = dataclasses.replace(model, abstract_boxed=boxed)
   custom_loss = callable(getattr(model.module_class, 'loss', None))
+  if custom_loss and isinstance(objective, objectives.PreferenceOptimization):
+    raise UserError(f"train.objective='dpo' computes the loss from the model's logits, but model.name={name!r} "
+                    f"computes its own (a `loss` method): set --config.train.objective=task, or drop the method.")
   _require_chunkable_model(config, model, custom_loss)
   return Task(objective, model, custom_loss=custom_loss,
               mesh=mesh if under_jit and made_for is None else None, rules=tuple(rules), cast_params_to=cast_to,

@@ -26,6 +26,7 @@ def validate_config(config) -> None:
   # Model sizes against each other are checked by the model's builder (trainer/models/), which knows which keys it
   # reads; what is left here relates keys.
   _check_loss_chunks(config)
+  _check_preference(config)
   # The policy names themselves are the model's to check; 'auto' is resolved by building the Job.
   _require(config.train.remat_policy != 'auto',
            "train.remat_policy='auto' is chosen by compiling candidates when the Job is built: validate the config "
@@ -51,6 +52,25 @@ def _check_loss_chunks(config) -> None:
   _require(seq_len % chunks == 0,
            f'train.loss_chunks={chunks} must divide data.seq_len={seq_len}; choose one of '
            f'{[n for n in range(2, min(seq_len, 64) + 1) if seq_len % n == 0][:8]}.')
+
+
+def _check_preference(config) -> None:
+  """What train.objective='dpo' runs with: prepared pairs, the 'jit' strategy (the reference is bound beside the
+  parameters there), one logits slice, the launcher's own loss."""
+  if config.train.get('objective', 'task') != 'dpo':  # A run's config.json from before the key: its task's loss.
+    return
+  fix = "or set --config.train.objective=task"
+  _require(config.data.source == 'array_record',
+           f"train.objective='dpo' reads answer pairs that scripts/prepare_data.py wrote from chosen/rejected JSONL: "
+           f"set --config.data.source=array_record and data.path to that folder, {fix}.")
+  _require(config.parallel.strategy == 'jit',
+           f"train.objective='dpo' runs under parallel.strategy='jit' (it binds the reference parameters beside the "
+           f"policy's): set --config.parallel.strategy=jit, {fix}.")
+  _require(config.train.get('loss_chunks', 1) == 1,
+           f"train.objective='dpo' sums each answer's log-probabilities from whole logits: set "
+           f"--config.train.loss_chunks=1, {fix}.")
+  _require(pipeline_checks.stages_of(config.mesh) == 1,
+           f"train.objective='dpo' does not run on pipeline stages yet: set --config.mesh.pipeline=1, {fix}.")
 
 
 def _warn_if_warmup_exceeds_steps(train) -> None:
