@@ -127,6 +127,31 @@ def test_the_loss_equals_a_numpy_computation_from_the_log_probabilities(pairs_di
   assert float(job.task.weight(batch)) == 7  # Pairs: what gradient accumulation weighs microbatches by.
 
 
+def test_under_lora_the_reference_is_the_frozen_base_with_no_second_copy(pairs_dir):
+  """DPO with LoRA adapters (docs/lora.md): no reference copy is held; the reference is the base with the adapters at
+  zero, so at the start (b = 0) policy and reference agree and the loss is log 2; a trained adapter moves only the
+  policy."""
+  import optax
+  config = _config(pairs_dir)
+  config.model.lora_rank, config.model.lora_targets = 4, ('query', 'value', 'up')
+  job = job_lib.build_job(config, jax.devices()[:1])
+  state = job.init_state(0)
+  assert state.reference_params is None
+  _, totals = sharding.sharding_table(job.abstract, job.shardings)
+  assert 'reference_params_bytes_per_device' not in totals
+  rows = data.load_sources(config).train
+  batch = {k: np.stack([rows[i][k] for i in range(4)]) for k in rows[0]}
+  loss_fn = jax.jit(lambda p, b: job.task.loss(p, b))
+  loss, metrics = loss_fn(state.params, batch)
+  assert abs(float(loss) - np.log(2)) < 1e-6 and float(metrics['rewards/margins']) == 0.0
+  grads = jax.grad(lambda p: loss_fn(p, batch)[0])(state.params)
+  moved = jax.tree_util.tree_map_with_path(
+      lambda path, p, g: p - 0.5 * g if 'lora' in jax.tree_util.keystr(path) else p, state.params, grads)
+  assert float(loss_fn(moved, batch)[0]) < float(loss)  # The adapters move the policy away from the reference.
+  assert optax.tree.norm(jax.tree_util.tree_map_with_path(
+      lambda path, g: 0 * g if 'lora' in jax.tree_util.keystr(path) else g, grads)) == 0  # The base is frozen.
+
+
 @pytest.mark.parametrize('record, says', [
     ({'prompt': 'q:', 'chosen': 'yes', 'rejected': 'yes'}, '"chosen" and "rejected" are the same answer'),
     ({'prompt': 'q:', 'chosen': '', 'rejected': 'no'}, 'the "chosen" answer is empty'),
