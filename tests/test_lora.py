@@ -4,8 +4,10 @@ resume is exact, the merged export imports back with the run's logits, the PEFT 
 B @ A is the merged change; bad settings are one line."""
 
 import json
+import os
 import pathlib
 import shutil
+import subprocess
 
 import jax
 import numpy as np
@@ -185,6 +187,39 @@ def test_the_peft_folder_is_peft_layout_and_its_product_is_the_merged_change(tra
     a, b = adapters[f'{stem}.lora_A.weight'], adapters[f'{stem}.lora_B.weight']
     assert a.shape == (8, base_weights[name].shape[1]) and b.shape == (base_weights[name].shape[0], 8)
     np.testing.assert_allclose(base_weights[name] + (16.0 / 8) * b @ a, merged_weights[name], atol=1e-5)
+
+
+# transformers' Llama and peft need torch, which the project's environments do not install (CI's machine has no room
+# for its 3 GB of CUDA wheels): TORCH_PYTHON names a python of an environment of its own that has torch,
+# transformers and peft (docs/lora.md), where this test loads both exports as a user would.
+TORCH_PYTHON = os.environ.get('TORCH_PYTHON')
+_LOAD_IN_TRANSFORMERS = """
+import sys
+import numpy as np, torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+merged, peft, tokens, merged_out, peft_out = sys.argv[1:]
+ids = torch.tensor(np.load(tokens))
+model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+np.save(merged_out, model(ids).logits.detach().numpy())
+base = AutoModelForCausalLM.from_pretrained(peft, dtype=torch.float32)
+np.save(peft_out, PeftModel.from_pretrained(base, peft + '/adapter')(ids).logits.detach().numpy())
+"""
+
+
+@pytest.mark.skipif(not TORCH_PYTHON, reason='TORCH_PYTHON: a python with torch, transformers and peft')
+def test_transformers_loads_the_merged_export_and_peft_the_adapter_with_the_runs_logits(trained, run_logits,
+                                                                                         tmp_path):
+  merged, peft = tmp_path / 'merged', tmp_path / 'peft'
+  export_hf.export(str(trained), str(merged), lora_mode='merge')
+  export_hf.export(str(trained), str(peft), lora_mode='peft')
+  _, _, tokens, want, _ = run_logits
+  np.save(tmp_path / 'tokens.npy', tokens)
+  outs = [tmp_path / 'merged_logits.npy', tmp_path / 'peft_logits.npy']
+  subprocess.run([TORCH_PYTHON, '-c', _LOAD_IN_TRANSFORMERS, str(merged), str(peft), str(tmp_path / 'tokens.npy'),
+                  *map(str, outs)], check=True, timeout=600, env={**os.environ, 'HF_HUB_OFFLINE': '1'})
+  for out in outs:
+    np.testing.assert_allclose(np.load(out), want, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize('change, words', [
