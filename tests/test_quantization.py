@@ -94,25 +94,41 @@ def test_a_model_without_quantizable_matmuls_is_refused_with_exit_2(tmp_path):
   assert vit_tiny.get_config().model.name == 'vit'
 
 
+def _tiny(mode, steps=STEPS):
+  c = tiny.get_config()
+  c.train.steps, c.train.compute_dtype, c.train.quantization = steps, 'bfloat16', mode  # Text: Python's stdlib.
+  c.train.eval_batches, c.log.every_steps, c.log.progress_bar = 0, 1, 'off'
+  return c
+
+
 @pytest.fixture(scope='module')
-def final_losses(tmp_path_factory):
-  """{mode: the last logged training loss} of the tiny config trained STEPS steps from one seed, per mode."""
+def trained(tmp_path_factory):
+  """(root, {mode: every step's training loss}) of the tiny config trained STEPS steps from one seed in ROOT/mode."""
   root = tmp_path_factory.mktemp('quantization')
   losses = {}
   for mode in (None, 'fp8', 'int8'):
-    c = tiny.get_config()
-    c.train.steps, c.train.compute_dtype, c.train.quantization = STEPS, 'bfloat16', mode  # Text: Python's stdlib.
-    c.train.eval_batches, c.log.every_steps, c.log.progress_bar = 0, 1, 'off'
-    loop.run(c, str(root / str(mode)), devices=jax.devices()[:1])
-    records = read_metrics(root / str(mode))
-    losses[mode] = [r['loss'] for r in records if 'loss' in r]
-  return losses
+    loop.run(_tiny(mode), str(root / str(mode)), devices=jax.devices()[:1])
+    losses[mode] = [r['loss'] for r in read_metrics(root / str(mode)) if 'loss' in r]
+  return root, losses
 
 
 @pytest.mark.parametrize('mode', ['fp8', 'int8'])
-def test_quantized_training_ends_within_2_percent_of_bf16(final_losses, mode):
-  bf16, quantized = final_losses[None], final_losses[mode]
+def test_quantized_training_ends_within_2_percent_of_bf16(trained, mode):
+  bf16, quantized = trained[1][None], trained[1][mode]
   assert len(quantized) == len(bf16) == STEPS
   assert bf16[-1] < 0.8 * bf16[0]  # The premise: the runs learn something in STEPS steps.
   assert abs(quantized[-1] - bf16[-1]) <= 0.02 * bf16[-1], (quantized[-1], bf16[-1])
   assert quantized != bf16  # The quantized matmuls ran: the losses are not bit-equal.
+
+
+def test_a_bf16_checkpoint_resumes_into_fp8_with_a_line_saying_so(trained, caplog):
+  root = trained[0]
+  config = _tiny('fp8', steps=STEPS + 2)
+  config.train.accept_schedule_change = True  # Two more steps move the cosine schedule: not what is tested here.
+  with caplog.at_level(logging.INFO, logger='absl'):
+    loop.run(config, str(root / 'None'), devices=jax.devices()[:1])
+  assert (f"Resuming step {STEPS}, saved with train.compute_dtype layer matmuls, with fp8 ones "
+          f"(train.quantization None -> 'fp8')") in caplog.text
+  losses = [r['loss'] for r in read_metrics(root / 'None') if 'loss' in r]
+  # The two fp8 steps started from the trained weights (a fresh model's loss is ln(256) = 5.5).
+  assert len(losses) == STEPS + 2 and max(losses[STEPS:]) < 0.8 * losses[0]

@@ -115,3 +115,16 @@ def quantize(model, mode: str | None):
 def is_layer_matmul(module_path: str) -> bool:
   """Whether a dot in the module at `module_path` ('layers/mlp/up') is quantized."""
   return re.fullmatch(LAYER_MATMULS, module_path) is not None
+
+
+def resume_note(step: int, saved_mode: str | None, mode: str | None) -> str | None:
+  """The line a resume logs when train.quantization changed since checkpoint `step`; None when it did not.
+
+  Current scaling keeps no state: the checkpoint's float32 master weights are all either precision needs.
+  """
+  if saved_mode == mode:
+    return None
+  name = lambda m: m or 'train.compute_dtype'
+  return (f'Resuming step {step}, saved with {name(saved_mode)} layer matmuls, with {name(mode)} ones '
+          f'(train.quantization {saved_mode!r} -> {mode!r}): the same float32 weights; current scaling has no '
+          f'scaling state to restore.')
