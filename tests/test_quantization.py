@@ -9,6 +9,7 @@ TPU would compute, within rounding of the accumulation order).
 
 import logging
 import re
+import sys
 import types
 
 import jax
@@ -16,8 +17,9 @@ import jax.numpy as jnp
 import pytest
 
 from configs import tiny, vit_tiny
-from conftest import read_metrics, run_launcher
+from conftest import REPO, read_metrics, run_launcher, run_python
 from trainer.base.errors import UserError
+from trainer.memory import gpu_targets
 from trainer.models import llama, quantization
 from trainer.run import loop
 
@@ -132,3 +134,14 @@ def test_a_bf16_checkpoint_resumes_into_fp8_with_a_line_saying_so(trained, caplo
   losses = [r['loss'] for r in read_metrics(root / 'None') if 'loss' in r]
   # The two fp8 steps started from the trained weights (a fresh model's loss is ln(256) = 5.5).
   assert len(losses) == STEPS + 2 and max(losses[STEPS:]) < 0.8 * losses[0]
+
+
+@pytest.mark.skipif(not gpu_targets.cuda_plugin_installed(),
+                    reason="needs jax's CUDA plugin: pip install -r requirements-gpu-plan.txt")
+def test_llama_1b_compiled_for_an_h100_runs_its_layer_matmuls_as_fp8_in_no_more_memory():
+  run = run_python([sys.executable, str(REPO / 'benchmarks' / 'bench_quantization.py'), '--batch_size=1'], timeout=900)
+  assert run.returncode == 0, run.stderr[-3000:]
+  shares = dict(re.findall(r'^(bf16|fp8): layer matmul FLOPs in fp8 dots ([\d.]+)%', run.stdout, re.M))
+  memory = dict(re.findall(r'^(bf16|fp8): .*compiled step ([\d.]+) GiB', run.stdout, re.M))
+  assert float(shares['bf16']) == 0 and float(shares['fp8']) >= 90, run.stdout
+  assert float(memory['fp8']) <= float(memory['bf16']), run.stdout
