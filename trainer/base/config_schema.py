@@ -117,7 +117,7 @@ SCHEMA: dict[str, Check] = {
     'train.muon_beta': FRACTION, 'train.muon_ns_steps': integer(1, 1000), 'train.muon_consistent_rms': POSITIVE,
     'train.sgd_momentum': FRACTION, 'train.sgd_nesterov': BOOL, 'train.ema_decay': FRACTION,
     'train.grad_clip_norm': NON_NEGATIVE, 'train.compute_dtype': one_of('auto', *DTYPES),
-    'train.param_dtype': one_of(*DTYPES),
+    'train.param_dtype': one_of(*DTYPES), 'train.quantization': optional(one_of('fp8', 'int8')),
     'train.remat_policy': one_of('auto', 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable',
                                  'save_qkv_proj', 'save_attention_and_mlp_hidden'),
     'train.adam_mu_dtype': one_of(*DTYPES), 'train.device_memory_gb': optional(POSITIVE),

@@ -37,7 +37,7 @@ from trainer import attention as attention_lib
 from trainer import pipeline as pipeline_lib
 from trainer.base.errors import UserError
 from trainer.base.precision import compute_dtype
-from trainer.models import checkpoint_policies, kv_cache, layer_scan, lora, sown
+from trainer.models import checkpoint_policies, kv_cache, layer_scan, lora, quantization, sown
 from trainer.models import moe as moe_lib
 
 # What each block keeps for the backward pass; everything else is recomputed there.
@@ -434,7 +434,12 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     moe_fields['moe'] = moe_lib.for_platform(moe_fields['moe'], platform)  # The experts' kernel of the devices.
     logging.info(moe_lib.dispatch_note(moe_fields['moe'], platform))
-  model = Llama(LlamaConfig(
+  mode = config.train.get('quantization')  # A run's config.json from before the key has none.
+  quantization.check(mode, mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
+  if mode and lora.enabled(m):  # Two Qwix providers on one model: not combined here (yet).
+    raise UserError(f'train.quantization={mode!r} with model.lora_rank={m.lora_rank}: quantized LoRA is not supported '
+                    f'yet; set train.quantization=None, or model.lora_rank=0.')
+  model = quantization.quantize(Llama(LlamaConfig(
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
       head_dim_override=m.get('head_dim', 0),
       vocab_size=m.vocab_size, num_kv_heads=m.num_kv_heads, tie_embeddings=m.tie_embeddings,
@@ -448,5 +453,5 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
       remat_policy=config.train.remat_policy, scan_layers=layer_scan.scans(m), attention=m.attention,
       context_scheme=m.get('context_scheme', 'auto'),
       max_segments=config.data.max_documents_per_row if config.data.packing else None, mesh=mesh, rules=tuple(rules),
-      pipeline=pipeline_lib.from_config(config.train, mesh), **moe_fields))
+      pipeline=pipeline_lib.from_config(config.train, mesh), **moe_fields)), mode)
   return lora.wrap(model, m) if lora.enabled(m) else model  # model.lora_rank > 0: adapters on model.lora_targets.

@@ -38,6 +38,7 @@ from trainer import attention
 from trainer.base import storage
 from trainer.base.errors import UserError
 from trainer.safety import checksums
+from trainer.models import quantization
 from trainer.safety import damaged as damaged_lib
 from trainer.safety import disk
 from trainer.supervision import attempt
@@ -290,6 +291,10 @@ class Checkpointer:
       if training:  # A tool reading the parameters (export, sample) applies no schedule.
         _check_schedule(step, saved, manifest)
       changes = safe_differences(saved, manifest)
+      quantized = quantization.resume_note(step, *(m.get('config', {}).get('train', {}).get('quantization')
+                                                   for m in (saved, manifest)))
+      if quantized and training:
+        logging.info(quantized)
       if changes:
         logging.info('%s step %d with %d setting(s) changed since it was saved: %s',
                      'Resuming' if training else 'Reading', step, len(changes), '; '.join(changes))

@@ -42,7 +42,7 @@ from parallel import param_names, sharding
 from trainer import pipeline
 from trainer.base import precision
 from trainer.base.errors import UserError
-from trainer.models import adapters, call_convention, lora, registry, sown
+from trainer.models import adapters, call_convention, lora, quantization, registry, sown
 from trainer.training import objectives
 
 Batch = objectives.Batch
@@ -177,6 +177,7 @@ def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
   if made_for is not None and made_for != config.model.task:
     raise UserError(f"model.name={name!r} is a {made_for!r} model but model.task={config.model.task!r}; "
                     f"set --config.model.task={made_for}.")
+  quantization.require_quantizable(config.train.get('quantization'), name)
   objective = objectives.for_config(config.model, config.data, config.train)
   builder = registry.resolve(name)
   under_jit = config.parallel.strategy == 'jit'
