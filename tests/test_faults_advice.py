@@ -34,8 +34,8 @@ def test_the_non_finite_stops_advice_followed_as_printed_resumes(tmp_path, text_
                          '--config.log.every_steps=1', '--config.train.learning_rate=1e-4'], timeout=240)
   assert followed.returncode == 0, followed.stderr[-3000:]
   assert 'Resuming from checkpoint at step 4 ' in followed.stderr
-  assert re.search(r'Resuming step 4: train.learning_rate 0.003 -> 0.0001 since checkpoint 4 move the '
-                   r'learning-rate schedule.*taken as deliberate, since --config.train.learning_rate was given on '
+  assert re.search(r'Resuming step 4: train.learning_rate 0.003 -> 0.0001 since checkpoint 4: the '
+                   r'learning-rate schedule moves.*taken as deliberate, since --config.train.learning_rate was given on '
                    r'the command line', followed.stderr), followed.stderr[-3000:]
   assert _saved(tmp_path) == [4, 8]
 

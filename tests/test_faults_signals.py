@@ -49,13 +49,13 @@ def _patch(name, module):
         _hold(3)
       return original_inject(fault, step, where)
     module.inject = inject
-  if _where == 'final_eval' and name == 'trainer.run.loop':
-    original_eval = module._evaluate
+  if _where == 'final_eval' and name == 'trainer.run.evaluation':
+    original_eval = module.held_out
     def evaluate(*args):
       _marker('final eval')
       _hold(3)
       return original_eval(*args)
-    module._evaluate = evaluate
+    module.held_out = evaluate
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -66,7 +66,7 @@ class _Finder(importlib.abc.MetaPathFinder):
     if name == held and 'trainer.safety.startup_signals' in sys.modules:
       _marker(f'import of {name}')
       _hold(60)  # Inside the import machinery, where a raised exception became an ImportError.
-    if name not in ('trainer.run.preflight', 'trainer.supervision.faults', 'trainer.run.loop'):
+    if name not in ('trainer.run.preflight', 'trainer.supervision.faults', 'trainer.run.evaluation'):
       return None
     sys.meta_path.remove(self)
     try:
