@@ -78,7 +78,7 @@ def bench(size_mb: int, steps: int, async_save: bool, root: pathlib.Path, workdi
   state = job.init_state(0)
   iterator = data.train_iterator_for(config)
   batch = data.to_global(next(iterator), job.batch_shardings, 1)
-  manifest = checkpoint.run_manifest(config, job.abstract, job.mesh)
+  manifest = manifests.run_manifest(config, job.abstract, job.mesh)
   workdir = f'{workdir_root or root}/run_{size_mb}_{"async" if async_save else "sync"}'
   ckpt = checkpoint.Checkpointer(str(workdir), config.ckpt)
 

@@ -24,6 +24,7 @@ from trainer.base.errors import UserError
 from trainer.models import llama
 from trainer.run import job as job_lib
 from trainer.training import checkpoint
+from trainer.training import manifest as manifests
 
 B, L, H, G, K = 2, 128, 2, 1, 16  # Small: splash in interpret mode runs its grid in Python.
 # Row 0: three documents; row 1: one document then a padding run of zeros (its own segment).
@@ -81,7 +82,7 @@ def test_named_kernel_fails_in_the_model_builder_and_the_manifest_records_the_ch
     job_lib.build_job(config)
   config.model.attention = 'auto'
   job = job_lib.build_job(config)
-  entry = checkpoint.run_manifest(config, job.abstract, job.mesh)['attention']
+  entry = manifests.run_manifest(config, job.abstract, job.mesh)['attention']
   assert entry == {'setting': 'auto', 'kernel': 'xla', 'reason': 'no fused kernel on cpu'}
 
 

@@ -20,6 +20,7 @@ from trainer import data
 from trainer.base.errors import UserError
 from trainer.run import job as job_lib
 from trainer.training import checkpoint
+from trainer.training import manifest as manifests
 
 
 @pytest.fixture(scope='module')
@@ -43,7 +44,7 @@ def _iterator(config):
 def _save(workdir, config, steps=(7,), devices=None):
   """Saves the initial state of seed 0, its `step` field set, at each of `steps`; returns the host copy of the last."""
   job = job_lib.build_job(config, devices)
-  manifest = checkpoint.run_manifest(config, job.abstract, job.mesh)
+  manifest = manifests.run_manifest(config, job.abstract, job.mesh)
   ckpt = checkpoint.Checkpointer(str(workdir), config.ckpt)
   iterator = _iterator(config)
   initial = job.init_state(0)
@@ -213,7 +214,7 @@ def test_manifest_records_the_run_and_logs_the_changes(saved_2x4, text_dir, capl
   job = job_lib.build_job(other, jax.devices()[:4])
   with caplog.at_level(std_logging.INFO):
     assert checkpoint.Checkpointer(str(tmp_path), other.ckpt).resumable_steps(
-        checkpoint.run_manifest(other, job.abstract, job.mesh)) == [7]
+        manifests.run_manifest(other, job.abstract, job.mesh)) == [7]
   assert "config.train.steps: 8 -> 50" in caplog.text
   assert 'train.steps 8 -> 50 since checkpoint 7: the learning-rate schedule moves' in caplog.text
   assert "strategy: 'jit' -> 'pmap'" in caplog.text
@@ -223,14 +224,14 @@ def test_manifest_records_the_run_and_logs_the_changes(saved_2x4, text_dir, capl
   job = job_lib.build_job(bigger_vocab)
   with pytest.raises(UserError, match='different model .*model.vocab_size: checkpoint 256 vs config 512'):
     checkpoint.Checkpointer(str(tmp_path), config.ckpt).check_compatible(
-        7, checkpoint.run_manifest(bigger_vocab, job.abstract, job.mesh))
+        7, manifests.run_manifest(bigger_vocab, job.abstract, job.mesh))
 
   lion = _config(text_dir, train__optimizer='lion')
   job = job_lib.build_job(lion)
   with pytest.raises(UserError, match=r"trained with train.optimizer='adamw', not 'lion': resume with "
                                       r"--config.train.optimizer=adamw"):
     checkpoint.Checkpointer(str(tmp_path), config.ckpt).check_compatible(
-        7, checkpoint.run_manifest(lion, job.abstract, job.mesh))
+        7, manifests.run_manifest(lion, job.abstract, job.mesh))
 
 
 def test_keep_period_keeps_old_multiples_beyond_max_to_keep(tmp_path, text_dir):
@@ -252,6 +253,7 @@ from configs import tiny
 from trainer import data
 from trainer.run import job as job_lib
 from trainer.training import checkpoint
+from trainer.training import manifest as manifests
 config = tiny.get_config()
 config.data.text_dir = {text_dir!r}
 config.mesh.data, config.mesh.fsdp = 1, 8  # (1, 8, 1) over 2 processes x 4 devices: each holds only its shards.
@@ -259,7 +261,7 @@ job = job_lib.build_job(config)
 state = job.init_state(5)
 iterator = data.train_iterator_for(config, jax.process_index(), 2)
 ckpt = checkpoint.Checkpointer({workdir!r}, config.ckpt)
-ckpt.save(5, state, iterator, checkpoint.run_manifest(config, job.abstract, job.mesh), force=True)
+ckpt.save(5, state, iterator, manifests.run_manifest(config, job.abstract, job.mesh), force=True)
 ckpt.close()
 '''
 

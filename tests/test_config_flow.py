@@ -23,7 +23,7 @@ CHECKS = {'validation.validate_config', 'validation.validate_strategy', 'validat
 MEMORY = {'remat.resolve', 'remat.fingerprint', 'remat._with', 'remat._search', 'remat.step_bytes',
           'measure.with_overrides', 'measure.loss_chunks_worth_trying', 'job._candidate_bytes'}
 # What records the run: the checkpoint manifest and TensorBoard's copy of the config.
-RECORDS = {'checkpoint.run_manifest', 'metrics.MetricsWriter.write_config'}
+RECORDS = {'manifest.run_manifest', 'metrics.MetricsWriter.write_config'}
 # The model builder's contract (docs/bring_your_own_model.md): `build(config)` / `MyModel(config, *, rngs)` get the
 # whole locked config, the built-in models too.
 MODELS = {'task.build_task', 'task._require_chunkable_model', 'task._brought_model_keywords', 'adapters.adapt',

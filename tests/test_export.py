@@ -13,6 +13,7 @@ from conftest import REPO, run_python
 from trainer import data
 from trainer.run import job as job_lib
 from trainer.training import checkpoint
+from trainer.training import manifest as manifests
 
 READER = '''
 import json, sys
@@ -42,7 +43,7 @@ def test_export_writes_params_only_readable_by_plain_orbax(tmp_path):
   state = job.init_state(3)
   ckpt = checkpoint.Checkpointer(str(tmp_path / 'run'), config.ckpt)
   iterator = data.train_iterator_for(config)
-  ckpt.save(6, state, iterator, checkpoint.run_manifest(config, job.abstract, job.mesh), force=True)
+  ckpt.save(6, state, iterator, manifests.run_manifest(config, job.abstract, job.mesh), force=True)
   ckpt.close()
   expected = {jax.tree_util.keystr(p): np.asarray(v)
               for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]}

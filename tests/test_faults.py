@@ -24,6 +24,7 @@ from trainer.base.errors import UserError
 from trainer.run import job as job_lib
 from trainer.safety import checksums, disk
 from trainer.training import checkpoint
+from trainer.training import manifest as manifests
 
 TINY = '--config=configs/tiny.py'
 
@@ -218,7 +219,7 @@ def test_an_unrestorable_newest_step_is_moved_aside_so_it_can_be_saved_again(tra
   config = tiny.get_config()
   config.data.text_dir = str(text_dir)
   job, ckpt = _checkpointer(tmp_path, config)
-  manifest = checkpoint.run_manifest(config, job.abstract, job.mesh)
+  manifest = manifests.run_manifest(config, job.abstract, job.mesh)
   iterator = data.train_iterator_for(config)
   steps = ckpt.resumable_steps(manifest)
   step, state = ckpt.restore_newest_intact(steps, sharding.with_shardings(job.abstract, job.shardings), iterator)
@@ -279,7 +280,7 @@ def test_a_changed_file_anywhere_in_the_newest_checkpoint_sets_it_aside_for_the_
   config = tiny.get_config()
   config.data.text_dir = str(text_dir)
   job, ckpt = _checkpointer(tmp_path, config)
-  manifest = checkpoint.run_manifest(config, job.abstract, job.mesh)
+  manifest = manifests.run_manifest(config, job.abstract, job.mesh)
   iterator = data.train_iterator_for(config)
   with caplog.at_level(std_logging.WARNING):
     steps = ckpt.resumable_steps(manifest)
@@ -302,7 +303,7 @@ def test_a_checkpoint_saved_without_checksums_still_restores_and_a_sync_save_rec
   config = tiny.get_config()
   config.data.text_dir, config.ckpt.async_save = str(text_dir), False
   job, ckpt = _checkpointer(tmp_path, config)
-  manifest = checkpoint.run_manifest(config, job.abstract, job.mesh)
+  manifest = manifests.run_manifest(config, job.abstract, job.mesh)
   iterator = data.train_iterator_for(config)
   with caplog.at_level(std_logging.DEBUG):
     step, state = ckpt.restore_newest_intact(ckpt.resumable_steps(manifest),

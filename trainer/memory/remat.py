@@ -64,7 +64,7 @@ class Choice:
   loss_chunks: int = 1  # train.loss_chunks chosen with the policy (1 = the whole logits at once).
 
   def record(self) -> dict:
-    """For the run manifest (checkpoint.run_manifest's 'memory' entry)."""
+    """For the run manifest (manifest.run_manifest's 'memory' entry)."""
     return dataclasses.asdict(self)
 
 

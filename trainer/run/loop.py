@@ -30,6 +30,7 @@ from trainer.run import job as job_lib
 from trainer.safety import guardrails, preemption, startup_signals
 from trainer.supervision import attempt, faults, hang, notices, stragglers
 from trainer.training import checkpoint, objectives, optimizer
+from trainer.training import manifest as manifests
 
 
 # Step metrics the window summarizes itself, or that are for the guardrails only.
@@ -125,7 +126,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   logging.info('Data: %s (read in %.1fs)', inputs.description, time.perf_counter() - t_data)
   downstream = evals_lib.build(config.eval, job, workdir) if 'eval' in config else None  # Task files checked now.
   trackers = trackers_lib.build(config.log, workdir, enabled=process_index == 0)  # log.trackers checked now.
-  manifest = {**checkpoint.run_manifest(config, abstract, mesh), 'memory': job.memory.record()}
+  manifest = {**manifests.run_manifest(config, abstract, mesh), 'memory': job.memory.record()}
   # Before compiling: a foreign or unreadable workdir should fail in seconds, not minutes. (Only damaged steps are
   # moved aside here, and kept; intact checkpoints are only read.)
   ckpt = None if start_over else checkpoint.Checkpointer(workdir, config.ckpt)

@@ -22,7 +22,6 @@ import json
 import logging as std_logging
 import os
 import pathlib
-import subprocess
 import sys
 import time
 from typing import Any
@@ -32,22 +31,15 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from configs import base as base_config
 from parallel import sharding
-from trainer import attention
 from trainer.base import storage
 from trainer.base.errors import UserError
-from trainer.safety import checksums
 from trainer.models import quantization
+from trainer.safety import checksums, disk
 from trainer.safety import damaged as damaged_lib
-from trainer.safety import disk
 from trainer.supervision import attempt
+from trainer.training import manifest as manifests
 
-# Settings that change what a checkpoint means; any other difference is safe and only logged.
-_UNSAFE_SECTIONS = ('model',)
-# Model keys that change how the step computes, never the parameters: a run may resume under another value.
-# init_from only seeds a fresh run (a resumed one never reads it), so a moved or re-exported folder is no other model.
-_KERNEL_ONLY_KEYS = ('attention', 'context_scheme', 'init_from')
 _TMP_MARK = '.orbax-checkpoint-tmp'
 # Where Orbax's JsonSave of the 'manifest' item puts it in a step folder (tests/test_gcs.py lists the object).
 _MANIFEST_FILE = 'manifest/metadata'
@@ -55,132 +47,6 @@ _MANIFEST_FILE = 'manifest/metadata'
 # one small compile on the first save (7 s for the tiny model's 500 slices on 8 CPU devices). In one process
 # every slice is written by the same host anyway, so there it is kept for big slices only.
 _MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL = 4 << 20
-
-
-def param_shapes(params) -> dict[str, list[int]]:
-  """{'block_0/mlp/up/kernel': [d, f], ...}: the shape signature of a parameter tree."""
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  return {sharding.path_name(path): list(leaf.shape) for path, leaf in flat}
-
-
-def _git_commit() -> str | None:
-  repo = pathlib.Path(__file__).resolve().parents[2]
-  try:
-    out = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=repo, capture_output=True, text=True, timeout=5)
-  except (OSError, subprocess.SubprocessError):
-    return None
-  return (out.stdout.strip() or None) if out.returncode == 0 else None
-
-
-def run_manifest(config, abstract, mesh) -> dict[str, Any]:
-  """What a checkpoint was made from; compared on resume (see `Checkpointer.check_compatible`)."""
-  import flax, jaxlib, optax, grain as grain_lib  # noqa: E401  (versions only)
-  return {
-      'model': config.model.to_dict(),
-      'param_shapes': param_shapes(abstract.params),
-      'mesh': dict(mesh.shape),
-      'device_count': mesh.size,
-      'strategy': config.parallel.strategy,
-      'attention': _attention_entry(config.model, config.data, config.train.compute_dtype, mesh),
-      'process_count': jax.process_count(),
-      'versions': {m.__name__: m.__version__ for m in (jax, jaxlib, flax, optax, ocp, grain_lib)},
-      'xla_flags': os.environ.get('XLA_FLAGS', ''),
-      'libtpu_init_args': os.environ.get('LIBTPU_INIT_ARGS', ''),
-      'git_commit': _git_commit(),
-      'config': json.loads(config.to_json_best_effort()),
-  }
-
-
-def _attention_entry(model, data, compute_dtype: str, mesh) -> dict[str, str]:
-  """model.attention and, for the built-in models, the kernel it runs on this mesh and why."""
-  choice = attention.check_config(model, data, compute_dtype, mesh)
-  if choice is None:
-    return {'setting': model.attention, 'kernel': 'chosen per call by the model'}
-  return {'setting': choice.setting, 'kernel': choice.kernel, 'reason': choice.reason}
-
-
-def _flat(tree: Any, prefix: str = '') -> dict[str, Any]:
-  if isinstance(tree, dict):
-    return {k: v for key, sub in tree.items() for k, v in _flat(sub, f'{prefix}{key}.').items()}
-  return {prefix[:-1]: tree.tolist() if hasattr(tree, 'tolist') else tree}
-
-
-def safe_differences(saved: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
-  """Human-readable differences the resume tolerates: mesh, devices, strategy, schedule, versions, ..."""
-  keys = ('mesh', 'device_count', 'strategy', 'versions', 'xla_flags', 'git_commit')
-  old = {**{k: saved.get(k) for k in keys}, **_flat(saved.get('config', {}), 'config.')}
-  new = {**{k: manifest.get(k) for k in keys}, **_flat(manifest.get('config', {}), 'config.')}
-  skip = tuple(f'config.{s}.' for s in _UNSAFE_SECTIONS)
-  return [f'{k}: {old.get(k)!r} -> {new.get(k)!r}' for k in sorted(old.keys() | new.keys())
-          if not k.startswith(skip) and _normal(old.get(k)) != _normal(new.get(k))]
-
-
-def _check_schedule(step: int, saved: dict[str, Any], manifest: dict[str, Any]) -> None:
-  """Refuses a resume whose changed train.* settings move the learning rate at the resume step, unless accepted."""
-  saved_train, train = saved.get('config', {}).get('train'), manifest['config'].get('train')
-  if not saved_train or not train or saved_train == train:
-    return
-  import ml_collections
-  from trainer.training import optimizer
-  config = ml_collections.ConfigDict(train)
-  moved = optimizer.schedule_change(saved_train, config, step)
-  if moved is None:
-    return
-  changed = ', '.join(f'train.{k} {saved_train.get(k)!r} -> {v!r}' for k, v in sorted(train.items())
-                      if k in saved_train and saved_train[k] != v and k != 'accept_schedule_change')
-  what = (f'{changed or "train.* settings"} since checkpoint {step}: the learning-rate schedule moves: at step '
-          f'{step + 1} it becomes {moved[1]:.3g} instead of {moved[0]:.3g}')
-  if config.get('accept_schedule_change', False):
-    logging.warning('Resuming step %d: %s (accepted: train.accept_schedule_change=True).', step, what)
-    return
-  changed_keys = {k for k, v in train.items() if k in saved_train and saved_train[k] != v}
-  if changed_keys == {'learning_rate'} and _given_on_command_line('train.learning_rate'):
-    # What the non-finite stop advises ("lower train.learning_rate"): typed on the relaunch, it is the user's choice.
-    logging.warning('Resuming step %d: %s; taken as deliberate, since --config.train.learning_rate was given on the '
-                    'command line.', step, what)
-    return
-  raise UserError(f'{what}, a jump the run never had. Relaunch with --config.train.accept_schedule_change=True to '
-                  f'take it, or with the checkpoint\'s values to keep the schedule it was trained on.')
-
-
-def _given_on_command_line(key: str) -> bool:
-  """Whether launch.py's command line set --config.KEY (this process's own flags: what the user typed)."""
-  return any(arg.lstrip('-').startswith(f'config.{key}=') for arg in sys.argv[1:])
-
-
-def _check_same_average(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
-  """A parameter average is in the saved state or not: train.ema_decay may change its value, not turn it on or off."""
-  before = saved.get('config', {}).get('train', {}).get('ema_decay', 0.0) or 0.0
-  now = manifest.get('config', {}).get('train', {}).get('ema_decay', 0.0) or 0.0
-  if bool(before) != bool(now):
-    kept = 'keep a parameter average' if before else 'keep no parameter average'
-    raise UserError(f'--workdir {directory.parent} was trained with train.ema_decay={before}, so its checkpoints '
-                    f'{kept}; resume with --config.train.ema_decay={before if before else 0}'
-                    f'{" (any value in (0, 1) works)" if before else ""}, or use a fresh --workdir for '
-                    f'train.ema_decay={now}.')
-
-
-def _check_same_objective(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
-  """A DPO run's checkpoints hold its reference parameters, another run's none: train.objective stays as it was."""
-  before, now = (m.get('config', {}).get('train', {}).get('objective', 'task') for m in (saved, manifest))
-  if (before == 'dpo') != (now == 'dpo'):
-    raise UserError(f'--workdir {directory.parent} was trained with train.objective={before!r}; resume with '
-                    f'--config.train.objective={before}, or start train.objective={now!r} in a fresh --workdir '
-                    f'(from an exported checkpoint: scripts/export_hf.py, then model.init_from=hf:FOLDER).')
-
-
-def _check_same_optimizer(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
-  """Another optimizer's state cannot be restored into this one's (a schedule change can, and is logged)."""
-  # Checkpoints written before train.optimizer existed were AdamW's.
-  before = saved.get('config', {}).get('train', {}).get('optimizer', 'adamw')
-  now = manifest.get('config', {}).get('train', {}).get('optimizer', 'adamw')
-  if before != now:
-    raise UserError(f'--workdir {directory.parent} was trained with train.optimizer={before!r}, not {now!r}: resume '
-                    f'with --config.train.optimizer={before}, or use a fresh --workdir to start with {now!r}.')
-
-
-def _normal(value):
-  return list(value) if isinstance(value, tuple) else value
 
 
 class _OverrideWarning(std_logging.Filter):
@@ -199,11 +65,6 @@ def _without_override_warning():
     yield
   finally:
     logger.removeFilter(quiet)
-
-
-def _as_saved(value):
-  """A config value as the manifest's JSON gives it back (tuples come back as lists)."""
-  return json.loads(json.dumps(value))
 
 
 class Checkpointer:
@@ -289,8 +150,8 @@ class Checkpointer:
         continue
       self.check_compatible(step, manifest)  # Unsafe differences refuse; the others are logged here:
       if training:  # A tool reading the parameters (export, sample) applies no schedule.
-        _check_schedule(step, saved, manifest)
-      changes = safe_differences(saved, manifest)
+        manifests.check_schedule(step, saved, manifest)
+      changes = manifests.safe_differences(saved, manifest)
       quantized = quantization.resume_note(step, *(m.get('config', {}).get('train', {}).get('quantization')
                                                    for m in (saved, manifest)))
       if quantized and training:
@@ -321,20 +182,7 @@ class Checkpointer:
     except Exception as e:  # Any failure here means we cannot trust this checkpoint for resuming.
       raise UserError(f'checkpoint {self.directory / str(step)} has no readable manifest ({type(e).__name__}); '
                       f'it was not written by this launcher or is damaged. Use a fresh --workdir.') from e
-    # A key newer than the checkpoint (absent from its manifest) is what the key's default says: the model it built.
-    defaults = base_config.get_config().model.to_dict()
-    diffs = [f'model.{k}: checkpoint {saved["model"].get(k)!r} vs config {v!r}'
-             for k, v in manifest['model'].items()
-             if saved['model'].get(k, _as_saved(defaults.get(k))) != _as_saved(v) and k not in _KERNEL_ONLY_KEYS]
-    if not diffs and saved['param_shapes'] != manifest['param_shapes']:
-      diffs = ['parameter shapes differ']
-    if diffs:
-      raise UserError(f'--workdir holds checkpoints of a different model ({"; ".join(diffs[:4])}) in '
-                      f'{self.directory}. Resume with the config it was trained with, or use a fresh --workdir; '
-                      f'nothing was changed.')
-    _check_same_optimizer(saved, manifest, self.directory)
-    _check_same_average(saved, manifest, self.directory)
-    _check_same_objective(saved, manifest, self.directory)
+    manifests.check_same_model(saved, manifest, self.directory)
     # Another process count is fine: the data position is a count of global examples (trainer/data/pipeline.py).
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator, manifest: dict[str, Any],
