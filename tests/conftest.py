@@ -69,17 +69,19 @@ def compile_cache():
   compilation_cache.enable(CACHE_ENV['JAX_COMPILATION_CACHE_DIR'])
 
 
-# Each file's wall seconds in a fresh-clone run of the README's test command (run 35, `-n 3`, 2-core machine;
+# Each file's wall seconds in a fresh-clone run of the README's test command (run 43, `-n 3`, 2-core machine;
 # benchmarks/pytest_cpu.py's timeline). `--dist loadfile` hands whole files to the test processes in collection
 # order; pytest-xdist's own order (most tests first) left test_faults_gcs.py (3 tests, 132 s of waiting on a lost
 # bucket) to start last, and one process ran alone for its last 70 s. Longest first, the rest after them as collected.
 FILE_WALL_S = {
-    'test_supervisor.py': 271, 'test_docs.py': 233, 'test_brought_models.py': 154, 'test_faults_group.py': 152,
-    'test_faults_gcs.py': 134, 'test_pipeline.py': 90, 'test_context_training.py': 61, 'test_gcs.py': 58,
-    'test_strategies.py': 56, 'test_memory.py': 53, 'test_optimizers.py': 53, 'test_presets.py': 51,
-    'test_multiprocess.py': 49, 'test_bench_gpu.py': 43, 'test_faults_group_signals.py': 40, 'test_step.py': 37,
-    'test_sample.py': 37, 'test_faults_more.py': 34, 'test_expert_axis.py': 33, 'test_preemption.py': 30,
-    'test_faults_signals.py': 28, 'test_context_attention.py': 27,
+    'test_supervisor.py': 296, 'test_docs.py': 277, 'test_brought_models.py': 196, 'test_faults_group.py': 159,
+    'test_faults_gcs.py': 143, 'test_optimizers.py': 110, 'test_pipeline.py': 106, 'test_strategies.py': 83,
+    'test_presets.py': 77, 'test_context_training.py': 71, 'test_multiprocess.py': 64, 'test_sample.py': 63,
+    'test_dpo.py': 61, 'test_memory.py': 58, 'test_evals_script.py': 54, 'test_bench_gpu.py': 52, 'test_gcs.py': 44,
+    'test_lora.py': 43, 'test_expert_axis.py': 43, 'test_faults_more.py': 40, 'test_preemption.py': 39,
+    'test_context_attention.py': 39, 'test_launch_gke.py': 39, 'test_faults_signals.py': 37, 'test_step.py': 36,
+    'test_faults_group_signals.py': 34, 'test_attention.py': 31, 'test_faults.py': 29, 'test_moe.py': 29,
+    'test_quantization.py': 28,
 }
 
 

@@ -17,6 +17,8 @@ RUN = {'loop.run', 'loop._run', 'loop._active_params', 'plan.run', 'plan._run', 
 CHECKS = {'validation.validate_config', 'validation.validate_strategy', 'validation.validate_grad_accum',
           'validation._check_context', 'validation._check_loss_chunks', 'pipeline_checks.check_config',
           'pipeline_checks._check_layers',
+          'validation._check_preference',  # DPO against the data source, strategy, pipeline and loss chunks.
+          'lora.check_config',  # LoRA against the model, its layer count and the pipeline.
           'config_schema.check', 'config_schema.problems', 'config_schema._get'}  # Every key's type and range.
 # remat 'auto', made while the Job is built: candidates are copies of the config with other train settings, and
 # the memory-relevant keys of every section are its fingerprint.
