@@ -64,6 +64,7 @@ def bench(size_mb: int, steps: int, async_save: bool, root: pathlib.Path, workdi
 
   from parallel import sharding
   from trainer.training import checkpoint
+  from trainer.training import manifest as manifests
   from trainer import data
   from trainer.base import storage
   from trainer.run import job as job_lib

@@ -454,7 +454,7 @@ def restore_for_tool(job, workdir: str, step: int | None = None) -> tuple[int, A
   """
   ckpt = Checkpointer(workdir, job.config.ckpt, move_damaged=False)  # The run may still be writing there.
   try:
-    steps = ckpt.resumable_steps(run_manifest(job.config, job.abstract, job.mesh), training=False)
+    steps = ckpt.resumable_steps(manifests.run_manifest(job.config, job.abstract, job.mesh), training=False)
     if step is not None:
       if step not in ckpt.all_steps():
         raise UserError(f'--step={step}: no such checkpoint in {ckpt.directory} (have {ckpt.all_steps()}); give one '
