@@ -53,9 +53,12 @@ def test_write_permission_lost_mid_run_exits_2_within_seconds_of_its_line(text_d
   assert locked == [True]
   assert result.returncode == 2, result.stderr[-3000:]
   [(said_at, line)] = [(t, l) for t, l in lines if l.startswith('launch.py: error:')]
-  assert 'could not save step 10' in line and 'step 5, is intact' in line, line
+  # The first save after the lock fails: step 10, or a later one where a loaded machine let the run pass step 10
+  # before this test read step 6's line.
+  failed = int(re.search(r'could not save step (\d+)', line).group(1))
+  assert failed >= 10 and failed % 5 == 0 and f'step {failed - 5}, is intact' in line, line
   assert lines[-1][0] - said_at < 20, f'exited {lines[-1][0] - said_at:.0f}s after its line'
-  assert (checkpoints / '5').is_dir()
+  assert (checkpoints / str(failed - 5)).is_dir()
 
 
 HELD_SHUTDOWN = f'''
