@@ -29,7 +29,7 @@ import os
 
 from absl import logging
 
-from trainer.base import storage
+from trainer.base import confined, storage
 
 FILE = 'checksums.json'
 # Written by Orbax after the checksums (see the docstring); neither holds the state, the data position or the manifest.
@@ -49,9 +49,7 @@ def record(folder: storage.Path) -> None:
   if storage.is_cloud(folder):
     (folder / FILE).write_text(text)  # One object write: it is there whole or not at all.
     return
-  partial = folder / f'{FILE}.partial'
-  partial.write_text(text)
-  os.replace(partial, folder / FILE)
+  confined.write_text(folder / FILE, text)  # Whole, under a temporary name nobody can guess; never through a link.
 
 
 def verify(folder: storage.Path) -> None:
