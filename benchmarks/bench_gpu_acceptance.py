@@ -2,6 +2,7 @@
 
   python benchmarks/bench_gpu_acceptance.py --out=$OUT [--launches=5] [--budget_s=480] [--rows=moe_b8,gpt2_b64]
   python benchmarks/bench_gpu_acceptance.py --out=/tmp/acc --smoke      # CPU: configs/tiny.py, shrunk rows, seconds
+  python benchmarks/bench_gpu_acceptance.py --out=$OUT --launches=0 --quantization_steps=200   # issue 56's row
 
 1. `launch.py --config=configs/default.py --max_restarts=0` `--launches` times, each a fresh process and workdir
    (under the system's temporary folder, removed after): exit codes, the last stderr line of each failure, and
@@ -12,6 +13,9 @@
    fails (out of memory) is recorded with its last line and the others go on; rows left when the time budget is
    spent are recorded as not run. --rows picks and orders them (--launches=0 skips part 1), so a short lease
    measures what matters first.
+
+3. With --quantization_steps=N: llama_1b at batch 16 trained N steps on text through launch.py in bf16 and then
+   with train.quantization='fp8' (issue 56): tokens/s, MFU, loss and eval loss of each, side by side.
 
 Every child gets the XLA flags launch.py sets on NVIDIA GPUs (trainer/run/gpu_env.py): the rows build the Job in
 benchmarks/bench_gpu.py, not through launch.py, and must measure the same flags.
@@ -115,6 +119,54 @@ def rows(names: tuple[str, ...], log: Log, deadline: float, smoke: bool, steps: 
   return results
 
 
+QUANTIZATION_PRECISIONS = (None, 'fp8')  # bf16 matmuls, then fp8 (issue 56), side by side in one run.
+
+
+def quantization_rows(steps: int, log: Log, deadline: float, smoke: bool) -> list[dict]:
+  """llama_1b at batch 16 trained `steps` steps on text through launch.py, once per precision of the layer matmuls.
+
+  Fresh launches on the default job's byte-level text from the same seed, so the losses compare: tokens/s is the
+  median of the logged windows after the first (which holds the compile), the loss that of the last window, the eval
+  loss at the last step. remat_policy 'auto' chooses each precision's policy as a user's launch does.
+  """
+  config = 'configs/tiny.py' if smoke else 'configs/llama_1b.py'
+  every = max(1, steps // 8)
+  common = [f'--config.train.steps={steps}', '--config.data.source=text', f'--config.log.every_steps={every}',
+            f'--config.train.eval_every_steps={steps}', '--config.train.eval_batches=4',
+            f'--config.train.warmup_steps={max(1, steps // 10)}', '--config.ckpt.every_steps=1000000']
+  common += [] if smoke else ['--config.train.batch_size=16']
+  results = []
+  for precision in QUANTIZATION_PRECISIONS:
+    name = f"{'llama_b16' if not smoke else 'tiny'}_{precision or 'bf16'}"
+    left = deadline - time.monotonic()
+    if left < 30:
+      results.append({'row': name, 'error': 'not run: the time budget was spent'})
+      continue
+    workdir = tempfile.mkdtemp(prefix='acceptance_quantization_')
+    try:
+      started = time.perf_counter()
+      done = _run([sys.executable, str(REPO / 'launch.py'), f'--config={config}', f'--workdir={workdir}',
+                   '--max_restarts=0', *common,
+                   *([f'--config.train.quantization={precision}'] if precision else [])], left)
+      metrics = pathlib.Path(workdir) / 'metrics.jsonl'
+      records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    finally:
+      shutil.rmtree(workdir, ignore_errors=True)  # A llama_1b checkpoint is 11-17 GB: never left on the disk.
+    log.add(f'quantization {name} (exit {done.returncode})', done.stdout + done.stderr)
+    windows = [r for r in records if 'tokens_per_s' in r][1:]
+    evals = [r['eval_loss'] for r in records if 'eval_loss' in r]
+    row = {'row': name, 'quantization': precision, 'exit_code': done.returncode,
+           'seconds': round(time.perf_counter() - started, 1),
+           'tokens_per_s': sorted(r['tokens_per_s'] for r in windows)[len(windows) // 2] if windows else None,
+           'mfu': windows[-1].get('mfu') if windows else None,
+           'loss': windows[-1]['loss'] if windows else None, 'eval_loss': evals[-1] if evals else None,
+           'steps': records[-1]['step'] if records else 0}
+    if done.returncode:
+      row['error'] = _last_line(done.stderr) or f'exit {done.returncode}'
+    results.append(row)
+  return results
+
+
 def versions() -> dict:
   found = {'python': platform.python_version()}
   for module in ('jax', 'jaxlib', 'flax', 'optax', 'orbax.checkpoint'):
@@ -134,6 +186,8 @@ def main(argv=None) -> dict:
   parser.add_argument('--warmup', type=int, default=2)
   parser.add_argument('--smoke', action='store_true', help='CPU: configs/tiny.py launches and shrunk rows.')
   parser.add_argument('--rows', default=None, help=f'Comma-separated, in order (default: {",".join(ROWS)}).')
+  parser.add_argument('--quantization_steps', type=int, default=0,
+                      help='llama_1b b16 trained this many steps in bf16 and in fp8, side by side (0: skipped).')
   args = parser.parse_args(argv)
   if not args.out:
     raise SystemExit('bench_gpu_acceptance.py: give --out=DIR (or set $OUT) for acceptance.json and .log.')
@@ -149,6 +203,8 @@ def main(argv=None) -> dict:
   result = {'versions': versions(), 'smoke': args.smoke,
             'xla_flags': os.environ.get('XLA_FLAGS', '') if gpu_flags else None,
             'default_job': launches(args.launches, config, overrides, log, deadline),
+            'quantization': (quantization_rows(args.quantization_steps, log, deadline, args.smoke)
+                             if args.quantization_steps else []),
             'rows': rows(names, log, deadline, args.smoke, args.steps, args.warmup)}
   import jax  # After the children ran: this process holds no GPU memory while they measure.
   result['device'] = jax.devices()[0].device_kind
