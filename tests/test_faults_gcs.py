@@ -129,19 +129,19 @@ def test_a_call_that_fails_to_connect_to_a_lost_endpoint_is_the_storage_line_not
     storage.within_deadline('taking the workdir lock', 'gs://lost-bucket/run', refused)
 
 
-# Issue 54, still open for this: in one CI run of three the emptied bucket was met on a third path (neither the save
-# in flight nor TensorBoard's close) and the launch ended 1 during interpreter shutdown, with tensorboardX's atexit
-# flush printing a 412 traceback. Not strict until that path ends in the same line.
-@pytest.mark.xfail(strict=False, reason='a third, timing-dependent path ends exit 1 (issue 54)')
-def test_a_bucket_emptied_mid_run_is_one_line_naming_it_and_exit_74(tmp_path):
-  """The emulator restarted empty (issue 54): the save in flight, or TensorBoard's event file at the end, finds the
-  run's objects gone. Was tensorboardX's 412 tracebacks at close, exit 1, retried as a crash."""
+# The restart at step 10's line lands inside that step's async save (its upload), at step 12's after it.
+@pytest.mark.parametrize('restart_at', [10, 12])
+def test_a_bucket_emptied_mid_run_is_one_line_naming_it_and_exit_74(tmp_path, restart_at):
+  """The emulator restarted empty (issue 54): the save in flight (its resumable upload answered 'not found', or the
+  checkpoint before it gone), or TensorBoard's event file at the end, finds the run's objects gone. Was tensorboardX's
+  412 tracebacks at close, exit 1, retried as a crash; then, when the restart landed inside step 10's upload, the
+  save's 404 unrecognised (its later objects were in the new bucket) and a traceback, exit 1."""
   text_dir = make_text_dir(tmp_path)
   server, url = _start_emulator()
   restarted = []
 
   def on_line(proc, line):
-    if not restarted and re.search(r'step 12/', line):
+    if not restarted and re.search(rf'step {restart_at}/', line):
       server.kill()
       server.wait()
       restarted.append(start_fake_gcs('lost-bucket', port=int(url.rsplit(':', 1)[1]))[0])

@@ -231,7 +231,8 @@ class Checkpointer:
 
   def _lost_from_bucket(self, step: int, error: Exception) -> storage.ObjectsGone | None:
     """For a save that failed in a bucket: the error naming the bucket when it is gone, or emptied (the checkpoints
-    saved before are gone, or the objects this save wrote first: a write answered 'not found'); else None."""
+    saved before are gone, or a write of this save answered 'not found': the server lost the upload or the objects
+    it wrote first); else None."""
     if not storage.is_cloud(self.directory):
       return None
     # The steps committed before (Orbax's list, from memory), less the save that failed.
@@ -240,7 +241,9 @@ class Checkpointer:
     def missing() -> list[int]:
       storage.filesystem().invalidate_cache()
       gone = [s for s in earlier if not (self.directory / str(s)).exists()]
-      if not gone and _not_found(error) and not (self.directory / str(step)).exists():
+      # A write answered 'not found' even where the step's folder is there: the server restarted empty during a
+      # resumable upload, and the save's later objects landed in the new bucket (tests/test_faults_gcs.py).
+      if not gone and _not_found(error):
         gone = [step]
       return gone or ([] if storage.bucket_exists(self.directory) else [step])
 
