@@ -214,6 +214,9 @@ def main(argv):
     _fail(f'unexpected arguments: {" ".join(argv[1:])}')
   if not _PLAN.value and (_PLAN_MEMORY_GB.value is not None or _TOPOLOGY.value):
     _fail('--plan_memory_gb and --topology only apply with --plan.')
+  if _ELASTIC_FULL.value is not None and _ELASTIC_FULL.value < 1:
+    _fail(f'--elastic_full_processes={_ELASTIC_FULL.value} must be the process count the config is written for, 1 '
+          f'or more; leave it out for a run that is not elastic.')
   if not _PLAN.value and not _WORKDIR.value:
     _fail('flag --workdir must have a value (a folder for checkpoints and logs); only --plan runs without one.')
   if _PLAN.value:  # XLA's error-level 'Constant folding / Very slow compile' alarms read as failures; plan mode
