@@ -262,8 +262,14 @@ def main(argv):
       plan.run(config, _PLAN_MEMORY_GB.value, _TOPOLOGY.value)
       return
     from trainer.supervision import elastic
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _TIMEOUT.value,
-                           elastic.PROCESSES_MISSING_EXIT_CODE if _ELASTIC_FULL.value else 2)
+    try:
+      distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _TIMEOUT.value,
+                             elastic.PROCESSES_MISSING_EXIT_CODE if _ELASTIC_FULL.value else 2)
+    except distributed.ProcessesMissing as e:
+      if _ELASTIC_FULL.value:  # Said so that the survivors' last line tells what comes next.
+        e.args = (f'{e} Elastic run: exit {e.exit_code}, for the launcher to start the processes left as a '
+                  f'smaller job.',)
+      raise
     size = _elastic_size(config) if _ELASTIC_FULL.value else None
     sigterm_handoff.hold_back()  # jax's preemption service took SIGTERM: the loop hands it back (issue 39).
     held = lock.acquire_for_run(_WORKDIR.value)  # Before --start_over moves anything, and before compiling.
