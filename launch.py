@@ -34,6 +34,12 @@ _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'HOST:PORT of pr
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the run, all hosts together.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, "This process's index, 0 .. num_processes-1.")
 _TIMEOUT = flags.DEFINE_integer('distributed_timeout_s', 300, 'Seconds to wait for every process to join.')
+# Elastic continuation; see trainer/supervision/elastic.py and docs/supervisor.md.
+_ELASTIC_FULL = flags.DEFINE_integer('elastic_full_processes', None, 'The process count the config is written for: '
+                                     'with fewer, the mesh shrinks and gradient accumulation rises so each step takes '
+                                     'the same global batch; a process missing at the join exits 76 (the launcher '
+                                     'starts a smaller job). Set by the launcher (scripts/launch_local.py '
+                                     '--elastic_min_processes).')
 # The supervisor; see trainer/supervision/supervisor.py.
 
 
@@ -208,6 +214,9 @@ def main(argv):
     _fail(f'unexpected arguments: {" ".join(argv[1:])}')
   if not _PLAN.value and (_PLAN_MEMORY_GB.value is not None or _TOPOLOGY.value):
     _fail('--plan_memory_gb and --topology only apply with --plan.')
+  if _ELASTIC_FULL.value is not None and _ELASTIC_FULL.value < 1:
+    _fail(f'--elastic_full_processes={_ELASTIC_FULL.value} must be the process count the config is written for, 1 '
+          f'or more; leave it out for a run that is not elastic.')
   if not _PLAN.value and not _WORKDIR.value:
     _fail('flag --workdir must have a value (a folder for checkpoints and logs); only --plan runs without one.')
   if _PLAN.value:  # XLA's error-level 'Constant folding / Very slow compile' alarms read as failures; plan mode
@@ -252,10 +261,19 @@ def main(argv):
       from trainer.run import plan
       plan.run(config, _PLAN_MEMORY_GB.value, _TOPOLOGY.value)
       return
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _TIMEOUT.value)
+    from trainer.supervision import elastic
+    try:
+      distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _TIMEOUT.value,
+                             elastic.PROCESSES_MISSING_EXIT_CODE if _ELASTIC_FULL.value else 2)
+    except distributed.ProcessesMissing as e:
+      if _ELASTIC_FULL.value:  # Said so that the survivors' last line tells what comes next.
+        e.args = (f'{e} Elastic run: exit {e.exit_code}, for the launcher to start the processes left as a '
+                  f'smaller job.',)
+      raise
+    size = _elastic_size(config) if _ELASTIC_FULL.value else None
     sigterm_handoff.hold_back()  # jax's preemption service took SIGTERM: the loop hands it back (issue 39).
     held = lock.acquire_for_run(_WORKDIR.value)  # Before --start_over moves anything, and before compiling.
-    loop.run(config, _WORKDIR.value, start_over=_START_OVER.value)
+    loop.run(config, _WORKDIR.value, start_over=_START_OVER.value, elastic_size=size)
   except UserError as e:
     if getattr(e, 'exit_at_once', False):  # A failed save (trainer/safety/disk.py): no shutdown beside Orbax.
       _exit_at_once.append(True)
@@ -279,6 +297,20 @@ def main(argv):
   if preemption.interrupted_by_user():
     _fail(f'Ctrl-C: saved the current step to {_WORKDIR.value}/checkpoints and stopped; relaunch the same command '
           f'to continue.', preemption.INTERRUPTED_EXIT_CODE, 'interrupted')
+
+
+def _elastic_size(config):
+  """--elastic_full_processes: this attempt's mesh and accumulation for the processes that joined, written into
+  `config` and said in one line (trainer/supervision/elastic.py)."""
+  import jax
+  from absl import logging as absl_logging
+  from trainer.supervision import attempt, elastic
+  size = elastic.plan(config.mesh, config.train, _ELASTIC_FULL.value, jax.process_count(), jax.local_device_count())
+  elastic.apply(config.mesh, config.train, size)
+  (absl_logging.warning if size.shrunk else absl_logging.info)('%s', size.describe())
+  attempt.note(processes=size.processes, full_processes=size.full_processes,
+               grad_accum_steps=size.grad_accum_steps)
+  return size
 
 
 _EXIT_GRACE_S = 5

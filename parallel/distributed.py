@@ -44,7 +44,7 @@ _ADDRESS = re.compile(r'^(?P<host>\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):(?P<port>\d+)$
 
 
 def initialize(coordinator_address: str | None, num_processes: int | None, process_id: int | None,
-               timeout_s: int = 300) -> None:
+               timeout_s: int = 300, missing_exit_code: int = 2) -> None:
   """Joins this process to the others, or does nothing in a single-process launch.
 
   Args:
@@ -52,9 +52,11 @@ def initialize(coordinator_address: str | None, num_processes: int | None, proce
     num_processes: how many processes the run has, all hosts together.
     process_id: this process's index, 0 .. num_processes - 1.
     timeout_s: how long any process waits for all of them to join.
+    missing_exit_code: the exit code of a launch some process did not join within `timeout_s` (2, or the elastic
+      run's request for a smaller job, trainer/supervision/elastic.py).
 
   Raises:
-    UserError: a bad flag, or a process that did not join within `timeout_s`.
+    UserError: a bad flag; ProcessesMissing: a process that did not join within `timeout_s`.
   """
   if isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or timeout_s < 1:
     raise UserError(f'--distributed_timeout_s={timeout_s!r} must be a whole number of seconds >= 1.')
@@ -64,7 +66,7 @@ def initialize(coordinator_address: str | None, num_processes: int | None, proce
     cluster = detected_cluster()
     if cluster is not None:
       _use_cpu_collectives()
-      _initialize_detected(cluster, timeout_s)
+      _initialize_detected(cluster, timeout_s, missing_exit_code)
     return
   if num_processes == 1 and coordinator_address is None and process_id in (None, 0):
     return  # One process, said explicitly: nothing to join.
@@ -77,7 +79,11 @@ def initialize(coordinator_address: str | None, num_processes: int | None, proce
     _use_cpu_collectives()
     start = time.monotonic()
     address = coordinator_address.strip()
-    heartbeat = _check_in(host, port, address, num_processes, process_id, timeout_s)
+    try:
+      heartbeat = _check_in(host, port, address, num_processes, process_id, timeout_s)
+    except ProcessesMissing as e:
+      e.exit_code = missing_exit_code
+      raise
     _join(address, num_processes, process_id, timeout_s)
     if process_id == 0:
       threading.Thread(target=watchdog.serve, args=(heartbeat, num_processes, timeout_s), daemon=True,
@@ -86,6 +92,11 @@ def initialize(coordinator_address: str | None, num_processes: int | None, proce
       watchdog.join(host, heartbeat, process_id, num_processes, timeout_s)
     logging.info('Joined %d processes as process %d via the coordinator at %s in %.1fs', num_processes,
                  process_id, address, time.monotonic() - start)
+
+
+class ProcessesMissing(UserError):
+  """Not every process checked in within --distributed_timeout_s. Exit 2 (fix the launch) unless the run is elastic,
+  where launch.py makes it the exit that asks the launcher for a smaller job (trainer/supervision/elastic.py)."""
 
 
 class JoinTimedOut(UserError):
@@ -156,7 +167,7 @@ def _on_cloud_tpu_vm() -> bool:
   return bool(getattr(cloud_tpu_init, 'running_in_cloud_tpu_vm', False))
 
 
-def _initialize_detected(cluster: str, timeout_s: int) -> None:
+def _initialize_detected(cluster: str, timeout_s: int, missing_exit_code: int = 2) -> None:
   """jax.distributed.initialize() with a watchdog that turns jax's abort on a missing process into one line."""
   env = os.environ
   if cluster == 'SLURM':
@@ -174,7 +185,7 @@ def _initialize_detected(cluster: str, timeout_s: int) -> None:
     if not done.wait(timeout_s):
       # jax is blocked in C++ and will abort the interpreter; exit first, with the message.
       print(f'{pathlib.Path(sys.argv[0]).name}: error: {message}', file=sys.stderr, flush=True)
-      os._exit(2)
+      os._exit(missing_exit_code)
 
   threading.Thread(target=deadline, daemon=True, name='distributed-join-watchdog').start()
   try:
@@ -282,8 +293,8 @@ def _host_check_in(port: int, num_processes: int, deadline: float, address: str,
       if remaining <= 0:
         message = _not_joined_message(set(conns) | {0}, num_processes, address, timeout_s)
         for conn in conns.values():
-          _send(conn, f'fail {message}')
-        raise UserError(message)
+          _send(conn, f'missing {message}')
+        raise ProcessesMissing(message)
       server.settimeout(min(remaining, 1.0))
       try:
         conn, peer = server.accept()
@@ -335,10 +346,10 @@ def _join_check_in(host: str, port: int, num_processes: int, process_id: int, de
   while True:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-      raise UserError(f'process 0 of {num_processes} (the coordinator at {address}) did not join within '
-                      f'--distributed_timeout_s={timeout_s}: process {process_id} could not reach it ({last_error}); '
-                      f'check that process 0 is running on {host} with --coordinator_address={address}, and that '
-                      f'port {port} there is reachable from this host.')
+      raise ProcessesMissing(f'process 0 of {num_processes} (the coordinator at {address}) did not join within '
+                             f'--distributed_timeout_s={timeout_s}: process {process_id} could not reach it '
+                             f'({last_error}); check that process 0 is running on {host} with --coordinator_address='
+                             f'{address}, and that port {port} there is reachable from this host.')
     try:
       conn = socket.create_connection((host, port), timeout=min(remaining, 5))
       break
@@ -359,6 +370,9 @@ def _join_check_in(host: str, port: int, num_processes: int, process_id: int, de
       return int(answer[3:])  # Process 0's peer-watchdog port.
     if answer.startswith('fail '):
       raise UserError(answer[len('fail '):])
-    raise UserError(f'process {process_id} of {num_processes} reached the coordinator at {address}, but process 0 '
-                    f'did not report all {num_processes} processes joined within --distributed_timeout_s={timeout_s}'
-                    f'{" (connection " + answer + ")" if answer else ""}; see process 0\'s log for which are missing.')
+    if answer.startswith('missing '):
+      raise ProcessesMissing(answer[len('missing '):])
+    raise ProcessesMissing(f'process {process_id} of {num_processes} reached the coordinator at {address}, but '
+                           f'process 0 did not report all {num_processes} processes joined within '
+                           f'--distributed_timeout_s={timeout_s}{" (connection " + answer + ")" if answer else ""}; see '
+                           f'process 0\'s log for which are missing.')

@@ -24,6 +24,10 @@ attempt spent on steps that this attempt has to redo. The rest is broken down:
   their redone ones as lost to restarts, so the total is the whole run's wall
   time from the first attempt's start (trainer/observe/earlier_attempts.py);
 - other: whatever is left (logging, metric fetches).
+
+Beside the breakdown, `shrunk_s`: the step time of an elastic attempt that ran on fewer processes than the run's
+full count (trainer/supervision/elastic.py). Those steps count as productive (they train the same global batches),
+at a lower rate: the share says how much of the run went at reduced speed.
 """
 
 import json
@@ -84,8 +88,9 @@ def lost_to_restart(records: list[dict], resumed_step: int) -> tuple[int, float]
 class Goodput:
   """Adds up where the time goes; `summary()` at the end. Cheap enough to run on every process."""
 
-  def __init__(self, workdir: str, resumed_step: int | None, started: float | None = None):
+  def __init__(self, workdir: str, resumed_step: int | None, started: float | None = None, shrunk: bool = False):
     self._started = process_start_time() if started is None else started
+    self._shrunk = shrunk
     self._totals = dict.fromkeys(('productive_s', *CATEGORIES), 0.0)
     self._totals['restart_s'] = attempt.restart_gap_s()
     self._window = {'checkpoint_blocking_s': 0.0, 'evaluation_time_s': 0.0}
@@ -157,8 +162,10 @@ class Goodput:
       totals['data_wait_s'] += self._earlier.data_wait_s
       total += self._earlier.productive_s + self._earlier.data_wait_s
       attempts += self._earlier.count
+    shrunk = self._totals['productive_s'] + self._totals['data_wait_s'] if self._shrunk else 0.0
     return {'goodput': totals['productive_s'] / total if total > 0 else 0.0, 'wall_s': wall, 'total_s': total,
-            'steps': float(self.steps), 'lost_steps': float(self.lost_steps), 'attempts': float(attempts), **totals}
+            'steps': float(self.steps), 'lost_steps': float(self.lost_steps), 'attempts': float(attempts),
+            'shrunk_s': shrunk, **totals}
 
 
 def format_summary(summary: dict[str, float]) -> str:
@@ -179,4 +186,6 @@ def format_summary(summary: dict[str, float]) -> str:
              + f'; {int(summary["steps"])} steps)']
   for key in ('productive_s', *CATEGORIES):
     lines.append(f'  {_LABELS[key]:<20} {summary[key]:9.1f}s {summary[key] / total:7.1%}')
+  if summary.get('shrunk_s'):
+    lines.append(f'  (steps run shrunk, elastic: {summary["shrunk_s"]:.1f}s, {summary["shrunk_s"] / total:.1%})')
   return '\n'.join(lines)

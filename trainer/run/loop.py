@@ -28,7 +28,7 @@ from trainer.observe.metrics import MetricsWriter
 from trainer.run import compilation_cache, evaluation, preflight
 from trainer.run import job as job_lib
 from trainer.safety import guardrails, preemption, startup_signals
-from trainer.supervision import attempt, faults, hang, notices, stragglers
+from trainer.supervision import attempt, elastic, faults, hang, notices, stragglers
 from trainer.training import checkpoint, objectives, optimizer
 from trainer.training import manifest as manifests
 
@@ -89,22 +89,26 @@ class RunContext:
   idle_experts: expert_load.IdleExperts = dataclasses.field(default_factory=lambda: expert_load.IdleExperts(0))
   downstream: 'evals_lib.Downstream | None' = None  # eval.tasks, scored on the training mesh (trainer/evals/).
   sources: 'data.mixture.Accounting | None' = None  # data.source='mixture': tokens seen and eval loss per source.
+  first_log: dict = dataclasses.field(default_factory=dict)  # Scalars of an attempt's first logged step (its size).
 
 
-def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False) -> None:
+def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False,
+        elastic_size: elastic.Size | None = None) -> None:
   """Trains `config` in `workdir`, resuming from its newest checkpoint if there is one.
 
   `devices` (default: every device of every process) is what the mesh is built
-  over; tests pass a subset to run the same job on fewer devices.
+  over; tests pass a subset to run the same job on fewer devices. `elastic_size`: the size of an elastic run's
+  attempt (trainer/supervision/elastic.py, already applied to `config`), logged as scalars and in the goodput.
   """
   hang_watch = hang.HangWatch(config.train.hang_timeout_s, workdir, jax.process_index()).start()
   try:
-    _run(config, workdir, devices, start_over, hang_watch)
+    _run(config, workdir, devices, start_over, hang_watch, elastic_size)
   finally:
     hang_watch.close()
 
 
-def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangWatch) -> None:
+def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangWatch,
+         elastic_size: elastic.Size | None = None) -> None:
   compilation_cache.enable(config.train.compilation_cache_dir)
   config = hf_load.configure(config)  # model.init_from: config.json's model keys (weights come at init_state).
   # Building the Job makes remat 'auto' a concrete policy; a resumed run reads its earlier choice back.
@@ -163,7 +167,8 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
     ckpt = checkpoint.Checkpointer(workdir, config.ckpt)
   _describe(job, workdir, write=process_index == 0)
 
-  tracker = goodput_lib.Goodput(workdir, resumed_step=resumable[0] if resumable else None)
+  tracker = goodput_lib.Goodput(workdir, resumed_step=resumable[0] if resumable else None,
+                                shrunk=bool(elastic_size and elastic_size.shrunk))
   tracker.compiled(compile_s)
 
   latest = None
@@ -204,7 +209,9 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
       examples_per_epoch=getattr(inputs.train, 'examples_per_epoch', None),
       notices=notice, stragglers=stragglers.StragglerWatch(process_index, process_count, config.train.straggler_warn_fraction),
       idle_experts=expert_load.IdleExperts(config.log.get('idle_expert_steps', 0)), downstream=downstream,
-      sources=data.accounting(config.data, needs, inputs))
+      sources=data.accounting(config.data, needs, inputs),
+      first_log={} if elastic_size is None else {'processes': elastic_size.processes,
+                                                 'grad_accum_steps': elastic_size.grad_accum_steps})
   try:
     while True:
       try:
@@ -363,6 +370,8 @@ def _finish(run: 'RunContext', pending, window: Window, last_fetch: float, side_
     ready_share = run.train_iter.ready_share()
     if not window.first:
       data.warn_if_stalled(step, summary, ready_share)
+    else:
+      summary.update(run.first_log)  # An elastic attempt's size: a TensorBoard step at each change.
     if run.examples_per_epoch:  # Passes over the training data so far: every step takes one global batch.
       summary['epochs'] = step * run.config.train.batch_size / run.examples_per_epoch
     if run.sources:  # A mixture: tokens each source has given so far.

@@ -4,6 +4,8 @@ LAUNCH_TEST_FAULT='KIND@STEP[,process=P][,attempt=A][,seconds=S]' acts at step S
 (and every later step for `slow`) on process P (default: every process), in attempt A
 (default: every attempt, which makes a crash loop):
 - kill: SIGKILL to itself (a host or process dying without a word);
+- lose: SIGKILL to its supervisor (its launch.py, when it has one), then to itself: a host lost for good, with
+  nothing left on it to restart the training process;
 - crash: an exception in the step (a bug; exit 1 with its traceback);
 - stall: sleeps S seconds (default: for ever) inside the step (a wedged collective);
 - stall_data: the same while waiting for the batch (a stalled input pipeline);
@@ -62,7 +64,9 @@ def inject(fault: Fault | None, step: int, where: str) -> None:
   if fault.kind == 'stall_data' and where == 'data':
     time.sleep(fault.seconds)
   elif where == 'step':
-    if fault.kind == 'kill':
+    if fault.kind == 'lose' and attempt.supervised():
+      os.kill(os.getppid(), signal.SIGKILL)
+    if fault.kind in ('kill', 'lose'):
       os.kill(os.getpid(), signal.SIGKILL)
     elif fault.kind == 'crash':
       raise RuntimeError(f'{_ENV}: injected crash at step {step}')

@@ -11,7 +11,8 @@ no device; a child that loses its parent is killed with it (PR_SET_PDEATHSIG), s
 What is retried: a lost peer (exit 75), a hang or stalled input (124, from the hang
 watch), a crash (a traceback, an abort, a kill by a signal not sent through this
 parent), and a stop after a saved preemption notice that reached the child alone.
-What never is: success, a user error (2), a non-finite stop (3), Ctrl-C (130),
+What never is: success, a user error (2), a non-finite stop (3), Ctrl-C (130), an elastic
+run's processes missing at the join (76: the launcher starts a smaller job, trainer/supervision/elastic.py),
 and any run this parent was itself asked to stop (SIGTERM, SIGINT, SIGHUP are
 forwarded to the child, which saves, and the run ends there: the machine is being
 taken away). It stops after --max_restarts restarts, or when CRASH_LOOP attempts in
@@ -49,7 +50,11 @@ _FORWARDED = _STOP_SIGNALS + (signal.SIGUSR1, signal.SIGUSR2)
 # A child that stopped on a stop signal this parent did not forward stopped with a peer that received it
 # (trainer/safety/startup_signals.py); a group-wide preemption reaches this parent too, a little later.
 _PEER_STOP_GRACE_S = 5.0
-_NOT_RETRIED = {0: 'finished', 2: 'user error', 3: 'non-finite loss', 130: 'interrupted (Ctrl-C)'}
+_NOT_RETRIED = {0: 'finished', 2: 'user error', 3: 'non-finite loss', 130: 'interrupted (Ctrl-C)',
+                # An elastic run's processes that did not all rejoin: the launcher starts a smaller job (elastic.py).
+                76: 'processes missing (elastic: the launcher starts the others as a smaller job)'}
+# What an elastic attempt notes of its size (trainer/supervision/elastic.py), copied into its record.
+_SIZE_FIELDS = ('processes', 'full_processes', 'grad_accum_steps')
 
 
 def _say(message: str, kind: str = 'error') -> None:
@@ -197,6 +202,7 @@ class Supervisor:
               'steps_redone': status.get('steps_redone', 0), 'retried': retried}
     if 'phase' in status:
       record['phase'] = status['phase']
+    record.update({k: status[k] for k in _SIZE_FIELDS if k in status})
     if frozen:
       record['detail'] = frozen
     self.records.append(record)
@@ -254,6 +260,7 @@ class Supervisor:
       before = path.read_text() if path.exists() else ''
       if before and not before.endswith('\n'):
         before = before[:before.rfind('\n') + 1]  # A line torn by a kill is dropped, not glued to the next.
+      _mark_resize(record, before)
       confined.write_text(path, before + json.dumps(record) + '\n')
 
     self._write('appending to', append)
@@ -266,6 +273,21 @@ class Supervisor:
       text = ' '.join(str(e).split())[:300] or type(e).__name__
       _say(f'could not write {self.workdir}/attempts.jsonl ({type(e).__name__}: {text}); the run goes on without '
            f'this record.', 'warning')
+
+
+def _mark_resize(record: dict, earlier: str) -> None:
+  """An elastic attempt at another size than the last one that noted its size: `resized: 'M -> N processes'`."""
+  if 'processes' not in record:
+    return
+  for line in reversed(earlier.splitlines()):
+    try:
+      before = json.loads(line).get('processes')
+    except (ValueError, AttributeError):
+      continue
+    if before is not None:
+      if before != record['processes']:
+        record['resized'] = f'{before} -> {record["processes"]} processes'
+      return
 
 
 def _same_step_streak(failures: list[dict]) -> int:
