@@ -154,3 +154,33 @@ def test_the_router_bias_balances_a_skewed_router_better_than_the_loss_alone():
   # Moved only by the rule (+-rate a step, never by the optimizer): every step moved each bias by exactly 0.01.
   np.testing.assert_allclose(np.abs(np.round(bias / 0.01)) * 0.01, np.abs(bias), atol=1e-4)
   assert np.abs(bias).max() <= 200 * 0.01 + 1e-5 and np.abs(bias).max() > 0.05
+
+
+def _bias_run_config(steps: int):
+  from test_strategies import TEXT_DIR
+  c = _config(router_bias_rate=0.01)
+  c.train.steps, c.train.compute_dtype, c.data.text_dir = steps, 'float32', str(TEXT_DIR)
+  return c
+
+
+def _saved_bias(workdir, step):
+  from parallel import sharding
+  from trainer.run import job as job_lib
+  from trainer.training import checkpoint
+  job = job_lib.build_job(_bias_run_config(step))
+  ckpt = checkpoint.Checkpointer(str(workdir), job.config.ckpt)
+  restored = ckpt.restore_state(step, sharding.with_shardings(job.abstract, job.shardings))
+  ckpt.close()
+  assert set(job.shardings.params['layers']['moe']['router_bias'].spec) <= {None}  # Replicated.
+  return np.asarray(jax.device_get(restored.params['layers']['moe']['router_bias']))
+
+
+def test_the_router_bias_is_checkpointed_and_resumes_bit_exactly(tmp_path):
+  from trainer.run import loop
+  straight, resumed = tmp_path / 'straight', tmp_path / 'resumed'
+  loop.run(_bias_run_config(4), str(straight))  # Checkpoints at step 4 (ckpt.every_steps=4).
+  loop.run(_bias_run_config(2), str(resumed))  # Stops (and saves) at step 2 ...
+  loop.run(_bias_run_config(4), str(resumed))  # ... and goes on to 4 from that checkpoint.
+  bias = _saved_bias(straight, 4)
+  assert bias.shape == (2, 4) and np.abs(bias).max() > 0  # It moved (by +-0.01 a step) ...
+  np.testing.assert_array_equal(bias, _saved_bias(resumed, 4))  # ... and the resumed run moved it identically.
