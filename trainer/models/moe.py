@@ -11,6 +11,8 @@ of MoE layers, so the launcher adds their mean over layers to the loss
 (trainer/models/sown.py): the Switch Transformer load-balancing loss
 E * sum_e f_e * P_e (f_e the fraction of assignments to expert e, P_e its mean
 router probability; 1 when balanced) and the router z-loss mean(logsumexp^2).
+Beside them, or instead, `router_bias_rate` > 0 balances without a loss term:
+a per-expert bias on the choice only (trainer/models/router_bias.py).
 
 Dispatch:
 - dropless (`capacity_factor` None or 0): assignments are sorted by expert and run
