@@ -144,8 +144,8 @@ def test_the_router_bias_balances_a_skewed_router_better_than_the_loss_alone():
   loss_alone, load_alone, _ = train_skewed(0.0)
   loss_bias, load_bias, params = train_skewed(0.01)
   assert load_alone[0] > 3 and load_bias[0] > 3  # Both start skewed: the busiest expert takes > 3x its share.
-  last = slice(-20, None)
-  print(f'max/mean load, last 20 steps: {load_alone[last].mean():.3f} loss alone, {load_bias[last].mean():.3f} '
+  last = slice(-50, None)  # The last 50 steps: 20 left the loss at the mercy of a few batches (+-2% between rates).
+  print(f'max/mean load, last 50 steps: {load_alone[last].mean():.3f} loss alone, {load_bias[last].mean():.3f} '
         f'with the bias; loss {loss_alone[last].mean():.4f} / {loss_bias[last].mean():.4f}')
   assert load_bias[last].mean() < 0.85 * load_alone[last].mean()
   assert loss_bias[last].mean() <= 1.01 * loss_alone[last].mean()
