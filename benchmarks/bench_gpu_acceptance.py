@@ -107,8 +107,8 @@ def rows(names: tuple[str, ...], log: Log, deadline: float, smoke: bool, steps: 
     command = [sys.executable, str(REPO / 'benchmarks' / 'bench_gpu.py'), f'--steps={steps}', f'--warmup={warmup}']
     command += ['--smoke', f'--rows={name}'] if smoke else ['--one_row', name]
     if name == PROFILE_ROW:  # A few traced steps are enough: the table is per step.
-      command = [sys.executable, str(REPO / 'benchmarks' / 'moe_profile.py'), f'--out={out}', f'--steps={min(steps, 3)}',
-                 f'--warmup={warmup}'] + (['--smoke'] if smoke else [])
+      command = [sys.executable, str(REPO / 'benchmarks' / 'moe_profile.py'), f'--out={out}',
+                 f'--steps={min(steps, 3)}', f'--warmup={warmup}'] + (['--smoke'] if smoke else [])
     done = _run(command, left)
     log.add(f'row {name} (exit {done.returncode})', done.stdout + done.stderr)
     last = (done.stdout.strip().splitlines() or [''])[-1]  # Whole: a row's JSON is longer than _last_line keeps.

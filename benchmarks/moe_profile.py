@@ -74,15 +74,19 @@ def hlo_scopes(hlo_text: str) -> dict[str, tuple[str, str]]:
 
 def kernel_times(trace_path: pathlib.Path) -> dict[str, dict]:
   """{HLO op: {'us': summed duration, 'count', 'kernel': one kernel name}} of every event naming an `hlo_op`
-  (older traces: a `long_name` / the event name) on a device or XLA thread of a perfetto trace (.json or .json.gz)."""
+  (older traces: a `long_name` beside an `hlo_module`) in a perfetto trace (.json or .json.gz). Where the trace has
+  device processes ('/device:GPU:0', ...) only their events count: the host's launches of the same ops are not
+  device time. A CPU trace has none, and its XLA thunks on the host threads are the kernels."""
   opener = gzip.open if trace_path.suffix == '.gz' else open
   with opener(trace_path, 'rt') as f:
     data = json.load(f)
   events = data.get('traceEvents', []) if isinstance(data, dict) else data
+  devices = {e.get('pid') for e in events if e.get('ph') == 'M' and e.get('name') == 'process_name'
+             and '/device:' in str((e.get('args') or {}).get('name', '')).lower()}
   ops = collections.defaultdict(lambda: {'us': 0.0, 'count': 0, 'kernel': ''})
   for event in events:
     args = event.get('args') or {}
-    if event.get('ph') != 'X' or not isinstance(args, dict):
+    if event.get('ph') != 'X' or not isinstance(args, dict) or (devices and event.get('pid') not in devices):
       continue
     op = args.get('hlo_op') or (args.get('long_name') if 'hlo_module' in args else None)
     if not op:

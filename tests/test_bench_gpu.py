@@ -131,8 +131,9 @@ def test_the_moe_profile_row_traces_a_real_step_and_groups_its_kernels(tmp_path)
 
 
 def test_the_moe_profile_parser_reads_gpu_kernel_names(tmp_path):
-  """A GPU-shaped perfetto trace (kernels on a device stream, hlo_op in args; an event without one is not a
-  kernel): each op summed over its calls, named by its frame's function, and an all-to-all found by its name."""
+  """A GPU-shaped perfetto trace (kernels on a device's stream, hlo_op in args; an event without one is not a
+  kernel, nor the host's launch of one): each op summed over its calls, named by its frame's function, and an
+  all-to-all found by its name."""
   import gzip
   import json
   spec = importlib.util.spec_from_file_location('moe_profile', REPO / 'benchmarks' / 'moe_profile.py')
@@ -147,11 +148,14 @@ def test_the_moe_profile_parser_reads_gpu_kernel_names(tmp_path):
       '  %custom-call.7 = f32[8] custom-call(%p), metadata={op_name="jit(train_step)/transpose(jvp(Llama))/moe/'
       'ragged_dot" stack_frame_id=2}',
       '  %all-to-all.3 = f32[8] all-to-all(%p), metadata={op_name="jit(train_step)/moe/shard_map"}', '}'])
-  events = [{'ph': 'X', 'name': 'triton_grouped_gemm', 'dur': 300.0, 'args': {'hlo_op': 'custom-call.7'}},
-            {'ph': 'X', 'name': 'triton_grouped_gemm', 'dur': 100.0, 'args': {'hlo_op': 'custom-call.7'}},
-            {'ph': 'X', 'name': 'topk_kernel', 'dur': 50.0, 'args': {'hlo_op': 'fusion.1'}},
-            {'ph': 'X', 'name': 'ncclDevKernel_SendRecv', 'dur': 50.0, 'args': {'hlo_op': 'all-to-all.3'}},
-            {'ph': 'X', 'name': 'ThunkExecutor::Execute', 'dur': 9999.0, 'args': {}}]
+  events = [{'ph': 'M', 'pid': 1, 'name': 'process_name', 'args': {'name': '/device:GPU:0'}},
+            {'ph': 'M', 'pid': 2, 'name': 'process_name', 'args': {'name': '/host:CPU'}},
+            {'ph': 'X', 'pid': 1, 'name': 'triton_grouped_gemm', 'dur': 300.0, 'args': {'hlo_op': 'custom-call.7'}},
+            {'ph': 'X', 'pid': 1, 'name': 'triton_grouped_gemm', 'dur': 100.0, 'args': {'hlo_op': 'custom-call.7'}},
+            {'ph': 'X', 'pid': 1, 'name': 'topk_kernel', 'dur': 50.0, 'args': {'hlo_op': 'fusion.1'}},
+            {'ph': 'X', 'pid': 1, 'name': 'ncclDevKernel_SendRecv', 'dur': 50.0, 'args': {'hlo_op': 'all-to-all.3'}},
+            {'ph': 'X', 'pid': 1, 'name': 'MemcpyD2D', 'dur': 9999.0, 'args': {}},
+            {'ph': 'X', 'pid': 2, 'name': 'KernelThunk', 'dur': 9999.0, 'args': {'hlo_op': 'custom-call.7'}}]
   path = tmp_path / 'perfetto_trace.json.gz'
   with gzip.open(path, 'wt') as f:
     json.dump({'traceEvents': events}, f)

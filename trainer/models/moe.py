@@ -66,7 +66,7 @@ class MoeConfig:
   aux_loss_weight: float = 0.0  # Load-balancing loss weight.
   z_loss_weight: float = 0.0  # Router z-loss weight.
   num_moe_layers: int = 1  # The sown loss terms are divided by it: the loss gets their mean over layers.
-  router_bias_rate: float = 0.0  # > 0: the load-balancing bias of trainer/models/router_bias.py, moved this much a step.
+  router_bias_rate: float = 0.0  # > 0: trainer/models/router_bias.py's balancing bias, moved this much a step.
   kernel: str = 'ragged_dot'  # Dropless grouped matmuls: 'ragged_dot' (jax.lax) or 'triton' (grouped_matmul.py).
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32

@@ -1,4 +1,4 @@
-"""Routing balanced without a loss term: DeepSeek-V3's per-expert bias on the router's scores, moved by each step's load.
+"""Routing balanced without a loss term: DeepSeek-V3's per-expert bias on the router's scores, moved by each step.
 
 Each MoE layer keeps a float32 bias b (E,) that is added to the router's
 probabilities to choose each token's top-k experts, and only to choose them:
