@@ -12,7 +12,8 @@
    loops (gpt2_b64_minimal, llama_b16_auto_minimal), gpt2_b32_packed, moe_b4, moe_b8, moe_b8_capacity. A row that
    fails (out of memory) is recorded with its last line and the others go on; rows left when the time budget is
    spent are recorded as not run. --rows picks and orders them (--launches=0 skips part 1), so a short lease
-   measures what matters first.
+   measures what matters first. moe_b8_profile (benchmarks/moe_profile.py) traces moe_b8 for a few steps and writes
+   where its time goes, by kernel category, to OUT/moe_b8_profile.md and .json.
 
 3. With --quantization_steps=N: llama_1b at batch 16 trained N steps on text through launch.py in bf16 and then
    with train.quantization='fp8' (issue 56): tokens/s, MFU, loss and eval loss of each, side by side.
@@ -42,7 +43,8 @@ if str(REPO) not in sys.path:
 
 from trainer.run import gpu_env  # noqa: E402  (imports no jax)
 ROWS = ('gpt2_b64', 'gpt2_b64_minimal', 'llama_b16_auto', 'llama_b16_auto_minimal', 'gpt2_b32_packed', 'moe_b4',
-        'moe_b8', 'moe_b8_capacity')
+        'moe_b8', 'moe_b8_capacity', 'moe_b8_profile')
+PROFILE_ROW = 'moe_b8_profile'  # benchmarks/moe_profile.py: the traced step's kernels by category, a table in OUT.
 SMOKE_ROWS = ('gpt2_b32', 'gpt2_b32_minimal', 'moe_b8')
 
 
@@ -97,7 +99,8 @@ def launches(count: int, config: str, overrides: list[str], log: Log, deadline: 
   return {'config': config, 'launches': runs, 'crashes': crashes, 'passed': count - crashes}
 
 
-def rows(names: tuple[str, ...], log: Log, deadline: float, smoke: bool, steps: int, warmup: int) -> list[dict]:
+def rows(names: tuple[str, ...], log: Log, deadline: float, smoke: bool, steps: int, warmup: int,
+         out: pathlib.Path) -> list[dict]:
   """benchmarks/bench_gpu.py's rows, each in its own process (its peak memory its own; a failure ends only it)."""
   results = []
   for name in names:
@@ -107,10 +110,13 @@ def rows(names: tuple[str, ...], log: Log, deadline: float, smoke: bool, steps: 
       continue
     command = [sys.executable, str(REPO / 'benchmarks' / 'bench_gpu.py'), f'--steps={steps}', f'--warmup={warmup}']
     command += ['--smoke', f'--rows={name}'] if smoke else ['--one_row', name]
+    if name == PROFILE_ROW:  # A few traced steps are enough: the table is per step.
+      command = [sys.executable, str(REPO / 'benchmarks' / 'moe_profile.py'), f'--out={out}',
+                 f'--steps={min(steps, 3)}', f'--warmup={warmup}'] + (['--smoke'] if smoke else [])
     done = _run(command, left)
     log.add(f'row {name} (exit {done.returncode})', done.stdout + done.stderr)
     last = (done.stdout.strip().splitlines() or [''])[-1]  # Whole: a row's JSON is longer than _last_line keeps.
-    if done.returncode == 0 and not smoke and last.startswith('{'):
+    if done.returncode == 0 and (name == PROFILE_ROW or not smoke) and last.startswith('{'):
       results.append(json.loads(last))
     elif done.returncode == 0 and smoke:
       results.append({'row': name, 'table_line': last})
@@ -205,7 +211,7 @@ def main(argv=None) -> dict:
             'default_job': launches(args.launches, config, overrides, log, deadline),
             'quantization': (quantization_rows(args.quantization_steps, log, deadline, args.smoke)
                              if args.quantization_steps else []),
-            'rows': rows(names, log, deadline, args.smoke, args.steps, args.warmup)}
+            'rows': rows(names, log, deadline, args.smoke, args.steps, args.warmup, out)}
   import jax  # After the children ran: this process holds no GPU memory while they measure.
   result['device'] = jax.devices()[0].device_kind
   result['seconds'] = round(time.monotonic() - start, 1)

@@ -195,6 +195,7 @@ def get_config() -> config_dict.ConfigDict:
   c.model.expert_capacity_factor = config_dict.placeholder(float)  # None/0: dropless (grouped matmuls); > 0: each expert takes ceil(factor x tokens x k / experts) assignments, the rest dropped and counted.
   c.model.router_aux_loss_weight = 0.01  # Weight of the Switch load-balancing loss (1.0 when balanced), mean over MoE layers.
   c.model.router_z_loss_weight = 0.001  # Weight of the router z-loss mean(logsumexp(router logits)^2), mean over MoE layers.
+  c.model.router_bias_rate = 0.0  # > 0: DeepSeek-V3's load-balancing bias on expert choice, moved this much per step.
   # LoRA (issue 60; trainer/models/lora.py, docs/lora.md): the built-in Llama's base weights frozen, low-rank adapters trained
   c.model.lora_rank = 0  # > 0: adapters of this rank on model.lora_targets, the base weights frozen (no optimizer state); 0 = off.
   c.model.lora_targets = ('query', 'key', 'value', 'out', 'gate', 'up', 'down')  # Matmuls adapted: attention 'query', 'key', 'value', 'out'; MLP 'gate', 'up', 'down' (MoE experts are not).

@@ -110,3 +110,58 @@ def test_a_crashing_launch_is_counted_with_its_last_line(tmp_path):
                              env={'LAUNCH_TEST_FAULT': 'crash@2'})  # An exception in step 2: exit 1.
   assert jobs['crashes'] == 1 and jobs['launches'][0]['exit_code'] == 1 and jobs['launches'][0]['failure']
   assert '(exit 1)' in log.path.read_text()
+
+
+def test_the_moe_profile_row_traces_a_real_step_and_groups_its_kernels(tmp_path):
+  """--rows=moe_b8_profile on CPU (the shrunk moe_b8): a real jax.profiler trace parsed into categories whose shares
+  sum to 1, the grouped matmuls forward and backward told apart by the HLO's source frames, and written to OUT."""
+  import json
+  result = _acceptance().main(['--out', str(tmp_path), '--smoke', '--launches=0', '--steps=2', '--warmup=1',
+                               '--rows=moe_b8_profile'])
+  row = result['rows'][0]
+  assert row['row'] == 'moe_b8_profile' and 'error' not in row, row
+  profile = json.loads((tmp_path / 'moe_b8_profile.json').read_text())
+  shares = {c['category']: c['share'] for c in profile['categories']}
+  assert abs(sum(shares.values()) - 1) < 1e-6 and profile['steps'] == 2
+  assert shares['grouped matmul forward'] > 0.05 and shares['grouped matmul backward'] > 0.05
+  assert {'router', 'sort / permute / gather-scatter', 'attention'} <= set(shares)
+  assert any(r['function'] == 'swiglu_ragged' for r in profile['top'])
+  table = (tmp_path / 'moe_b8_profile.md').read_text()
+  assert '| grouped matmul backward |' in table and '| HLO op | category |' in table
+
+
+def test_the_moe_profile_parser_reads_gpu_kernel_names(tmp_path):
+  """A GPU-shaped perfetto trace (kernels on a device's stream, hlo_op in args; an event without one is not a
+  kernel, nor the host's launch of one): each op summed over its calls, named by its frame's function, and an
+  all-to-all found by its name."""
+  import gzip
+  import json
+  spec = importlib.util.spec_from_file_location('moe_profile', REPO / 'benchmarks' / 'moe_profile.py')
+  prof = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(prof)
+  hlo = '\n'.join([
+      'HloModule jit_train_step', '', 'FunctionNames', '1 "route"', '2 "swiglu_ragged"', '',
+      'FileLocations', '1 {file_name_id=1 function_name_id=1 line=3}', '2 {file_name_id=1 function_name_id=2 line=9}',
+      '', 'StackFrames', '1 {file_location_id=1 parent_frame_id=1}', '2 {file_location_id=2 parent_frame_id=1}', '',
+      'ENTRY %main {',
+      '  %fusion.1 = f32[8] fusion(%p), metadata={op_name="jit(train_step)/jvp(Llama)/moe/top_k" stack_frame_id=1}',
+      '  %custom-call.7 = f32[8] custom-call(%p), metadata={op_name="jit(train_step)/transpose(jvp(Llama))/moe/'
+      'ragged_dot" stack_frame_id=2}',
+      '  %all-to-all.3 = f32[8] all-to-all(%p), metadata={op_name="jit(train_step)/moe/shard_map"}', '}'])
+  events = [{'ph': 'M', 'pid': 1, 'name': 'process_name', 'args': {'name': '/device:GPU:0'}},
+            {'ph': 'M', 'pid': 2, 'name': 'process_name', 'args': {'name': '/host:CPU'}},
+            {'ph': 'X', 'pid': 1, 'name': 'triton_grouped_gemm', 'dur': 300.0, 'args': {'hlo_op': 'custom-call.7'}},
+            {'ph': 'X', 'pid': 1, 'name': 'triton_grouped_gemm', 'dur': 100.0, 'args': {'hlo_op': 'custom-call.7'}},
+            {'ph': 'X', 'pid': 1, 'name': 'topk_kernel', 'dur': 50.0, 'args': {'hlo_op': 'fusion.1'}},
+            {'ph': 'X', 'pid': 1, 'name': 'ncclDevKernel_SendRecv', 'dur': 50.0, 'args': {'hlo_op': 'all-to-all.3'}},
+            {'ph': 'X', 'pid': 1, 'name': 'MemcpyD2D', 'dur': 9999.0, 'args': {}},
+            {'ph': 'X', 'pid': 2, 'name': 'KernelThunk', 'dur': 9999.0, 'args': {'hlo_op': 'custom-call.7'}}]
+  path = tmp_path / 'perfetto_trace.json.gz'
+  with gzip.open(path, 'wt') as f:
+    json.dump({'traceEvents': events}, f)
+  profile = prof.table(prof.kernel_times(path), prof.hlo_scopes(hlo), steps=2)
+  assert profile['kernel_ms_per_step'] == 0.25
+  assert {c['category']: c['share'] for c in profile['categories']} == {
+      'grouped matmul backward': 0.8, 'router': 0.1, 'all-to-all / collectives': 0.1}
+  assert [(r['op'], r['function'], r['count']) for r in profile['top']] == [
+      ('custom-call.7', 'swiglu_ragged', 2), ('fusion.1', 'route', 1), ('all-to-all.3', '', 1)]

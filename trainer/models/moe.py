@@ -11,6 +11,8 @@ of MoE layers, so the launcher adds their mean over layers to the loss
 (trainer/models/sown.py): the Switch Transformer load-balancing loss
 E * sum_e f_e * P_e (f_e the fraction of assignments to expert e, P_e its mean
 router probability; 1 when balanced) and the router z-loss mean(logsumexp^2).
+Beside them, or instead, `router_bias_rate` > 0 balances without a loss term:
+a per-expert bias on the choice only (trainer/models/router_bias.py).
 
 Dispatch:
 - dropless (`capacity_factor` None or 0): assignments are sorted by expert and run
@@ -47,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from trainer.base.errors import UserError
-from trainer.models import expert_parallel, grouped_matmul, sown
+from trainer.models import expert_parallel, grouped_matmul, router_bias, sown
 from trainer.models.expert_math import (capacity_of, capacity_slots, dropless, route,  # noqa: F401  (moe.* for callers)
                                          swiglu_ragged, with_capacity)
 
@@ -64,6 +66,7 @@ class MoeConfig:
   aux_loss_weight: float = 0.0  # Load-balancing loss weight.
   z_loss_weight: float = 0.0  # Router z-loss weight.
   num_moe_layers: int = 1  # The sown loss terms are divided by it: the loss gets their mean over layers.
+  router_bias_rate: float = 0.0  # > 0: trainer/models/router_bias.py's balancing bias, moved this much a step.
   kernel: str = 'ragged_dot'  # Dropless grouped matmuls: 'ragged_dot' (jax.lax) or 'triton' (grouped_matmul.py).
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
@@ -120,6 +123,9 @@ class MoeMlp(nn.Module):
 
     x_TD = x_BLD.reshape(B * L, D)
     logits_TE, weights_TK, experts_TK = route(x_TD, router_DE, K)
+    bias_E = router_bias.declare(self, E) if cfg.router_bias_rate else None
+    if bias_E is not None:  # The bias chooses the experts; the weights stay the router's (route's top-k is unused).
+      weights_TK, experts_TK = router_bias.choose(jax.nn.softmax(logits_TE, axis=-1), bias_E, K)
     dropped = None
     if expert_parallel.size(self.mesh) > 1:
       out_BLD, dropped = expert_parallel.dispatch(
@@ -131,7 +137,9 @@ class MoeMlp(nn.Module):
     else:
       out_TD, dropped = with_capacity(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD,
                                       cfg.capacity(B * L))
-    self._sow_router_terms(logits_TE, experts_TK, dropped)
+    load_E = self._sow_router_terms(logits_TE, experts_TK, dropped)
+    if bias_E is not None:
+      router_bias.sow_next(self, bias_E, load_E, cfg.router_bias_rate)
     return out_TD.reshape(B, L, D).astype(cfg.dtype)
 
   def _sow_router_terms(self, logits_TE, experts_TK, dropped):
@@ -152,6 +160,7 @@ class MoeMlp(nn.Module):
     sown.metric(self, 'load_per_expert', E * load_E)
     if dropped is not None:
       sown.metric(self, 'dropped_fraction', dropped)
+    return load_E
 
 
 def _interval(model_config) -> int | None:
@@ -170,6 +179,7 @@ def from_model_config(model_config, dtype=jnp.float32, param_dtype=jnp.float32) 
   return MoeConfig(num_experts=m.num_experts, experts_per_token=m.experts_per_token,
                    expert_mlp_dim=m.expert_mlp_dim or m.mlp_dim, capacity_factor=m.expert_capacity_factor,
                    aux_loss_weight=float(m.router_aux_loss_weight), z_loss_weight=float(m.router_z_loss_weight),
+                   router_bias_rate=float(m.get('router_bias_rate', 0.0)),  # A config.json from before it: none.
                    num_moe_layers=max(1, m.num_layers // _interval(m)), dtype=dtype, param_dtype=param_dtype)
 
 

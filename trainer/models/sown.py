@@ -18,9 +18,11 @@ scanned layer, 'block_3/mlp/load_max' when layers are unrolled. A metric named
 import jax
 import jax.numpy as jnp
 
+from trainer.models import router_bias
+
 LOSSES = 'aux_loss'  # Scalars added to the loss, weighted by the layer.
 METRICS = 'aux_metrics'  # Values logged, never differentiated into the loss.
-COLLECTIONS = (LOSSES, METRICS)
+COLLECTIONS = (LOSSES, METRICS, router_bias.NEXT)  # NEXT: the router biases' next values, for the step.
 PER_EXPERT = '_per_expert'
 
 
@@ -57,4 +59,9 @@ def add_to_loss(loss: jax.Array, metrics: dict, sown: dict) -> tuple[jax.Array, 
     metrics[parts[-1]] = metrics.get(parts[-1], 0.0) + total
   for parts, value in _leaves(sown.get(METRICS, {})):
     metrics.update(_per_layer(parts, value, trailing=1 if parts[-1].endswith(PER_EXPERT) else 0))
+  loads = [v for k, v in metrics.items() if k.endswith('/load_max')]
+  if loads:  # The busiest expert of the busiest layer, as a multiple of its share: one number for the console.
+    metrics['moe_load_max'] = jnp.max(jnp.stack(loads))
+  if router_bias.NEXT in sown:  # Not a metric: trainer/training/step.py takes it out and writes it into the params.
+    metrics[router_bias.NEXT] = router_bias.next_values(sown)
   return loss, metrics

@@ -34,7 +34,8 @@ class IdleExperts:
       layer = key[:-len(sown.PER_EXPERT)].rsplit('/', 1)[0]
       for expert in np.flatnonzero(count == self._limit):
         warnings.append(f'step {step}: MoE layer {layer}: expert {expert} has received no tokens for {self._limit} '
-                        f'steps in a row (its router collapsed); raise model.router_aux_loss_weight, or check the '
+                        f'steps in a row (its router collapsed); raise model.router_aux_loss_weight or set '
+                        f'model.router_bias_rate=0.01, or check the '
                         f'load metrics {layer}/load_* in metrics.jsonl.')
     for warning in warnings:
       logging.warning(warning)

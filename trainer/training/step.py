@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from trainer.models import router_bias
 from trainer.safety import guardrails
 from trainer.training.state import TrainState
 
@@ -99,8 +100,10 @@ def grads_and_metrics(params, batch: Batch, task: LossTask, options: StepOptions
 
 def apply_gradients(state: TrainState, grads, metrics: Metrics, *, tx: optax.GradientTransformation,
                     schedule: optax.Schedule) -> tuple[TrainState, Metrics]:
+  metrics = dict(metrics)
+  next_bias = metrics.pop(router_bias.NEXT, None)  # model.router_bias_rate > 0: each MoE layer's bias after this step.
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  params = router_bias.apply_next(optax.apply_updates(state.params, updates), next_bias)
   metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step),
                  grads_finite=guardrails.leaf_finite(grads))  # Names non-finite leaves on the host.
   metrics['param_norm'] = optax.tree.norm(params)  # Of the updated parameters.
@@ -119,4 +122,4 @@ def train_step(state: TrainState, batch: Batch, *, task: LossTask, tx: optax.Gra
 
 def eval_step(params, batch: Batch, frozen=None, *, task: LossTask) -> Metrics:
   _, metrics = _loss_fn(task, frozen)(params, batch)
-  return metrics
+  return {k: v for k, v in metrics.items() if k != router_bias.NEXT}
