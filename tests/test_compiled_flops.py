@@ -54,3 +54,15 @@ def test_the_guard_fires_on_a_step_whose_ragged_dot_xla_pads_to_every_expert():
   assert line is not None and 'every expert on every token' in line
   capacity = job_lib.build_job(_moe(capacity_factor=1.25), jax.devices()[:1])
   assert preflight.dense_experts(capacity, capacity.compile_train_step()) is None
+
+
+def test_the_triton_grouped_matmuls_count_at_their_grid_size_when_asked():
+  """A custom call is unseen by default; with kernels=True a grouped matmul (a line as XLA's GPU compiler writes it)
+  counts 2 x padded rows x D x F."""
+  call = ('  ROOT %pallas_call.70 = bf16[4160,2048]{1,0} custom-call(%a, %b, %c), custom_call_target='
+          '"__gpu$xla.gpu.triton", operand_layout_constraints={s32[65]{0}, bf16[4160,1024]{1,0}, '
+          'bf16[8,1024,2048]{2,1,0}}, metadata={op_name="jit(train_step)/layers/moe/jit(ragged_dot)/grouped_matmul/'
+          'pallas_call"}')
+  hlo = f'ENTRY %main (a: s32[65]) -> bf16[4160,2048] {{\n{call}\n}}\n'
+  assert compiled_flops.dot_flops(hlo) == 0
+  assert compiled_flops.dot_flops(hlo, kernels=True) == 2 * 4160 * 1024 * 2048

@@ -81,7 +81,8 @@ def test_the_log_says_which_dispatch_runs(caplog):
   with caplog.at_level('INFO'):
     llama.build(_config())
     llama.build(_config(expert_capacity_factor=1.25))
-  assert 'MoE: 4 experts, top-2, dropless on jax.lax.ragged_dot (grouped matmuls); on cpu XLA pads' in caplog.text
+  assert ('MoE: 4 experts, top-2, dropless on jax.lax.ragged_dot (grouped matmuls); over mesh.expert tokens travel by '
+          'padded all_to_all; on cpu XLA pads') in caplog.text
   assert '--config.model.expert_capacity_factor=1.25 runs near 1.3x' in caplog.text
   assert 'MoE: 4 experts, top-2, capacity mode (factor 1.25: (experts, capacity, d_model) buffers' in caplog.text
 

@@ -1,13 +1,21 @@
-"""Expert parallelism: the MoE dispatch when the `expert` mesh axis has N > 1 devices, tokens exchanged all-to-all.
+"""The MoE dispatch split over every device of the mesh: each batch shard routes, sorts and runs its own tokens, and
+over the `expert` axis (N > 1 devices) tokens are exchanged all-to-all.
 
-Each device holds E/N experts (the 'expert' rule splits the weights) and its own tokens (the batch is split over
-`expert` too, parallel/mesh.py). Inside `jax.shard_map` every device takes its tokens' routing (computed outside,
-so the router's health terms stay global means), sends each assignment (top-k copies of a token) to the device
-holding its expert with `jax.lax.all_to_all` over `expert`, runs its local experts on what it received (grouped
-matmuls dropless, batched matmuls on (experts, capacity, d_model) buffers in capacity mode), sends the results back
-with the reverse all-to-all, and combines them with the router weights. An expert's hidden width stays split over
-`tensor`: each device's down projection is a partial sum over its slice, summed with one psum over `tensor` at the
-end (exact up to float rounding).
+Under `jax.shard_map` over the whole mesh every device takes its own tokens' routing (computed outside, so the
+router's health terms stay global means) and the experts' weights with their model dimension gathered, as FSDP
+gathers dense weights (the in_specs leave `fsdp` out; the hidden width stays split over `tensor`). With N = 1 on
+`expert` (data or fsdp parallelism) it runs the one-device dispatch on its own tokens: expert_math's grouped matmuls,
+or capacity buffers its tokens compete for. Without this, GSPMD gathered the global batch's sorted assignments onto
+every device and each device ran every token's expert matmuls: moe_1b at batch 64 compiled for 8 H100s with
+mesh.data=8 ran 4.77x one eighth of the step's active FLOPs per device (docs/moe.md).
+
+With N > 1 each device holds E/N experts (the 'expert' rule splits the weights; the batch is split over `expert`
+too, parallel/mesh.py), sends each assignment (top-k copies of a token) to the device holding its expert, runs its
+local experts on what it received (grouped matmuls dropless, batched matmuls on (experts, capacity, d_model) buffers
+in capacity mode), sends the results back and combines them with the router weights. Dropless, the exchange is
+this module's padded `all_to_all` or expert_ragged.py's `ragged_all_to_all` (model.expert_exchange, `exchange_of`).
+An expert's hidden width stays split over `tensor`: each device's down projection is a partial sum over its slice,
+summed with one psum over `tensor` at the end (exact up to float rounding).
 
 Why shard_map: under jit GSPMD never produces this exchange. Given expert weights split over `expert` and tokens
 split over the batch axes, it gives every device the routing of all tokens and all-reduces the outputs. Measured on
@@ -18,7 +26,7 @@ forward's rows, their expert ids and the results back; the backward's transposes
 all-reduces and 16 all-gathers (benchmarks/bench_expert_dispatch.py prints the counts, BENCHMARKS.md "MoE dispatch").
 
 Static shapes, and what they cost. XLA:CPU has no `ragged_all_to_all` ("HLO opcode `ragged-all-to-all` is not
-supported by XLA:CPU ThunkEmitter", jax 0.10.2), so the exchange is the fixed-size `all_to_all`:
+supported by XLA:CPU ThunkEmitter", jax 0.10.2), so there the exchange is the fixed-size `all_to_all`:
 - dropless: each device sends every peer a buffer of its A = T*K assignments' rows (only those routed there filled,
   the rest zeros), the worst case that keeps every token: N*A rows sent and received per device, N times the rows
   routed. Exact at any load.
@@ -29,6 +37,7 @@ supported by XLA:CPU ThunkEmitter", jax 0.10.2), so the exchange is the fixed-si
 
 import contextlib
 import contextvars
+import math
 
 import flax.linen as nn
 import jax
@@ -36,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from parallel import mesh as mesh_lib
-from trainer.models import expert_math
+from trainer.models import expert_math, expert_ragged
 
 AXIS = 'expert'
 TENSOR = 'tensor'  # The axis an expert's hidden width is split over in the shard_map (the default 'expert_mlp' rule).
@@ -57,11 +66,6 @@ def one_device_for_counting():
     _COUNTING.reset(token)
 
 
-def size(mesh: Mesh | None) -> int:
-  """Devices on the expert axis the dispatch exchanges tokens over; 1 without a mesh, and while counting FLOPs."""
-  return 1 if mesh is None or _COUNTING.get() else dict(mesh.shape).get(AXIS, 1)
-
-
 def _send_dropless(x_TD, experts_TK, num_devices: int, local_experts: int):
   """Per-device buffers of the assignments routed to each device: (rows (N, A, D), local expert (N, A), and each
   assignment's (device, place)). Unused places hold zeros and the local expert id E/N (none)."""
@@ -78,16 +82,16 @@ def _send_dropless(x_TD, experts_TK, num_devices: int, local_experts: int):
   return rows_NAD, ids_NA, device_A, place_A
 
 
-def _local_dropless(rows_RD, ids_R, gate_EDF, up_EDF, down_EFD, local_experts: int):
+def _local_dropless(rows_RD, ids_R, gate_EDF, up_EDF, down_EFD, local_experts: int, kernel: str):
   """The received rows through their local experts, sorted by expert for the grouped matmuls, in received order."""
   order_R = jnp.argsort(ids_R, stable=True)  # Empty places (id E/N) sort last, outside every group.
   group_sizes_E = jnp.sum(jax.nn.one_hot(ids_R, local_experts, dtype=jnp.int32), axis=0)
-  out_RD = expert_math.swiglu_ragged(rows_RD[order_R], gate_EDF, up_EDF, down_EFD, group_sizes_E)
+  out_RD = expert_math.swiglu_ragged(rows_RD[order_R], gate_EDF, up_EDF, down_EFD, group_sizes_E, kernel)
   out_RD = jnp.where((ids_R[order_R] < local_experts)[:, None], out_RD, 0)  # Rows outside the groups: zero.
   return out_RD[jnp.argsort(order_R)]
 
 
-def _dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD):
+def _dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, kernel: str):
   T, K = experts_TK.shape
   N = jax.lax.axis_size(AXIS)
   local = gate_EDF.shape[0]
@@ -96,7 +100,7 @@ def _dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD):
   got_NAD = jax.lax.all_to_all(rows_NAD, AXIS, 0, 0)
   got_ids_NA = jax.lax.all_to_all(ids_NA, AXIS, 0, 0)
   out_RD = _local_dropless(got_NAD.reshape(-1, got_NAD.shape[-1]), got_ids_NA.reshape(-1), gate_EDF, up_EDF,
-                           down_EFD, local)
+                           down_EFD, local, kernel)
   back_NAD = jax.lax.all_to_all(out_RD.reshape(got_NAD.shape), AXIS, 0, 0)  # Results home, by the same chunks.
   out_TKD = back_NAD[device_A, place_A].reshape(T, K, -1)
   return jnp.einsum('tkd,tk->td', out_TKD, weights_TK.astype(out_TKD.dtype)), None
@@ -124,22 +128,60 @@ def _with_capacity(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, cap
   return out_TD, 1.0 - jnp.mean(kept_TK.astype(jnp.float32))
 
 
+def splits(mesh: Mesh | None, tokens_shape: tuple[int, ...] | None = None) -> bool:
+  """Whether the layer runs per device under shard_map: a mesh with more than one device (not while counting FLOPs)
+  whose batch axes divide the batch of `tokens_shape` (B, L, ...) and whose context axis divides its length (a
+  sampler's single row stays on the one-device dispatch under GSPMD)."""
+  if mesh is None or _COUNTING.get() or mesh.size == 1:
+    return False
+  sizes = dict(mesh.shape)
+  batch, length = tokens_shape[:2] if tokens_shape else (0, 0)
+  return batch % math.prod(sizes.get(a, 1) for a in mesh_lib.BATCH_AXES) == 0 and length % sizes.get('context', 1) == 0
+
+
+EXCHANGES = ('auto', 'padded', 'ragged')  # model.expert_exchange.
+EXCHANGE_NAMES = {'auto': 'the platform\'s exchange', 'padded': 'padded all_to_all',
+                  'ragged': 'ragged_all_to_all (trainer/models/expert_ragged.py)',
+                  'emulated': 'ragged_all_to_all emulated on all_to_all (XLA:CPU has no ragged-all-to-all)'}
+
+
+def exchange_of(requested: str, platform: str) -> str:
+  """The dropless exchange over `expert` that runs: 'ragged', 'padded', or 'emulated' (ragged asked for on CPU, whose
+  XLA has no ragged-all-to-all: the same offsets over a padded all_to_all). 'auto': ragged on NVIDIA GPUs, where it
+  lowers (compiled for an H100, gradient included); padded elsewhere (on TPU not measured here)."""
+  if requested == 'auto':
+    return 'ragged' if platform == 'gpu' else 'padded'
+  return 'emulated' if requested == 'ragged' and platform == 'cpu' else requested
+
+
 def dispatch(x_BLD, experts_BLK, weights_BLK, gate_EDF, up_EDF, down_EFD, *, mesh: Mesh,
-             capacity_factor: float | None):
-  """(output (B, L, D), dropped fraction or None): the experts' weighted outputs, tokens exchanged over `expert`."""
+             capacity_factor: float | None, kernel: str = 'ragged_dot', exchange: str = 'padded'):
+  """(output (B, L, D), dropped fraction or None): the experts' weighted outputs, each device running its own tokens;
+  over `expert` (N > 1 devices) tokens travel to their experts' devices and back."""
   tokens = PartitionSpec(mesh_lib.BATCH_AXES, 'context')
-  weight_in = PartitionSpec(AXIS, None, TENSOR)  # The model dimension gathered (fsdp), the hidden width split.
+  weight_in = PartitionSpec(AXIS, None, TENSOR)  # The model dimension gathered (as fsdp does), the hidden width split.
   weight_out = PartitionSpec(AXIS, TENSOR, None)
   token_axes = mesh_lib.BATCH_AXES + ('context',)
 
   def local(x_bld, experts_blk, weights_blk, gate, up, down):
     b, l, d = x_bld.shape
     args = (x_bld.reshape(b * l, d), experts_blk.reshape(b * l, -1), weights_blk.reshape(b * l, -1), gate, up, down)
+    n = jax.lax.axis_size(AXIS)
     if capacity_factor:
-      out_TD, dropped = _with_capacity(*args, capacity_factor)
+      if n > 1:
+        out_TD, dropped = _with_capacity(*args, capacity_factor)
+      else:  # This device's tokens compete for its experts' capacity (GShard's groups), as over `expert`.
+        k, experts = args[1].shape[1], gate.shape[0]
+        out_TD, dropped = expert_math.with_capacity(
+            *args, expert_math.capacity_of(capacity_factor, b * l, k, experts))
       dropped = jax.lax.pmean(dropped, token_axes)  # Every device's share of the batch is the same size.
     else:
-      out_TD, dropped = _dropless(*args)
+      if n == 1:  # Every expert here: this device's tokens sorted and run on its own.
+        out_TD = expert_math.dropless(*args, kernel)
+      elif exchange in ('ragged', 'emulated'):
+        out_TD = expert_ragged.dropless(*args, kernel, AXIS, emulate=exchange == 'emulated')
+      else:
+        out_TD, _ = _dropless(*args, kernel)
       dropped = jnp.zeros((), jnp.float32)
     # Each device's hidden slice gives a partial down projection: summed over `tensor`.
     return jax.lax.psum(out_TD, TENSOR).reshape(b, l, d), dropped

@@ -44,8 +44,17 @@ def ragged_dot(x_AD, w_EDF, group_sizes_E, *, interpret: bool = False, tile_rows
   E = w_EDF.shape[0]
   layout = _Layout.of(group_sizes_E, A, E, tile_rows)
   xp = jnp.zeros((layout.rows, x_AD.shape[1]), x_AD.dtype).at[layout.dest_A].set(x_AD, mode='drop')
+  xp, w_EDF = _vary_alike(xp, w_EDF)
   yp = _padded_matmul(xp, w_EDF, layout.tile_group, layout.first_tile, layout.num_tiles, interpret, tile_rows, A)
   return yp.at[layout.dest_A].get(mode='fill', fill_value=0)
+
+
+def _vary_alike(*arrays):
+  """The arrays varying over the same manual mesh axes (under shard_map, trainer/models/expert_parallel.py): the
+  custom VJP must give each gradient its operand's type, and a weight's gradient varies over the batch axes its rows
+  do; pcast's transpose then sums it over them."""
+  axes = frozenset().union(*(jax.typeof(a).mat.varying for a in arrays))
+  return [jax.lax.pcast(a, tuple(sorted(axes - jax.typeof(a).mat.varying)), to='varying') for a in arrays]
 
 
 class _Layout:
@@ -69,7 +78,9 @@ class _Layout:
     group_A = jnp.minimum(group_A, E - 1)
     dest_A = jnp.where(in_group, first_tile[group_A] * tile + row_A - starts[group_A], rows)
     tile_ends = jnp.cumsum(num_tiles)
-    tile_group = jnp.minimum(jnp.searchsorted(tile_ends, jnp.arange(rows // tile), side='right'), E - 1)
+    # Tiles past the last group's get E, which the kernel skips: a receive buffer with room for N times the rows
+    # routed (trainer/models/expert_ragged.py) costs the rows it holds, not its size.
+    tile_group = jnp.searchsorted(tile_ends, jnp.arange(rows // tile), side='right')
     return cls(dest_A, tile_group.astype(jnp.int32), first_tile.astype(jnp.int32), num_tiles.astype(jnp.int32), rows)
 
 
@@ -101,6 +112,12 @@ def _pallas():
   return pl, plgpu
 
 
+def _like(x, shape, dtype) -> jax.ShapeDtypeStruct:
+  """An output varying over the manual mesh axes `x` varies over: under shard_map (trainer/models/expert_parallel.py)
+  pallas_call asks for them."""
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(x).mat)
+
+
 def _tiles_times_weights(xp, w, tile_group, interpret: bool, tile_rows: int, useful_rows: int):
   """(rows, F): row tile i times w[tile_group[i]]; declares 2 * useful_rows * D * F FLOPs (the padding is not
   useful work)."""
@@ -108,6 +125,8 @@ def _tiles_times_weights(xp, w, tile_group, interpret: bool, tile_rows: int, use
   rows, D = xp.shape
   F = w.shape[2]
   bm, bk, bn = tile_rows, _tile(D, 64), _tile(F)
+
+  E = w.shape[0]
 
   def kernel(group_ref, x_ref, w_ref, o_ref):
     i, j = pl.program_id(0), pl.program_id(1)
@@ -118,10 +137,12 @@ def _tiles_times_weights(xp, w, tile_group, interpret: bool, tile_rows: int, use
       b = w_ref[g, pl.ds(k * bk, bk), pl.ds(j * bn, bn)]
       return acc + plgpu.dot(a, b, precision=jax.lax.Precision.HIGHEST if interpret else None)
 
-    acc = jax.lax.fori_loop(0, D // bk, body, jnp.zeros((bm, bn), jnp.float32))
-    o_ref[pl.ds(i * bm, bm), pl.ds(j * bn, bn)] = acc.astype(o_ref.dtype)
+    @pl.when(g < E)  # A tile of no group (past the rows held): skipped, its output never read.
+    def _():
+      acc = jax.lax.fori_loop(0, D // bk, body, jnp.zeros((bm, bn), jnp.float32))
+      o_ref[pl.ds(i * bm, bm), pl.ds(j * bn, bn)] = acc.astype(o_ref.dtype)
 
-  return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((rows, F), xp.dtype), grid=(rows // bm, F // bn),
+  return pl.pallas_call(kernel, out_shape=_like(xp, (rows, F), xp.dtype), grid=(rows // bm, F // bn),
                         interpret=interpret, name='grouped_matmul',
                         cost_estimate=pl.CostEstimate(flops=2 * useful_rows * D * F, transcendentals=0,
                                                       bytes_accessed=xp.nbytes + w.nbytes + rows * F * xp.itemsize),
@@ -149,7 +170,7 @@ def _weight_gradient(xp, dy, first_tile, num_tiles, dtype, interpret: bool, tile
     acc = jax.lax.fori_loop(0, count, body, jnp.zeros((bd, bf), jnp.float32))
     o_ref[e, pl.ds(i * bd, bd), pl.ds(j * bf, bf)] = acc.astype(o_ref.dtype)
 
-  return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((E, D, F), dtype), grid=(E, D // bd, F // bf),
+  return pl.pallas_call(kernel, out_shape=_like(xp, (E, D, F), dtype), grid=(E, D // bd, F // bf),
                         interpret=interpret, name='grouped_matmul_weight_grad',
                         cost_estimate=pl.CostEstimate(flops=2 * useful_rows * D * F, transcendentals=0,
                                                       bytes_accessed=xp.nbytes + dy.nbytes + E * D * F * 4),

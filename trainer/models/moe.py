@@ -68,6 +68,7 @@ class MoeConfig:
   num_moe_layers: int = 1  # The sown loss terms are divided by it: the loss gets their mean over layers.
   router_bias_rate: float = 0.0  # > 0: trainer/models/router_bias.py's balancing bias, moved this much a step.
   kernel: str = 'ragged_dot'  # Dropless grouped matmuls: 'ragged_dot' (jax.lax) or 'triton' (grouped_matmul.py).
+  exchange: str = 'auto'  # Dropless tokens over mesh.expert (expert_parallel.exchange_of); for_platform resolves it.
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
@@ -83,7 +84,8 @@ def for_platform(cfg: MoeConfig, platform: str) -> MoeConfig:
   """`cfg` with the grouped-matmul kernel of `platform`: on NVIDIA GPUs ('gpu') the Pallas Triton kernel, since
   XLA's GPU lowering of ragged_dot runs every expert on every assignment (trainer/models/grouped_matmul.py); on TPU
   and CPU jax.lax.ragged_dot."""
-  return dataclasses.replace(cfg, kernel='triton' if platform == 'gpu' else 'ragged_dot')
+  return dataclasses.replace(cfg, kernel='triton' if platform == 'gpu' else 'ragged_dot',
+                             exchange=expert_parallel.exchange_of(cfg.exchange, platform))
 
 
 def dispatch_note(cfg: MoeConfig, platform: str) -> str:
@@ -94,6 +96,7 @@ def dispatch_note(cfg: MoeConfig, platform: str) -> str:
             f'logged as */dropped_fraction)')
   kernel = grouped_matmul.NAME if cfg.kernel == 'triton' else 'jax.lax.ragged_dot'
   note = f'MoE: {cfg.num_experts} experts, top-{cfg.experts_per_token}, dropless on {kernel} (grouped matmuls)'
+  note += f'; over mesh.expert tokens travel by {expert_parallel.EXCHANGE_NAMES[cfg.exchange]}'
   if platform == 'cpu':
     note += ('; on cpu XLA pads ragged_dot to every expert, about 7x the time of the active FLOPs (BENCHMARKS.md "MoE '
              'dispatch"): --config.model.expert_capacity_factor=1.25 runs near 1.3x')
@@ -103,8 +106,8 @@ def dispatch_note(cfg: MoeConfig, platform: str) -> str:
 class MoeMlp(nn.Module):
   """x (B, L, D) -> (B, L, D): the weighted sum of each token's top-k experts (SwiGLU MLPs)."""
   cfg: MoeConfig
-  # The jit strategy's mesh: with more than 1 device on the expert axis, tokens go to their experts' devices all-to-all
-  # (trainer/models/expert_parallel.py); None or expert=1 runs the one-device dispatch below under GSPMD.
+  # The jit strategy's mesh: with several devices each routes and runs its own tokens under shard_map, tokens going to
+  # their experts' devices all-to-all over `expert` (trainer/models/expert_parallel.py); None: the dispatch below.
   mesh: jax.sharding.Mesh | None = None
 
   @nn.compact
@@ -127,10 +130,10 @@ class MoeMlp(nn.Module):
     if bias_E is not None:  # The bias chooses the experts; the weights stay the router's (route's top-k is unused).
       weights_TK, experts_TK = router_bias.choose(jax.nn.softmax(logits_TE, axis=-1), bias_E, K)
     dropped = None
-    if expert_parallel.size(self.mesh) > 1:
+    if expert_parallel.splits(self.mesh, x_BLD.shape):  # Each device its own tokens (over `expert`: all-to-all).
       out_BLD, dropped = expert_parallel.dispatch(
           x_BLD, experts_TK.reshape(B, L, K), weights_TK.reshape(B, L, K), gate_EDF, up_EDF, down_EFD,
-          mesh=self.mesh, capacity_factor=cfg.capacity_factor)
+          mesh=self.mesh, capacity_factor=cfg.capacity_factor, kernel=cfg.kernel, exchange=cfg.exchange)
       out_TD = out_BLD.reshape(B * L, D)
     elif cfg.dropless:
       out_TD = dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, cfg.kernel)
@@ -180,7 +183,8 @@ def from_model_config(model_config, dtype=jnp.float32, param_dtype=jnp.float32) 
                    expert_mlp_dim=m.expert_mlp_dim or m.mlp_dim, capacity_factor=m.expert_capacity_factor,
                    aux_loss_weight=float(m.router_aux_loss_weight), z_loss_weight=float(m.router_z_loss_weight),
                    router_bias_rate=float(m.get('router_bias_rate', 0.0)),  # A config.json from before it: none.
-                   num_moe_layers=max(1, m.num_layers // _interval(m)), dtype=dtype, param_dtype=param_dtype)
+                   num_moe_layers=max(1, m.num_layers // _interval(m)), dtype=dtype, param_dtype=param_dtype,
+                   exchange=m.get('expert_exchange', 'auto'))
 
 
 def llama_fields(model_config, dtype, param_dtype) -> dict:

@@ -4,7 +4,9 @@
 `--topology=h100`), and counts a loop body once. This reads the HLO text instead: every `dot` instruction
 (2 * output elements * contracted elements), in fused computations too, times how often its computation runs
 (a `while` with a known trip count runs its body that many times). Custom calls (cuDNN attention, Triton kernels)
-are not seen, so the count is what XLA itself runs as matmuls.
+are not seen, so the count is what XLA itself runs as matmuls; `kernels=True` adds the Triton grouped matmuls of
+trainer/models/grouped_matmul.py at their grid's size (2 x padded rows x D x F; tiles of no group, which the kernel
+skips at run time, included), so a step's per-device expert work shows.
 
 The guard: a dropless MoE step whose XLA matmuls exceed the traced FLOPs (the active experts' work,
 trainer/observe/traced_flops.py) by more than DENSE_RATIO runs experts on tokens not routed to them: XLA's GPU lowering
@@ -22,14 +24,24 @@ _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\][^ ]* 
 _CALLEES = re.compile(r'\b(calls|body|condition|to_apply)=%?([\w.\-]+)|\b(branch_computations)=\{([^}]*)\}')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CONTRACTING = re.compile(r'lhs_contracting_dims=\{([\d,]*)\}')
+_GROUPED_MATMUL = re.compile(r'operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}.*op_name="[^"]*/grouped_matmul')
+_SHAPE = re.compile(r'\w+\[([\d,]*)\]')
 
 
 def _dims(text: str) -> list[int]:
   return [int(d) for d in text.split(',') if d]
 
 
-def dot_flops(hlo_text: str) -> float:
-  """Matmul FLOPs of one execution of the optimized HLO module `hlo_text` (`compiled.as_text()`)."""
+def _grouped_matmul_flops(rest: str, out_dims: list[int]) -> float:
+  """A Triton grouped matmul's FLOPs from its operands: the padded rows (rows, D) times the output's last width F."""
+  found = _GROUPED_MATMUL.search(rest)
+  rows_D = next((s for s in map(_dims, _SHAPE.findall(found.group(1))) if len(s) == 2), None) if found else None
+  return 2.0 * rows_D[0] * rows_D[1] * out_dims[-1] if rows_D and out_dims else 0.0
+
+
+def dot_flops(hlo_text: str, kernels: bool = False) -> float:
+  """Matmul FLOPs of one execution of the optimized HLO module `hlo_text` (`compiled.as_text()`); `kernels`: with the
+  Triton grouped matmuls."""
   shapes, dots, calls, entry, current = {}, defaultdict(float), defaultdict(list), None, None
   for line in hlo_text.splitlines():
     head = _COMPUTATION.match(line)
@@ -51,6 +63,8 @@ def dot_flops(hlo_text: str) -> float:
       lhs_shape = shapes.get((current, lhs))
       if lhs_shape is not None and contracting:
         dots[current] += 2.0 * math.prod(_dims(dims)) * math.prod(lhs_shape[d] for d in _dims(contracting.group(1)))
+    if found and op == 'custom-call' and kernels:
+      dots[current] += _grouped_matmul_flops(rest, _dims(dims))
     trip = _TRIP.search(rest)
     for kind, callee, branches, callees in _CALLEES.findall(rest):
       for callee in [callee] if callee else callees.replace('%', '').split(', '):

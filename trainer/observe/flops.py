@@ -168,14 +168,19 @@ def job_step_flops(job, log: bool = True) -> traced_flops.Count | None:
 
 def _from_the_step(job) -> traced_flops.Count | None:
   """The count from the jaxpr compile_train_step kept ('jit' only), when it is the program traced_step_flops would
-  trace: the equations under step.GRADS_SCOPE, with no kernel the counting contexts swap. Not with a pipeline, an
-  expert or a context axis (their per-device programs are what those contexts replace), nor with an opaque kernel
-  (cuDNN's or splash's attention, which the count runs as XLA's). A tiny launch's count took 0.19 s of tracing;
-  this walk, 0.003 s. None: trace it.
+  trace: the equations under step.GRADS_SCOPE, with no kernel the counting contexts swap. Not with a pipeline, MoE
+  layers exchanging tokens or in capacity mode on several devices, or a context axis (their per-device programs are
+  what those contexts replace), nor with an opaque kernel (cuDNN's or splash's attention, which the count runs as
+  XLA's). A tiny launch's count took 0.19 s of tracing; this walk, 0.003 s. None: trace it.
   """
   jaxpr = job.traced.get('train_step')
-  if (jaxpr is None or pipeline.from_config(job.config.train, job.mesh) is not None
-      or expert_parallel.size(job.mesh) > 1 or dict(job.mesh.shape).get(context.AXIS, 1) > 1):
+  model, shape = job.config.model, dict(job.mesh.shape)
+  # Split MoE layers run the one-device work per device (counted times the devices) except over `expert` (receive
+  # buffers) and in capacity mode (each device's capacity rounded up).
+  moe_apart = model.get('num_experts', 0) and expert_parallel.splits(job.mesh) and (
+      shape.get(expert_parallel.AXIS, 1) > 1 or model.get('expert_capacity_factor'))
+  if (jaxpr is None or pipeline.from_config(job.config.train, job.mesh) is not None or moe_apart
+      or shape.get(context.AXIS, 1) > 1):
     return None
   counted = traced_flops.count_jaxpr(jaxpr.jaxpr, scope=step_lib.GRADS_SCOPE)
   return counted if counted.flops and not counted.opaque else None
