@@ -122,7 +122,7 @@ def test_quantized_training_ends_within_2_percent_of_bf16(trained, mode):
   assert quantized != bf16  # The quantized matmuls ran: the losses are not bit-equal.
 
 
-def test_a_bf16_checkpoint_resumes_into_fp8_with_a_line_saying_so(trained, caplog):
+def test_a_bf16_checkpoint_resumes_into_fp8_and_back_with_a_line_saying_so(trained, caplog):
   root = trained[0]
   config = _tiny('fp8', steps=STEPS + 2)
   config.train.accept_schedule_change = True  # Two more steps move the cosine schedule: not what is tested here.
@@ -133,6 +133,16 @@ def test_a_bf16_checkpoint_resumes_into_fp8_with_a_line_saying_so(trained, caplo
   losses = [r['loss'] for r in read_metrics(root / 'None') if 'loss' in r]
   # The two fp8 steps started from the trained weights (a fresh model's loss is ln(256) = 5.5).
   assert len(losses) == STEPS + 2 and max(losses[STEPS:]) < 0.8 * losses[0]
+  # And back: the fp8 checkpoint resumes into bf16 matmuls.
+  config = _tiny(None, steps=STEPS + 4)
+  config.train.accept_schedule_change = True
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger='absl'):
+    loop.run(config, str(root / 'None'), devices=jax.devices()[:1])
+  assert (f"Resuming step {STEPS + 2}, saved with fp8 layer matmuls, with train.compute_dtype ones "
+          f"(train.quantization 'fp8' -> None)") in caplog.text
+  losses = [r['loss'] for r in read_metrics(root / 'None') if 'loss' in r]
+  assert len(losses) == STEPS + 4 and max(losses[STEPS + 2:]) < 0.8 * losses[0]
 
 
 @pytest.mark.skipif(not gpu_targets.cuda_plugin_installed(),
