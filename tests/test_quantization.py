@@ -19,9 +19,10 @@ import pytest
 from configs import tiny
 from conftest import REPO, read_metrics, run_launcher, run_python
 from trainer.base.errors import UserError
-from trainer.memory import gpu_targets
+from trainer.memory import footprint, gpu_targets, remat
 from trainer.models import llama, quantization
-from trainer.run import loop
+from trainer.observe import flops, traced_flops
+from trainer.run import loop, plan
 
 STEPS = 24
 
@@ -154,3 +155,47 @@ def test_llama_1b_compiled_for_an_h100_runs_its_layer_matmuls_as_fp8_in_no_more_
   memory = dict(re.findall(r'^(bf16|fp8): .*compiled step ([\d.]+) GiB', run.stdout, re.M))
   assert float(shares['bf16']) == 0 and float(shares['fp8']) >= 90, run.stdout
   assert float(memory['fp8']) <= float(memory['bf16']), run.stdout
+
+
+def test_the_plan_counts_the_fp8_flops_and_the_step_time_at_the_fp8_peak():
+  printed = []
+  plan.run(_tiny('fp8'), print_fn=printed.append)
+  report = '\n'.join(printed)
+  traced = float(re.search(r'FLOPs per step: ([\d.e+]+)', report).group(1))
+  quantized, share = re.search(r"train.quantization='fp8': ([\d.e+]+) of these FLOPs \(([\d.]+)%\) in fp8 dots",
+                               report).groups()
+  # The 7 layer kernels (2 layers x 10,240 weights), 3 dots each (forward and both gradients) of 2 x 8 x 32 tokens.
+  assert float(quantized) == pytest.approx(3 * 2 * 8 * 32 * 20_480, rel=1e-3) and float(share) == pytest.approx(
+      100 * float(quantized) / traced, abs=0.1)
+  # Beside the bf16 peak's line, the H100's at its fp8 peak (twice); no TPU has fp8 matrix units in the table.
+  assert re.search(r'h100 +989 TFLOP/s bf16: .*\n +fp8 layer matmuls at 1,978 TFLOP/s', report), report
+  assert report.count('fp8 layer matmuls at') == 2  # H100 and H200.
+
+
+def test_mfu_is_against_the_bf16_peak_and_against_each_dots_own_peak():
+  counted = traced_flops.Count(flops=100e12, quantized=60e12)
+  ideal = flops.ideal_seconds(counted, flops.PEAK_FLOPS['h100'], 'fp8', 'h100')
+  assert ideal == pytest.approx(40e12 / 989e12 + 60e12 / 1978e12)
+  assert flops.ideal_seconds(counted, flops.PEAK_FLOPS['v5p'], 'fp8', 'v5p') == pytest.approx(100e12 / 459e12)
+  assert flops.quantized_peak_flops('int8', 'v6e') == 2 * 918e12 and flops.quantized_peak_flops('int8', 'v4') is None
+  metrics = flops.Throughput(100e12, 1, 989e12, None, ('fp8', ideal)).metrics(step_time_s=0.2)
+  assert metrics['mfu'] == pytest.approx(100e12 / 0.2 / 989e12) and metrics['mfu_fp8'] == pytest.approx(ideal / 0.2)
+
+
+def test_remat_auto_measures_the_quantized_step_and_remembers_it_apart(tmp_path):
+  config = _tiny('fp8')
+  config.train.remat_policy = 'auto'
+  measured = []
+
+  def measure(candidate, devices):
+    measured.append(candidate.train.quantization)
+    return (1 << 20) if candidate.train.remat_policy == 'full' else (1 << 30), None
+
+  limit = footprint.Limit(256 << 20, 'a test')
+  resolved, choice = remat.resolve(config, jax.devices()[:1], limit, measure_fn=measure)
+  assert measured and set(measured) == {'fp8'} and resolved.train.quantization == 'fp8'
+  assert choice.remat_policy == 'full'
+  # A bf16 run's choice is not taken for an fp8 resume: the fingerprint tells the two apart.
+  bf16 = _tiny(None)
+  bf16.train.remat_policy = 'auto'
+  assert remat.fingerprint(bf16, jax.devices()[:1], limit) != remat.fingerprint(config, jax.devices()[:1], limit)
