@@ -7,8 +7,11 @@ fp8, int8 and bf16, the quantized final losses within 2% of bf16's (emulated on 
 TPU would compute, within rounding of the accumulation order).
 """
 
+import importlib.util
 import logging
+import os
 import re
+import subprocess
 import sys
 import types
 
@@ -155,6 +158,20 @@ def test_llama_1b_compiled_for_an_h100_runs_its_layer_matmuls_as_fp8_in_no_more_
   memory = dict(re.findall(r'^(bf16|fp8): .*compiled step ([\d.]+) GiB', run.stdout, re.M))
   assert float(shares['bf16']) == 0 and float(shares['fp8']) >= 90, run.stdout
   assert float(memory['fp8']) <= float(memory['bf16']), run.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
+                    reason='needs the TPU compiler: pip install -r requirements-tpu-plan.txt')
+def test_the_tiny_llama_compiled_for_a_v5p_slice_runs_its_layer_matmuls_in_int8():
+  # libtpu reads XLA_FLAGS too, and aborts on the CPU-only flags the tests set (conftest.TEST_XLA_FLAGS).
+  env = {**os.environ, 'XLA_FLAGS': ' '.join(f for f in os.environ['XLA_FLAGS'].split() if '_cpu_' not in f)}
+  run = subprocess.run([sys.executable, str(REPO / 'benchmarks' / 'bench_quantization.py'), '--topology=v5p:2x2x1',
+                        '--config=configs/tiny.py', '--batch_size=8'], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=900, check=False)
+  assert run.returncode == 0, run.stderr[-3000:]
+  ops = dict(re.findall(r'^(bf16|int8): layer matmul ops in int8 [\d.]+% \((\{.*?\})\)', run.stdout, re.M))
+  # 2 scanned layers' 7 kernels, 3 ops each (forward, both gradients): s8 x s8 convolutions (TPU's dot) in int8.
+  assert ops == {'bf16': "{('bf16', 'bf16'): 21}", 'int8': "{('s8', 's8'): 21}"}, run.stdout
 
 
 def test_the_plan_counts_the_fp8_flops_and_the_step_time_at_the_fp8_peak():
