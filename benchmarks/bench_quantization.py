@@ -1,6 +1,7 @@
-"""train.quantization on an H100 without one: llama_1b's step compiled for `--topology=h100:1`, bf16 against fp8.
+"""train.quantization on an H100 or a TPU without one: llama_1b's step compiled for `--topology`, bf16 against fp8/int8.
 
   python benchmarks/bench_quantization.py [--config=configs/llama_1b.py] [--batch_size=16]   # needs requirements-gpu-plan.txt
+  python benchmarks/bench_quantization.py --topology=v5p:2x2x1 [--mode=int8]   # needs requirements-tpu-plan.txt
   python benchmarks/bench_quantization.py --candidates [--h100]   # the libraries compared (issue 56), on CPU / an H100
 
 --candidates: one (2048, 1024) x (1024, 4096) bf16 Dense forward and backward through each candidate quantized dot
@@ -13,7 +14,11 @@ For each precision it builds the launcher's real Job on one compile-only H100 (t
 compiles the step and prints: the share of the transformer-layer matmul FLOPs whose dots take fp8 operands in the
 compiled HLO (layer matmuls: every dot without a vocabulary-sized dimension; the output head has one, the attention
 core is cuDNN's fused kernel, not a dot), and the compiled step's memory (what `launch.py --plan` reports). The
-tokens/s and loss rows of issue 56 need a GPU: "not measured" until one is lent.
+tokens/s and loss rows of issue 56 need a GPU: "not measured" until one is lent. For a TPU slice (default
+--mode=int8) it prints the operand types of the layer matmuls' ops in the compiled HLO (TPU lowers a dot to a
+`convolution`; a layer matmul is one whose op_name names an attention projection or an MLP kernel) and the share
+that takes 8-bit operands on both sides. tpu7x topologies are described by the pinned libtpu (0.0.51), but any
+step compiled for one, bf16 too, fails inside it (RET_CHECK "async-update instruction should have 1 operands").
 """
 
 import argparse
@@ -54,13 +59,30 @@ def fp8_share(flops: dict[tuple[str, str], float]) -> float:
   return sum(f for (a, b), f in flops.items() if a.startswith('f8') and b.startswith('f8')) / total if total else 0.0
 
 
-def compile_for_h100(config):
-  """(compiled HLO text, compiled step bytes) of `config`'s step on one compile-only H100."""
+_LAYER_OP = re.compile(r'= \w+\[[\d,]*\]\S* (?:dot|convolution)\(%([\w.\-]+), %([\w.\-]+)\).*?op_name="[^"]*/'
+                       r'(?:attention/(?:query|key|value|out)|(?:mlp|shared_expert)/(?:gate|up|down))/[^"]*"')
+
+
+def layer_op_types(hlo: str) -> dict[tuple[str, str], int]:
+  """How many dot or convolution ops of the layer matmuls (by their op_name) a compiled HLO module's text has, by
+  their (lhs, rhs) element types."""
+  types = {name: dtype for name, dtype, _ in _INSTRUCTION.findall(hlo)}
+  return dict(collections.Counter((types[lhs], types[rhs]) for lhs, rhs in _LAYER_OP.findall(hlo)))
+
+
+def eight_bit(dtype: str, mode: str) -> bool:
+  return dtype.startswith('f8') if mode == 'fp8' else dtype == 's8'
+
+
+def compile_for(config, topology: str = 'h100:1'):
+  """(compiled HLO text, compiled step bytes) of `config`'s step on the compile-only devices of `topology`."""
   from trainer.memory import footprint, gpu_targets
-  from trainer.run import job as job_lib
-  devices = gpu_targets.devices('h100:1')
-  job = job_lib.build_job(config, devices, limit=gpu_targets.memory_limit(devices[0]))
-  compiled = footprint.compile_step(job)
+  from trainer.observe import flops
+  from trainer.run import job as job_lib, plan
+  devices = plan.topology_devices(topology)
+  limit = (gpu_targets.memory_limit(devices[0]) if gpu_targets.is_gpu_topology(topology) else
+           footprint.Limit(plan.HBM_GIB[flops.accelerator_name(devices[0])] * footprint.GIB, topology))
+  compiled = footprint.compile_step(job_lib.build_job(config, devices, limit=limit))
   return compiled.as_text(), footprint.compiled_bytes(compiled)
 
 
@@ -133,17 +155,27 @@ def main() -> None:
   parser.add_argument('--batch_size', type=int, default=16)
   parser.add_argument('--candidates', action='store_true')
   parser.add_argument('--h100', action='store_true')
+  parser.add_argument('--topology', default='h100:1', help='an H100 (h100:1) or a TPU slice such as v5p:2x2x1')
+  parser.add_argument('--mode', choices=('fp8', 'int8'), help='default: fp8 on a GPU, int8 on a TPU')
   args = parser.parse_args()
   if args.candidates:
     return candidates(args.h100)
+  gpu = args.topology.startswith('h100')
+  quantized = args.mode or ('fp8' if gpu else 'int8')
   import importlib.util
   spec = importlib.util.spec_from_file_location('bench_config', args.config)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  for mode in (None, 'fp8'):
+  for mode in (None, quantized):
     config = module.get_config()
     config.train.batch_size, config.train.compute_dtype, config.train.quantization = args.batch_size, 'bfloat16', mode
-    text, step_bytes = compile_for_h100(config)
+    text, step_bytes = compile_for(config, args.topology)
+    if not gpu:
+      ops = layer_op_types(text)
+      share = sum(n for (a, b), n in ops.items() if eight_bit(a, quantized) and eight_bit(b, quantized))
+      print(f'{mode or "bf16"}: layer matmul ops in {quantized} {share / sum(ops.values()):.1%} ({ops}); compiled '
+            f'step {step_bytes / 2**30:.4f} GiB per device ({args.topology})')
+      continue
     flops = dot_flops_by_operands(text, skip_dim=config.model.vocab_size)
     print(f'{mode or "bf16"}: layer matmul FLOPs in fp8 dots {fp8_share(flops):.1%} '
           f'({ {k: f"{v:.3g}" for k, v in flops.items()} }); compiled step {step_bytes / 2**30:.2f} GiB per device; '

@@ -38,7 +38,7 @@ def get_config() -> config_dict.ConfigDict:
   c.train.ema_decay = 0.0  # > 0: keep a float32 moving average of the parameters (ema = d x ema + (1 - d) x params), checkpointed, evaluated as eval_ema_loss; 0 = off.
   c.train.grad_clip_norm = 1.0  # Clip gradients to this global norm; 0 disables clipping.
   c.train.compute_dtype = 'auto'  # 'auto' (bfloat16 on GPU/TPU, float32 on CPU), 'float32' or 'bfloat16'.
-  c.train.quantization = config_dict.placeholder(str)  # Layer matmuls (attention projections, MLP) in 'fp8' (Ada/Hopper+ GPUs, TPU7x) or 'int8' (TPU v5e/v5p/v6e), per-tensor current scaling (trainer/models/quantization.py); None = train.compute_dtype.
+  c.train.quantization = config_dict.placeholder(str)  # Layer matmuls (Llama: attention projections, MLP; other models: parameter matmuls but embeddings and head) in 'fp8' (Ada/Hopper+ GPUs, TPU7x) or 'int8' (TPU v5e/v5p/v6e), per-tensor current scaling (trainer/models/quantization.py); None = train.compute_dtype.
   c.train.param_dtype = 'float32'  # Storage dtype of parameters and optimizer state.
   c.train.remat_policy = 'none'  # Per-block rematerialization: 'auto' (least recomputation that fits, trainer/memory/remat.py), 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'save_qkv_proj', 'save_attention_and_mlp_hidden'.
   c.train.adam_mu_dtype = 'float32'  # Storage dtype of the first moment (momentum) of adamw, muon, lion and sgd; 'bfloat16' halves it (Adam's second moment stays float32).

@@ -27,8 +27,8 @@ def text_dir(tmp_path_factory):
   return make_text_dir(tmp_path_factory.mktemp('text'), bytes_per_file=4000)
 
 
-def _args(workdir, text_dir, *extra):
-  return ['--config=configs/tiny.py', f'--workdir={workdir}', f'--config.train.steps={STEPS}',
+def _args(workdir, text_dir, *extra, steps=STEPS):
+  return ['--config=configs/tiny.py', f'--workdir={workdir}', f'--config.train.steps={steps}',
           '--config.ckpt.every_steps=5', '--config.log.every_steps=1', '--config.data.seq_len=128',
           f'--config.data.text_dir={text_dir}', *extra]
 
@@ -54,7 +54,8 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 '''
 
 
-def _launch(args, signal_at_step: int | None = None, sig: int = signal.SIGKILL) -> subprocess.CompletedProcess:
+def _launch(args, signal_at_step: int | None = None, sig: int = signal.SIGKILL,
+            steps: int = STEPS) -> subprocess.CompletedProcess:
   """Runs launch.py; once its log shows `step N/`, sends `sig` (the run waits for it). Fails past TIMEOUT_S."""
   command = ([sys.executable, '-c', _HELD_AT_STEP, str(signal_at_step + 1)] if signal_at_step
              else [sys.executable, str(REPO / 'launch.py')])
@@ -66,7 +67,7 @@ def _launch(args, signal_at_step: int | None = None, sig: int = signal.SIGKILL) 
   try:
     for line in proc.stderr:
       lines.append(line)
-      if signal_at_step and not sent and re.search(rf'step {signal_at_step}/{STEPS} \|', line):
+      if signal_at_step and not sent and re.search(rf'step {signal_at_step}/{steps} \|', line):
         os.kill(proc.pid, sig)
         sent = True
     proc.wait()
@@ -187,3 +188,24 @@ print('not reached')
   result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=600)
   assert result.returncode == 130 and 'not reached' not in result.stdout, result.stderr
   assert result.stderr.splitlines()[-1].startswith('launch.py: interrupted again (Ctrl-C): exiting now')
+
+
+def _records(workdir: pathlib.Path) -> dict[int, tuple]:
+  """step -> (loss, gradient norm, parameter norm); a relaunch's records replace the killed run's."""
+  return {r['step']: (r['loss'], r['grad_norm'], r['param_norm'])
+          for r in map(json.loads, (workdir / 'metrics.jsonl').read_text().splitlines()) if 'loss' in r}
+
+
+def test_an_fp8_run_killed_with_9_resumes_bit_exactly_over_30_steps(text_dir, tmp_path):
+  """train.quantization='fp8' (bf16 compute, float32 master weights): current scaling keeps no state, so the
+  checkpoint holds all a resume needs, and the relaunched run's losses and norms are the uninterrupted run's."""
+  steps, fp8 = 30, ('--config.train.quantization=fp8', '--config.train.compute_dtype=bfloat16')
+  straight = _launch(_args(tmp_path / 'straight', text_dir, *fp8, steps=steps), steps=steps)
+  assert straight.returncode == 0, straight.stderr[-3000:]
+  killed = _launch(_args(tmp_path / 'killed', text_dir, *fp8, steps=steps), signal_at_step=17, steps=steps)
+  assert killed.returncode == -signal.SIGKILL and max(_records(tmp_path / 'killed')) == 17
+  resumed = _launch(_args(tmp_path / 'killed', text_dir, *fp8, steps=steps), steps=steps)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert 'Resuming from checkpoint at step 15 ' in resumed.stderr
+  reference = _records(tmp_path / 'straight')
+  assert sorted(reference) == list(range(1, steps + 1)) and _records(tmp_path / 'killed') == reference

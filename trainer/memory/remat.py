@@ -99,6 +99,8 @@ def policies(model_name: str) -> tuple[str, ...] | None:
 def fingerprint(config, devices: Sequence[jax.Device], limit: footprint.Limit) -> str:
   values = {k: config[k.split('.')[0]][k.split('.')[1]] if '.' in k else config[k].to_dict() for k in _MEMORY_KEYS}
   values.update(devices=len(devices), kind=devices[0].device_kind, limit=limit.bytes)
+  if config.train.get('quantization'):  # Quantized dots change the step's memory; unset, the fingerprints of old runs.
+    values['train.quantization'] = config.train.quantization
   return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -31,7 +31,7 @@ import jax
 
 from trainer.base import frames
 from trainer.base.errors import UserError
-from trainer.models import sown
+from trainer.models import quantization, sown
 
 Params = Any  # Nested dict of arrays.
 
@@ -119,15 +119,16 @@ def is_nnx_builder(builder: Callable) -> bool:
 
 
 def adapt(builder: Callable, config, example_inputs: tuple[tuple, dict], keywords: dict[str, Any],
-          init_context: Callable[[], Any] = contextlib.nullcontext) -> AdaptedModel:
+          init_context: Callable[[], Any] = contextlib.nullcontext, quantize: str | None = None) -> AdaptedModel:
   """Builds the configured model abstractly (nothing allocated) and wraps it for the functional train step.
 
   `example_inputs` is `(args, kwargs)` of ShapeDtypeStructs: what a Linen model is initialized on;
   `keywords` go to the builder where its signature takes them (call_builder);
-  `init_context()` is entered around a Linen model's initializing call.
+  `init_context()` is entered around a Linen model's initializing call;
+  `quantize` ('fp8', 'int8'): its layer matmuls run so, through Qwix (quantization.brought_provider).
   """
   try:
-    return _adapt(builder, config, example_inputs, keywords, init_context)
+    return _adapt(builder, config, example_inputs, keywords, init_context, quantize)
   except UserError:
     raise
   except Exception as e:  # pylint: disable=broad-except  (whatever the model raised while built: deterministic)
@@ -135,10 +136,10 @@ def adapt(builder: Callable, config, example_inputs: tuple[tuple, dict], keyword
     raise UserError(frames.model_error(e, config.model.name, 'building it (abstractly, before any step)')) from e
 
 
-def _adapt(builder, config, example_inputs, keywords, init_context) -> AdaptedModel:
+def _adapt(builder, config, example_inputs, keywords, init_context, quantize) -> AdaptedModel:
   name = config.model.name
   if is_nnx_builder(builder):
-    return _adapt_nnx(builder, config, keywords)
+    return _adapt_nnx(builder, config, keywords, example_inputs, quantize)
   module = call_builder(builder, config, keywords)
   if (nnx := _nnx_if_loaded()) and isinstance(module, nnx.Module):
     raise UserError(f'model.name={name!r} built an NNX module without `rngs`; give its constructor an `rngs` '
@@ -146,6 +147,12 @@ def _adapt(builder, config, example_inputs, keywords, init_context) -> AdaptedMo
   if not isinstance(module, nn.Module):
     raise UserError(f'model.name={name!r} returned a {type(module).__name__}, not a Flax module; point it at an '
                     f'nnx.Module class, or at a function `build(config)` returning a flax.linen Module.')
+  if quantize:
+    def survey(provider):
+      _linen_init(quantization.intercept(module, provider, example_inputs), example_inputs,
+                  init_context).eval_shape(jax.random.key(0))
+    provider = quantization.brought_provider(quantize, name, survey)
+    module = quantization.intercept(module, provider, example_inputs)
   return _adapt_linen(module, example_inputs, name, init_context)
 
 
@@ -168,13 +175,23 @@ def _nnx_if_loaded():
   return sys.modules.get('flax.nnx')
 
 
-def _adapt_nnx(builder, config, keywords) -> AdaptedModel:
+def _adapt_nnx(builder, config, keywords, example_inputs, quantize) -> AdaptedModel:
   from flax import nnx  # pylint: disable=import-outside-toplevel  (see _nnx_if_loaded)
+  provider = None
+
   def make(key):
     with nnx.use_eager_sharding(False):  # The launcher shards after init, from the config's rules.
-      return call_builder(builder, config, keywords, rngs=nnx.Rngs(key))
+      module = call_builder(builder, config, keywords, rngs=nnx.Rngs(key))
+    return module if provider is None else quantization.intercept(module, provider, example_inputs)
 
+  if quantize:
+    def survey(seen):
+      nonlocal provider
+      provider = seen
+      nnx.eval_shape(lambda: make(jax.random.key(0)))
+    provider = quantization.brought_provider(quantize, config.model.name, survey)
   abstract_module = nnx.eval_shape(lambda: make(jax.random.key(0)))
+  own_class = getattr(type(abstract_module), '_unquantized_type', type(abstract_module))  # Qwix's subclass's base.
   graphdef, abstract_state, rest = nnx.split(abstract_module, nnx.Param, ...)
   others = [('/'.join(map(str, path)), type(v).__name__) for path, v in nnx.to_flat_state(rest)]
   if others:
@@ -195,7 +212,7 @@ def _adapt_nnx(builder, config, keywords) -> AdaptedModel:
   def init(key):
     return nnx.to_pure_dict(nnx.state(make(key), nnx.Param))
 
-  return AdaptedModel('nnx', type(abstract_module).__name__, type(abstract_module), boxed, init,
+  return AdaptedModel('nnx', own_class.__name__, own_class, boxed, init,
                       lambda params: nnx.merge(graphdef, params))
 
 
@@ -220,7 +237,8 @@ class _BoundLinen:
     return call
 
 
-def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> AdaptedModel:
+def _linen_init(module: nn.Module, example_inputs, init_context):
+  """`module`'s jitted init on zeros of `example_inputs`' shapes: key -> variables."""
   def init_variables(key):
     args, kwargs = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct)
                                 else s, example_inputs)  # Constant keywords (model.call_kwargs) as they are.
@@ -229,17 +247,22 @@ def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> 
 
   # Jitted once, so the state's init (trainer/training/state.py), which calls it inside its own jit, reuses the trace
   # eval_shape made here: the model's init is traced once per launch, not twice.
-  init_variables = jax.jit(init_variables)
+  return jax.jit(init_variables)
+
+
+def _adapt_linen(module: nn.Module, example_inputs, name: str, init_context) -> AdaptedModel:
+  init_variables = _linen_init(module, example_inputs, init_context)
+  own_class = getattr(type(module), '_unquantized_type', type(module))  # Qwix's subclass's base.
   try:
     variables = init_variables.eval_shape(jax.random.key(0))
   except TypeError as e:
-    raise call_error(e, name, example_inputs[1], type(module)) from e
+    raise call_error(e, name, example_inputs[1], own_class) from e
   others = sorted(set(variables) - {'params', *sown.COLLECTIONS})
   if others:
     raise UserError(f'model.name={name!r} creates variable collections {others} besides "params". The launcher '
                     f'trains parameters only and runs the model deterministically: drop batch statistics and '
                     f'other mutable state (e.g. LayerNorm instead of BatchNorm).')
-  return AdaptedModel('linen', type(module).__name__, type(module), variables['params'],
+  return AdaptedModel('linen', own_class.__name__, own_class, variables['params'],
                       lambda key: nn.meta.unbox(init_variables(key)['params']),
                       lambda params: _BoundLinen(module, params))
 

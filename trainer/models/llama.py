@@ -436,9 +436,10 @@ def build(config, mesh: Mesh | None = None, rules=()) -> Llama:
     logging.info(moe_lib.dispatch_note(moe_fields['moe'], platform))
   mode = config.train.get('quantization')  # A run's config.json from before the key has none.
   quantization.check(mode, mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
-  if mode and lora.enabled(m):  # Two Qwix providers on one model: not combined here (yet).
+  if mode and lora.enabled(m):  # Two Qwix providers on one model: quantize_model replaces the first, never stacks.
     raise UserError(f'train.quantization={mode!r} with model.lora_rank={m.lora_rank}: quantized LoRA is not supported '
-                    f'yet; set train.quantization=None, or model.lora_rank=0.')
+                    f'yet (Qwix intercepts a model\'s matmuls through one provider, its LoRA or its quantized '
+                    f'training, not both); set train.quantization=None, or model.lora_rank=0.')
   model = quantization.quantize(Llama(LlamaConfig(
       num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
       head_dim_override=m.get('head_dim', 0),

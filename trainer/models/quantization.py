@@ -15,9 +15,13 @@ scaling (amax histories in an 'overwrite_with_gradient' collection): on our pins
 is checkpointed and a resume is bit-exact as any other, and it cannot lag a sudden change of range. Qwix also
 covers int8 and intercepts any Linen or NNX module's dots, which flax's ops (a Dense's `dot_general_cls`) do not. 'int8': the same with int8 on both passes (TPU v5e/v5p/v6e's matrix units run int8 at twice bf16).
 
+Any other model (a brought NNX or Linen model, the ViT) has no names the launcher knows: one abstract call through
+Qwix finds the modules whose dots take a parameter, and all but its embeddings and its output head (the last one
+called) run quantized (`brought_provider`); its log line names each.
+
 On CPU the quantized dots are emulated (cast, scale, dot in float): the step's numerics are those of the chip, its
-speed is not. `check` refuses a device with no fast path for the format; `quantize` refuses a model whose call
-makes no matching matmul.
+speed is not. `check` refuses a device with no fast path for the format; `brought_provider` refuses a model
+whose only matmuls are its embedding and head.
 """
 
 import dataclasses
@@ -90,14 +94,6 @@ def provider(mode: str):
   return qwix.QtProvider([rule])
 
 
-def require_quantizable(mode: str | None, model_name: str) -> None:
-  """Raises UserError when train.quantization is set for a model with no matmul the rule names (every model but
-  the built-in Llama, so far: a brought model's layer names are its own)."""
-  if mode is not None and model_name != 'llama':
-    raise UserError(f"train.quantization={mode!r}: model.name={model_name!r} has no matmul the launcher quantizes "
-                    f"(only the built-in 'llama' attention and MLP kernels, so far); unset train.quantization.")
-
-
 def quantize(model, mode: str | None):
   """`model` (a Linen module) with its layer matmuls in `mode`; `model` itself when mode is None.
 
@@ -116,6 +112,96 @@ def quantize(model, mode: str | None):
 def is_layer_matmul(module_path: str) -> bool:
   """Whether a dot in the module at `module_path` ('layers/mlp/up') is quantized."""
   return re.fullmatch(LAYER_MATMULS, module_path) is not None
+
+
+def _weight_dots_provider(rules):
+  """A Qwix QtProvider that quantizes, in the modules its `rules` match, only the dots with a parameter operand (a
+  layer's kernel) and records in `.dots` every intercepted dot as (module path, has a parameter operand), in call
+  order. A dot of two activations (the attention core, softmax(QK)V) stays in the compute dtype, as the recipes
+  keep it, even where a model computes it in the module holding its projections."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import qwix  # pylint: disable=import-outside-toplevel
+  # Qwix's own test of "is this operand a parameter of the current module" (how QT tells weights from activations);
+  # private in qwix 0.1.8, which requirements.txt pins.
+  from qwix._src.utils import flax_util  # pylint: disable=import-outside-toplevel
+
+  class WeightDots(qwix.QtProvider):
+
+    def __init__(self, rules):
+      super().__init__(rules)
+      self.dots: dict[str, bool] = {}  # Module path -> whether its dots have a parameter operand; call order.
+
+    def _weighted(self, *operands) -> bool:
+      path = '/'.join(map(str, flax_util.get_current_module_path()))
+      weighted = any(flax_util.find_param(x) is not None for x in operands if hasattr(x, 'shape'))
+      self.dots[path] = self.dots.get(path, False) or weighted
+      return weighted
+
+    def dot_general(self, lhs, rhs, *args, **kwargs):
+      if self._weighted(lhs, rhs):
+        return super().dot_general(lhs, rhs, *args, **kwargs)
+      return jax.lax.dot_general(lhs, rhs, *args, **kwargs)  # Inside the handler Qwix intercepts nothing.
+
+    def einsum(self, spec, *operands, **kwargs):
+      if self._weighted(*operands):
+        return super().einsum(spec, *operands, **kwargs)
+      return jnp.einsum(spec, *operands, **kwargs)
+
+  return WeightDots(rules)
+
+
+def intercept(module, provider, example_inputs: tuple[tuple, dict]):
+  """`module` (Linen or NNX) with its dots through `provider`. Qwix runs an NNX module once to set it up (on zeros of
+  `example_inputs`' shapes, so only inside a trace such as nnx.eval_shape or jit); a Linen one is only wrapped."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import qwix  # pylint: disable=import-outside-toplevel
+  if isinstance(module, nn.Module):
+    return qwix.quantize_model(module, provider)
+  args, kwargs = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct)
+                              else s, example_inputs)
+  return qwix.quantize_model(module, provider, *args, **kwargs)
+
+
+def _is_embedding(path: str) -> bool:
+  return 'embed' in path.rsplit('/', 1)[-1].lower()  # nn.Embed's attend, 'wte', 'token_embedding'...
+
+
+def brought_provider(mode: str, model_name: str, survey) -> object:
+  """The Qwix provider that runs a brought model's layer matmuls in `mode`, found by one abstract call.
+
+  `survey(provider)` calls the model once (abstractly) through `provider`. Every module whose dots take a
+  parameter is a layer matmul except the embeddings (a module named '*embed*') and the output head (the last
+  such module the call reaches), which stay in the compute dtype as in the built-in Llama; so do activation-by-
+  activation dots and convolutions. Logs which module paths run at which precision.
+
+  Raises:
+    UserError: the model has no matmul left to quantize (exit 2).
+  """
+  seen = _weight_dots_provider([])  # No rule: quantizes nothing, records every dot.
+  survey(seen)
+  weighted = [p for p, w in seen.dots.items() if w]
+  head = weighted[-1:]
+  embeddings = [p for p in weighted if _is_embedding(p)]
+  layers = [p for p in weighted if p not in head and p not in embeddings]
+  core = [p or '(top)' for p, w in seen.dots.items() if not w]
+  if not layers:
+    raise UserError(f"train.quantization={mode!r}: model.name={model_name!r} has no layer matmul to quantize (its "
+                    f"matmuls with a parameter are {weighted or 'none'}: embeddings and the output head, kept in "
+                    f"train.compute_dtype); unset train.quantization.")
+  fmt = FORMATS[mode]
+  kept = [*(f'{p} (embedding)' for p in embeddings), *(f'{p} (output head)' for p in head),
+          *(f'{p} (no parameter operand: attention core)' for p in core)]
+  logging.info('train.quantization=%r (Qwix, per-tensor current scaling) on model.name=%r: the matmuls of %s run %s '
+               'forward, %s gradients; in train.compute_dtype stay %s, norms, softmax and convolutions.', mode,
+               model_name, ', '.join(p or '(top)' for p in layers), fmt.forward, fmt.backward, '; '.join(kept))
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import qwix  # pylint: disable=import-outside-toplevel
+  rule = qwix.QtRule(module_path='|'.join(re.escape(p) for p in layers), op_names=('dot_general', 'einsum'),
+                     weight_qtype=jnp.dtype(fmt.forward), act_qtype=jnp.dtype(fmt.forward),
+                     bwd_qtype=jnp.dtype(fmt.backward), disable_channelwise_axes=True)
+  return _weight_dots_provider([rule])
 
 
 def resume_note(step: int, saved_mode: str | None, mode: str | None) -> str | None:

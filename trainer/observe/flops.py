@@ -37,7 +37,9 @@ N of 6N is the active parameters (trainer/models/moe.py `inactive_params`).
 
 MFU is only reported for accelerators in the peak table below (dense bfloat16
 from the vendors' data sheets); any other device, the CPU included, gets none
-rather than a made-up one.
+rather than a made-up one. With train.quantization, 'mfu' stays against the
+bf16 peak and 'mfu_fp8' / 'mfu_int8' is against the peak each dot runs at: the
+8-bit dots (Count.quantized) at the chip's 8-bit peak, the rest at bf16's.
 """
 
 import dataclasses
@@ -61,6 +63,10 @@ PEAK_FLOPS = {
     'v5p': 459e12,
     'v6e': 918e12,
 }
+# The peak of train.quantization's 8-bit matmuls as a multiple of the bf16 peak, on the chips that have them (data
+# sheets: H100/H200 fp8 1,979 TFLOP/s dense; TPU v5e/v5p/v6e int8 twice bf16); others are refused before a run
+# (trainer/models/quantization.py).
+QUANTIZED_PEAK_FACTOR = {'fp8': {'h100': 2, 'h200': 2}, 'int8': {'v5e': 2, 'v5p': 2, 'v6e': 2}}
 # Lower-cased `device_kind` substrings -> short name; the first match wins (so 'tpu v5 lite' before 'tpu v5').
 _DEVICE_KINDS = (
     ('h100 pcie', None), ('h100 nvl', None),  # Lower-clocked H100 variants: peak not in the table.
@@ -78,6 +84,19 @@ def accelerator_name(device: jax.Device) -> str | None:
 def peak_flops(device: jax.Device) -> float | None:
   name = accelerator_name(device)
   return PEAK_FLOPS[name] if name else None
+
+
+def quantized_peak_flops(mode: str | None, name: str | None) -> float | None:
+  """The peak FLOP/s of chip `name`'s `mode` ('fp8', 'int8') matmuls; None where unknown or mode is None."""
+  factor = QUANTIZED_PEAK_FACTOR.get(mode or '', {}).get(name or '')
+  return factor * PEAK_FLOPS[name] if factor else None
+
+
+def ideal_seconds(counted: traced_flops.Count, peak: float, mode: str | None, name: str | None) -> float:
+  """Seconds `counted` takes on one chip at its peak: the 8-bit dots at the quantized peak, the rest at `peak`."""
+  fast = quantized_peak_flops(mode, name)
+  quantized = counted.quantized if fast else 0.0
+  return (counted.flops - quantized) / peak + (quantized / fast if fast else 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +212,7 @@ class Throughput:
   num_devices: int
   peak_flops_per_device: float | None
   six_n: float | None = None  # The built-in Llama's analytic 6N count, for 'mfu_6n'.
+  quantized: tuple[str, float] | None = None  # (train.quantization, the ideal step seconds at each dot's peak).
 
   @classmethod
   def for_job(cls, job) -> 'Throughput | None':
@@ -203,7 +223,11 @@ class Throughput:
     config, devices = job.config, list(job.mesh.devices.flat)
     six_n = (step_flops(config.model, config.train.batch_size, config.data.seq_len).six_n
              if config.model.name == 'llama' else None)
-    return cls(counted.flops, len(devices), peak_flops(devices[0]), six_n)
+    mode, chip = config.train.get('quantization'), accelerator_name(devices[0])
+    quantized = None
+    if quantized_peak_flops(mode, chip):  # Per device: the step's FLOPs split evenly, as in 'mfu'.
+      quantized = (mode, ideal_seconds(counted, PEAK_FLOPS[chip], mode, chip) / len(devices))
+    return cls(counted.flops, len(devices), peak_flops(devices[0]), six_n, quantized)
 
   def metrics(self, step_time_s: float) -> dict[str, float]:
     """'tflops_per_device' and, where the peak is known, 'mfu' (traced count) and 'mfu_6n' (the Llama's 6N)."""
@@ -213,6 +237,9 @@ class Throughput:
       out['mfu'] = self.step_flops * per_device_s / self.peak_flops_per_device
       if self.six_n:
         out['mfu_6n'] = self.six_n * per_device_s / self.peak_flops_per_device
+    if self.quantized:  # 'mfu' stays against the bf16 peak, as the anchors; this one against each dot's own peak.
+      mode, ideal_s = self.quantized
+      out[f'mfu_{mode}'] = ideal_s / step_time_s
     return out
 
 

@@ -150,6 +150,9 @@ class MetricsWriter:
       parts.append(f'{record["tflops_per_device"]:.3g} TFLOP/s/device')
     if 'mfu' in record:
       parts.append(f'MFU {record["mfu"]:.1%}')
+    for mode in ('fp8', 'int8'):  # train.quantization: against the peak each dot runs at.
+      if f'mfu_{mode}' in record:
+        parts.append(f'MFU {record[f"mfu_{mode}"]:.1%} of the {mode} peak')
     if 'step_time_s' in record and self._eta_ready:
       parts.append(f'ETA {progress.duration(record["step_time_s"] * (self._total_steps - step))}')
     self._eta_ready = self._eta_ready or 'step_time_s' in record

@@ -51,13 +51,14 @@ class Count:
   flops: float = 0.0
   unbounded_loops: int = 0  # `while` loops, their bodies counted once.
   opaque: tuple[str, ...] = ()  # Names of custom-kernel primitives met (counted as 0 FLOPs).
+  quantized: float = 0.0  # Of `flops`, those of dots whose operands are both 8-bit (fp8 or int8: train.quantization).
 
   def __add__(self, other: 'Count') -> 'Count':
     return Count(self.flops + other.flops, self.unbounded_loops + other.unbounded_loops,
-                 tuple(sorted(set(self.opaque) | set(other.opaque))))
+                 tuple(sorted(set(self.opaque) | set(other.opaque))), self.quantized + other.quantized)
 
   def times(self, n: int) -> 'Count':
-    return dataclasses.replace(self, flops=self.flops * n)
+    return dataclasses.replace(self, flops=self.flops * n, quantized=self.quantized * n)
 
 
 def count(fn: Callable, *args) -> Count:
@@ -80,7 +81,8 @@ def count_jaxpr(jaxpr: extend.core.Jaxpr, scope: str | None = None) -> Count:
 def _equation(eqn) -> Count:
   name, params = eqn.primitive.name, eqn.params
   if name == 'dot_general':
-    return Count(_dot_flops(eqn))
+    flops = _dot_flops(eqn)
+    return Count(flops, quantized=flops if all(v.aval.dtype.itemsize == 1 for v in eqn.invars) else 0.0)
   if name == 'ragged_dot_general':
     return Count(_ragged_dot_flops(eqn))
   if name == 'conv_general_dilated':

@@ -191,6 +191,11 @@ def report(plan: Plan, config, topology: str | None = None) -> str:
     lines.append(f'FLOPs per step: not counted for model.name={config.model.name!r} (its step does not trace '
                  f'without a mesh, or has no matmuls).')
     return '\n'.join(lines)
+  mode = config.train.get('quantization')
+  if mode and plan.traced is not None:
+    lines.append(f'train.quantization={mode!r}: {plan.traced.quantized:.4g} of these FLOPs '
+                 f'({plan.traced.quantized / plan.traced.flops:.1%}) in {mode} dots, the rest in train.compute_dtype; '
+                 f'on a chip with {mode} matrix units they run at twice the bf16 peak.')
   lines.append(f'Step time implied by {"these" if plan.traced else "the matmul"} FLOPs on {devices} '
                f'chip{"s" if devices != 1 else ""} of each kind (a compute-bound lower bound, and at '
                f'{ASSUMED_MFU:.0%} MFU):')
@@ -199,6 +204,11 @@ def report(plan: Plan, config, topology: str | None = None) -> str:
     lines.append(f'  {name:5s} {peak / 1e12:5.0f} TFLOP/s bf16: {_duration(ideal):>10s} at 100% MFU, '
                  f'{_duration(ideal / ASSUMED_MFU):>10s} ({tokens / ideal * ASSUMED_MFU:,.0f} tokens/s) '
                  f'at {ASSUMED_MFU:.0%}')
+    if plan.traced is not None and flops.quantized_peak_flops(mode, name):
+      fast = flops.ideal_seconds(plan.traced, peak, mode, name) / devices
+      lines.append(f'  {"":5s} {mode:>4s} layer matmuls at {flops.quantized_peak_flops(mode, name) / 1e12:,.0f} '
+                   f'TFLOP/s: {_duration(fast):>10s} at 100% MFU, {_duration(fast / ASSUMED_MFU):>10s} '
+                   f'({tokens / fast * ASSUMED_MFU:,.0f} tokens/s) at {ASSUMED_MFU:.0%}')
   return '\n'.join(lines)
 
 

@@ -177,7 +177,9 @@ def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
   if made_for is not None and made_for != config.model.task:
     raise UserError(f"model.name={name!r} is a {made_for!r} model but model.task={config.model.task!r}; "
                     f"set --config.model.task={made_for}.")
-  quantization.require_quantizable(config.train.get('quantization'), name)
+  # The built-in Llama quantizes its own layers (by name); any other model through its dots (brought_provider).
+  quantize = config.train.get('quantization') if name != 'llama' else None
+  quantization.check(quantize, mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
   objective = objectives.for_config(config.model, config.data, config.train)
   builder = registry.resolve(name)
   under_jit = config.parallel.strategy == 'jit'
@@ -193,7 +195,7 @@ def build_task(config, mesh: Mesh | None = None, rules: Sequence = ()) -> Task:
     convention = call_convention.CallConvention.from_config(config.model)
     eval_convention = call_convention.CallConvention.from_config(config.model, evaluating=True)
   args, packed = objectives.example_inputs(objective)
-  model = adapters.adapt(builder, config, (args, convention.keywords(packed)), keywords, init_context)
+  model = adapters.adapt(builder, config, (args, convention.keywords(packed)), keywords, init_context, quantize)
   if made_for is None and call_convention.takes_decoding_call(model.module_class):  # flax Gemma, tunix: by their call.
     convention, eval_convention = (dataclasses.replace(c, decoding=True) for c in (convention, eval_convention))
   mesh_shape = dict(mesh.shape) if mesh is not None else {'fsdp': 1}
