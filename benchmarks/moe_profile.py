@@ -16,6 +16,7 @@ import argparse
 import collections
 import gzip
 import json
+import os
 import pathlib
 import re
 import sys
@@ -188,5 +189,12 @@ def main(argv=None) -> dict:
   return summary
 
 
+# With XLA's CUDA graphs (the launcher's default on GPUs) the trace shows each graph as one kernel: on an H200 half the
+# kernel time of this row sat in graphs it could not attribute (BENCHMARKS.md "MoE at scale"). A profile is for
+# attribution, so the row runs without them: appended, as XLA takes a flag's last value, over the GPU flags the
+# acceptance command hands its children (trainer/run/gpu_env.py). Set before jax is imported.
+NO_GRAPHS = '--xla_gpu_enable_command_buffer='
+
 if __name__ == '__main__':
+  os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {NO_GRAPHS}".strip()
   main()

@@ -149,6 +149,24 @@ def test_a_bf16_checkpoint_resumes_into_fp8_and_back_with_a_line_saying_so(train
   assert len(losses) == STEPS + 4 and max(losses[STEPS + 2:]) < 0.8 * losses[0]
 
 
+def test_an_fp8_run_exports_float_weights_equal_to_its_own(trained, tmp_path):
+  """The quantized dots keep no 8-bit weights (current scaling: params stay float32), so the Hugging Face export is
+  the run's float32 weights, as a bf16 run's would be."""
+  import numpy as np
+  from safetensors.numpy import load_file
+
+  from scripts import export_hf, sample
+  run = trained[0] / 'fp8'
+  export_hf.export(str(run), str(tmp_path / 'hf'))
+  tensors = {}
+  for f in sorted((tmp_path / 'hf').glob('*.safetensors')):
+    tensors.update(load_file(f))
+  assert tensors and {t.dtype for t in tensors.values()} == {np.dtype('float32')}, {t.dtype for t in tensors.values()}
+  _, _, weights = sample.restore_model(sample.load_run_config(run), run, 'latest', 'raw')
+  embed = np.asarray(jax.tree_util.tree_leaves({k: v for k, v in weights.items() if 'embed' in k.lower()})[0])
+  assert np.array_equal(tensors['model.embed_tokens.weight'], embed.reshape(tensors['model.embed_tokens.weight'].shape))
+
+
 @pytest.mark.skipif(not gpu_targets.cuda_plugin_installed(),
                     reason="needs jax's CUDA plugin: pip install -r requirements-gpu-plan.txt")
 def test_llama_1b_compiled_for_an_h100_runs_its_layer_matmuls_as_fp8_in_no_more_memory():
