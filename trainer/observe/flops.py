@@ -193,12 +193,14 @@ def _from_the_step(job) -> traced_flops.Count | None:
   XLA's). A tiny launch's count took 0.19 s of tracing; this walk, 0.003 s. None: trace it.
   """
   jaxpr = job.traced.get('train_step')
+  if jaxpr is None:  # Nothing kept: traced_step_flops traces it (before the mesh is read: it may be None there).
+    return None
   model, shape = job.config.model, dict(job.mesh.shape)
   # Split MoE layers run the one-device work per device (counted times the devices) except over `expert` (receive
   # buffers) and in capacity mode (each device's capacity rounded up).
   moe_apart = model.get('num_experts', 0) and expert_parallel.splits(job.mesh) and (
       shape.get(expert_parallel.AXIS, 1) > 1 or model.get('expert_capacity_factor'))
-  if (jaxpr is None or pipeline.from_config(job.config.train, job.mesh) is not None or moe_apart
+  if (pipeline.from_config(job.config.train, job.mesh) is not None or moe_apart
       or shape.get(context.AXIS, 1) > 1):
     return None
   counted = traced_flops.count_jaxpr(jaxpr.jaxpr, scope=step_lib.GRADS_SCOPE)
