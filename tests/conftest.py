@@ -225,8 +225,11 @@ def _relayed_python() -> str:
   """An executable standing for `.venv/bin/python` in a shell: its commands forked from this process's servers
   (tests/forked_command.py), one per process."""
   if not _RELAYED_PYTHON:
+    import atexit
     relay = forked_python.Relay()
-    path = pathlib.Path(tempfile.mkdtemp(prefix='forked-command-')) / 'python'
+    folder = tempfile.mkdtemp(prefix='forked-command-')
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = pathlib.Path(folder) / 'python'
     client = REPO / 'tests' / 'forked_command.py'
     path.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S {client} {relay.path} "$@"\n')
     path.chmod(0o755)
