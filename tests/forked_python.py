@@ -169,6 +169,7 @@ class _Server:
         stdout=subprocess.DEVNULL, pass_fds=(listener.fileno(),))
     listener.close()
     self.busy = 0  # Commands under way.
+    self.forked_cpu = 0.0  # Its commands' CPU seconds, in CHILD_CPU already.
 
   def alive(self) -> bool:
     return self.process.poll() is None
@@ -187,8 +188,9 @@ CHILD_CPU = [0.0]  # CPU seconds of the commands forked for this process: not it
 def _stop(server: _Server) -> None:
   server.process.stdin.close()  # The server's EOF.
   pathlib.Path(server.path).unlink(missing_ok=True)
-  try:  # Waited for: the CPU of what it forked counts in this process's children.
-    server.process.wait(timeout=10)
+  try:  # Waited for: its own CPU counts in this process's children; its commands', counted as they ended, leave
+    server.process.wait(timeout=10)  # CHILD_CPU, or the two together would count them twice.
+    CHILD_CPU[0] -= server.forked_cpu
   except subprocess.TimeoutExpired:
     server.process.kill()
 
@@ -270,11 +272,12 @@ def _kill(pid: int) -> None:
       pass
 
 
-def _returncode(conn: socket.socket) -> int:
+def _returncode(server: _Server, conn: socket.socket) -> int:
   """The fork's exit status from its server; its CPU joins this process's count."""
   (size,) = _HEADER.unpack(_recv_exactly(conn, _HEADER.size))
   reply = json.loads(_recv_exactly(conn, size))
   CHILD_CPU[0] += reply['cpu']
+  server.forked_cpu += reply['cpu']
   return reply['returncode']
 
 
@@ -299,7 +302,7 @@ def _forked(server: _Server, argv: list[str], command: list[str], *, cwd: str | 
     reader.start()
   conn.settimeout(timeout)
   try:
-    returncode = _returncode(conn)
+    returncode = _returncode(server, conn)
   except (TimeoutError, socket.timeout) as e:
     _kill(pid)
     raise subprocess.TimeoutExpired(argv, timeout) from e
@@ -370,7 +373,7 @@ class Relay:
       selector.register(conn, selectors.EVENT_READ)
       selector.register(client, selectors.EVENT_READ)  # The client sends nothing more: readable is its end.
       if any(key.fileobj is conn for key, _ in selector.select()):
-        return _returncode(conn)
+        return _returncode(server, conn)
       _kill(pid)
       return None
 
