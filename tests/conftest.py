@@ -217,12 +217,37 @@ def docs_block(page: str, contains: str) -> str:
   return found[0].group(1)
 
 
-def run_docs_block(code: str, tmp_path: pathlib.Path, timeout: float) -> subprocess.CompletedProcess:
+_VENV_PYTHON = re.compile(r'(?<![\w/.-])\.venv/bin/python(?![\w.-])')
+_RELAYED_PYTHON: list[str] = []
+
+
+def _relayed_python() -> str:
+  """An executable standing for `.venv/bin/python` in a shell: its commands forked from this process's servers
+  (tests/forked_command.py), one per process."""
+  if not _RELAYED_PYTHON:
+    import atexit
+    relay = forked_python.Relay()
+    folder = tempfile.mkdtemp(prefix='forked-command-')
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = pathlib.Path(folder) / 'python'
+    client = REPO / 'tests' / 'forked_command.py'
+    path.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S {client} {relay.path} "$@"\n')
+    path.chmod(0o755)
+    _RELAYED_PYTHON.append(str(path))
+  return _RELAYED_PYTHON[0]
+
+
+def run_docs_block(code: str, tmp_path: pathlib.Path, timeout: float,
+                   forked: bool = False) -> subprocess.CompletedProcess:
   """Runs a docs block as a reader pastes it: `bash -euo pipefail` from the repository root, with `/tmp/` rewritten
   to `tmp_path`, the shared compile cache, and the suite's compile flags kept where the block sets XLA_FLAGS itself
-  (the README's 2 x 2 x 2 tiny launch: 13.8 s of CPU at full LLVM optimization, 10.1 s without)."""
+  (the README's 2 x 2 x 2 tiny launch: 13.8 s of CPU at full LLVM optimization, 10.1 s without). `forked`: its
+  `.venv/bin/python` commands are forked from a warm interpreter where that gives the same run, as run_python's
+  (tests/forked_python.py's Relay), saving each one's imports."""
   import signal
   script = code.replace('/tmp/', f'{tmp_path}/').replace('XLA_FLAGS=', f"XLA_FLAGS='{TEST_XLA_FLAGS} '")
+  if forked:
+    script = _VENV_PYTHON.sub(_relayed_python(), script)
   command = ['bash', '-euo', 'pipefail', '-c', script]
   with subprocess.Popen(command, cwd=REPO, env={**os.environ, **CACHE_ENV}, stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE, text=True, errors='replace',  # A tiny LM samples any bytes.

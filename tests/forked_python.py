@@ -16,7 +16,8 @@ What the fork cannot give, the command gets from a fresh interpreter instead (`r
   before jax loads;
 - stdin text, a script outside the repository, or any other interpreter option.
 Tests of the process itself (its start-up and imports, signals sent to it, the supervisor's restarts, several
-processes of one job) start their processes with subprocess, as before.
+processes of one job) start their processes with subprocess, as before. A shell a test runs (a docs block) reaches
+the servers through `Relay` (below) and tests/forked_command.py.
 
 jax starts no backend as it imports: XLA_FLAGS, with the device count, is read when the backend starts, in the fork.
 The server holds no device, compiler thread pool or compilation cache to share.
@@ -168,6 +169,7 @@ class _Server:
         stdout=subprocess.DEVNULL, pass_fds=(listener.fileno(),))
     listener.close()
     self.busy = 0  # Commands under way.
+    self.forked_cpu = 0.0  # Its commands' CPU seconds, in CHILD_CPU already.
 
   def alive(self) -> bool:
     return self.process.poll() is None
@@ -186,8 +188,9 @@ CHILD_CPU = [0.0]  # CPU seconds of the commands forked for this process: not it
 def _stop(server: _Server) -> None:
   server.process.stdin.close()  # The server's EOF.
   pathlib.Path(server.path).unlink(missing_ok=True)
-  try:  # Waited for: the CPU of what it forked counts in this process's children.
-    server.process.wait(timeout=10)
+  try:  # Waited for: its own CPU counts in this process's children; its commands', counted as they ended, leave
+    server.process.wait(timeout=10)  # CHILD_CPU, or the two together would count them twice.
+    CHILD_CPU[0] -= server.forked_cpu
   except subprocess.TimeoutExpired:
     server.process.kill()
 
@@ -246,21 +249,48 @@ def run(argv: list[str], *, cwd: str | os.PathLike, env: dict[str, str], timeout
       server.busy -= 1
 
 
+def _start(server: _Server, command: list[str], cwd: str | os.PathLike, env: dict[str, str],
+           fds: list[int]) -> tuple[socket.socket, int]:
+  """Asks `server` to fork `command` with `fds` as its stdin, stdout and stderr: (the connection its reply comes on,
+  the fork's pid)."""
+  conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  conn.connect(server.path)
+  payload = json.dumps({'argv': command, 'cwd': str(cwd), 'env': env}).encode()
+  socket.send_fds(conn, [_HEADER.pack(len(payload))], fds)
+  conn.sendall(payload)
+  (pid,) = _HEADER.unpack(_recv_exactly(conn, _HEADER.size))
+  return conn, pid
+
+
+def _kill(pid: int) -> None:
+  try:
+    os.killpg(pid, 9)
+  except ProcessLookupError:  # Not in its own group yet.
+    try:
+      os.kill(pid, 9)
+    except ProcessLookupError:  # Already gone.
+      pass
+
+
+def _returncode(server: _Server, conn: socket.socket) -> int:
+  """The fork's exit status from its server; its CPU joins this process's count."""
+  (size,) = _HEADER.unpack(_recv_exactly(conn, _HEADER.size))
+  reply = json.loads(_recv_exactly(conn, size))
+  CHILD_CPU[0] += reply['cpu']
+  server.forked_cpu += reply['cpu']
+  return reply['returncode']
+
+
 def _forked(server: _Server, argv: list[str], command: list[str], *, cwd: str | os.PathLike, env: dict[str, str],
             timeout: float, text: bool) -> subprocess.CompletedProcess:
   out_r, out_w = os.pipe()
   err_r, err_w = os.pipe()
   null = os.open(os.devnull, os.O_RDONLY)
-  conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
   try:
-    conn.connect(server.path)
-    payload = json.dumps({'argv': command, 'cwd': str(cwd), 'env': env}).encode()
-    socket.send_fds(conn, [_HEADER.pack(len(payload))], [null, out_w, err_w])
-    conn.sendall(payload)
+    conn, pid = _start(server, command, cwd, env, [null, out_w, err_w])
   finally:
     for fd in (null, out_w, err_w):
       os.close(fd)
-  (pid,) = _HEADER.unpack(_recv_exactly(conn, _HEADER.size))
   outputs: dict[int, list[bytes]] = {out_r: [], err_r: []}
 
   def drain(fd):
@@ -272,24 +302,80 @@ def _forked(server: _Server, argv: list[str], command: list[str], *, cwd: str | 
     reader.start()
   conn.settimeout(timeout)
   try:
-    (size,) = _HEADER.unpack(_recv_exactly(conn, _HEADER.size))
-    reply = json.loads(_recv_exactly(conn, size))
+    returncode = _returncode(server, conn)
   except (TimeoutError, socket.timeout) as e:
-    try:
-      os.killpg(pid, 9)
-    except ProcessLookupError:  # Not in its own group yet.
-      os.kill(pid, 9)
+    _kill(pid)
     raise subprocess.TimeoutExpired(argv, timeout) from e
   finally:
     conn.close()
   for reader in readers:
     reader.join(timeout)
-  CHILD_CPU[0] += reply['cpu']
   out, err = b''.join(outputs[out_r]), b''.join(outputs[err_r])
   if text:  # As subprocess's text mode reads: the locale's encoding, universal newlines.
     out, err = (io.TextIOWrapper(io.BytesIO(b), encoding=locale.getpreferredencoding(False)).read()
                 for b in (out, err))
-  return subprocess.CompletedProcess(argv, reply['returncode'], out, err)
+  return subprocess.CompletedProcess(argv, returncode, out, err)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The relay: `python` for a shell this process started (a docs block, tests/test_docs.py). The shell runs
+# tests/forked_command.py in its place, which hands its argv, folder, environment and stdin/stdout/stderr to this
+# process's relay; the relay forks the command from the environment's server, as run() does, and answers its exit
+# status, or that it must run fresh (then forked_command.py execs the interpreter itself).
+
+# The shell's bookkeeping, which differs from command to command and no library reads.
+_SHELL_VARIABLES = ('_', 'SHLVL', 'PWD', 'OLDPWD')
+
+
+class Relay:
+
+  def __init__(self):
+    self.path = f'/tmp/forked-relay-{os.getpid()}-{time.monotonic_ns()}.sock'
+    self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    self._listener.bind(self.path)
+    self._listener.listen(16)
+    atexit.register(pathlib.Path(self.path).unlink, missing_ok=True)
+    threading.Thread(target=self._accept, daemon=True).start()
+
+  def _accept(self) -> None:
+    while True:
+      conn, _ = self._listener.accept()
+      threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+  def _answer(self, client: socket.socket) -> None:
+    with client:
+      message, fds, _, _ = socket.recv_fds(client, _HEADER.size, 3)
+      (size,) = _HEADER.unpack(message)
+      request = json.loads(_recv_exactly(client, size))
+      argv, cwd, env = request['argv'], request['cwd'], request['env']
+      command = _command(argv, cwd)
+      server = _server(env, _SHELL_VARIABLES) if command else None
+      try:
+        returncode = None if server is None else self._run(server, command, cwd, env, fds, client)
+      finally:
+        for fd in fds:
+          os.close(fd)
+        if server is not None:
+          with _LOCK:
+            server.busy -= 1
+      if server is not None and returncode is None:
+        return  # The client is gone, and the fork with it.
+      payload = json.dumps({'fresh': True} if server is None else {'returncode': returncode}).encode()
+      client.sendall(_HEADER.pack(len(payload)) + payload)
+
+  @staticmethod
+  def _run(server: _Server, command: list[str], cwd: str, env: dict[str, str], fds: list[int],
+           client: socket.socket) -> int | None:
+    """The fork's exit status; None where the client went first (the block's hang guard killed the shell's group,
+    which the fork, in a group of its own, is not in): the fork is killed too."""
+    conn, pid = _start(server, command, cwd, env, fds)
+    with conn, selectors.DefaultSelector() as selector:
+      selector.register(conn, selectors.EVENT_READ)
+      selector.register(client, selectors.EVENT_READ)  # The client sends nothing more: readable is its end.
+      if any(key.fileobj is conn for key, _ in selector.select()):
+        return _returncode(server, conn)
+      _kill(pid)
+      return None
 
 
 if __name__ == '__main__':

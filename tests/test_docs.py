@@ -142,7 +142,7 @@ def test_block_runs(page, index, line, needs, code, tmp_path):
     pytest.skip(f'needs {needs}')
   timeout = block_timeout(code, needs)
   try:
-    result = run_docs_block(code, tmp_path, timeout)
+    result = run_docs_block(code, tmp_path, timeout, forked=True)
   except subprocess.TimeoutExpired as e:
     pytest.fail(f'{page} block {index} (line {line}) ran over {timeout}s:\n{code}\n{e.stderr or ""}')
   assert result.returncode == 0, (f'{page} block {index} (line {line}) exited {result.returncode}:\n{code}\n'

@@ -1,6 +1,7 @@
 """tests/forked_python.py: a command forked from the warm server runs as the same command in a fresh interpreter."""
 
 import json
+import pathlib
 import signal
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import time
 import pytest
 
 import forked_python
-from conftest import REPO, launcher_env, run_python
+from conftest import REPO, launcher_env, run_docs_block, run_python
 
 # What a process sees of itself: argv, sys.path[0], its folder, a variable, __name__, its own process group, and
 # whether jax was imported before its first line ran (only in the fork).
@@ -102,3 +103,33 @@ def test_a_forked_command_past_its_timeout_is_killed():
   assert time.monotonic() - start < 60
   # The server answers the next command: the killed one was reaped, not left holding it.
   assert run_python([sys.executable, '-c', 'print(7)'], timeout=120).stdout == '7\n'
+
+
+def test_a_shells_python_commands_are_forked_with_their_stdin_output_and_exit_status(tmp_path):
+  """A docs block's `.venv/bin/python` (conftest.run_docs_block(forked=True), tests/forked_command.py): from the
+  environment's second command on, forked; what it prints, its exit code and its death by a signal reach the shell."""
+  code = """
+.venv/bin/python -c 'pass'
+.venv/bin/python -c 'import sys; print("jax" in sys.modules)'
+.venv/bin/python -c 'import sys; print(sys.argv[1:]); sys.exit(3)' a 'b c' || echo "exit $?"
+.venv/bin/python -c 'import os, signal; os.kill(os.getpid(), signal.SIGTERM)' || echo "exit $?"
+echo hi | .venv/bin/python -c 'import sys; print(sys.stdin.read().upper(), file=sys.stderr)'
+.venv/bin/python -m json.tool --help > /dev/null  # -m: a fresh interpreter
+"""
+  result = run_docs_block(code, tmp_path, 120, forked=True)
+  assert (result.returncode, result.stdout) == (0, "True\n['a', 'b c']\nexit 3\nexit 143\n"), result
+  assert result.stderr == 'Terminated\nHI\n\n'  # bash's word for its command's SIGTERM, as for a fresh one.
+
+
+def test_a_shells_forked_command_is_killed_with_the_shell_by_the_hang_guard(tmp_path):
+  start = time.monotonic()
+  with pytest.raises(subprocess.TimeoutExpired) as e:
+    run_docs_block('.venv/bin/python -c pass\n'
+                   '.venv/bin/python -c \'import os, time; print(os.getpid(), flush=True); time.sleep(600)\'\n',
+                   tmp_path, 5, forked=True)
+  assert time.monotonic() - start < 60  # Not left running: it held the block's stdout, so the guard waited on it.
+  pid = int(e.value.stdout)
+  deadline = time.monotonic() + 30
+  while pathlib.Path(f'/proc/{pid}').exists() and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not pathlib.Path(f'/proc/{pid}').exists()
