@@ -9,7 +9,9 @@ and resumes from the same checkpoint. A join that times out after every process 
 exit the supervisor retries. Under SLURM (scripts/slurm_train.sbatch, run with a fake srun that starts its tasks on this
 host with SLURM's variables, so jax detects the cluster): a killed member's supervisor restarts it, the survivor names
 it in one line (exit 75; it was a Gloo traceback, classed a crash) and restarts its own; both resume from the same
-checkpoint.
+checkpoint. An elastic SLURM job (--elastic_min_nodes) that loses a node's task for good runs a second srun on the
+node left, which trains on as 1 of the run's 2 processes; what it does with each other ending (a node gone without
+a status, one SLURM took out of the job, too few left, a user error) is checked with a stand-in for launch.py.
 """
 
 import json
