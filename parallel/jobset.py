@@ -72,6 +72,8 @@ class Request:
   workdir: str
   topology: str = ''  # TPU: the slice's chip grid, e.g. 2x2x2 or 2x4.
   num_slices: int = 1  # TPU: slices joined over the data-centre network.
+  # TPU, elastic: the slice count the config is written for, when this launch runs num_slices of them (0: not elastic).
+  elastic_full_slices: int = 0
   num_nodes: int = 1  # GPU: nodes of gpus_per_node GPUs.
   overrides: tuple[str, ...] = ()  # More launch.py flags, --config.KEY=VALUE and the like, passed as they are.
   max_restarts: int = 1  # The JobSet's: group restarts before it gives up.
@@ -168,8 +170,15 @@ def check(request: Request, config) -> Shape:
   if layout.processes > 1 and not request.workdir.startswith('gs://'):
     raise UserError(f'--workdir={request.workdir!r}: a {layout.processes}-host run needs a gs:// workdir, which every '
                     f'pod reads and writes as one and which outlives the pods (a restart resumes from it).')
+  if request.elastic_full_slices:
+    if not request.is_tpu or not request.num_slices <= request.elastic_full_slices or request.elastic_full_slices < 2:
+      raise UserError(f'--elastic_full_slices={request.elastic_full_slices}: the TPU slices the run is written for, '
+                      f'2 or more, with --num_slices (now {request.num_slices}) the ones left of them; a single '
+                      f'slice or GPU nodes cannot shrink this way.')
+    layout = dataclasses.replace(layout, jobs=request.elastic_full_slices)  # The config is checked at full size.
   if request.is_tpu and layout.jobs > 1 and _slices(config.mesh) != layout.jobs:
-    raise UserError(f'--num_slices={layout.jobs}, but mesh.dcn_data x dcn_fsdp x dcn_pipeline = '
+    slices = '--elastic_full_slices' if request.elastic_full_slices else '--num_slices'
+    raise UserError(f'{slices}={layout.jobs}, but mesh.dcn_data x dcn_fsdp x dcn_pipeline = '
                     f'{_slices(config.mesh)}: slices are joined by the data-centre network only, so the mesh must '
                     f'split over them; add --config.mesh.dcn_data={layout.jobs} (docs/meshes.md).')
   sizes = [d * i for d, i in zip(mesh.dcn_shape(config.mesh, layout.devices),
@@ -180,7 +189,7 @@ def check(request: Request, config) -> Shape:
     near = ' or '.join(str(b) for b in ((batch // unit) * unit, (batch // unit + 1) * unit) if b > 0)
     raise UserError(f'train.batch_size={batch} does not divide over the {data_parallel} data-parallel devices of '
                     f'{layout.devices} ({layout.processes} hosts x {layout.chips}); nearest valid: {near}.')
-  return layout
+  return shape(request)
 
 
 def _slices(mesh_config) -> int:
@@ -189,12 +198,21 @@ def _slices(mesh_config) -> int:
 
 def _launch_args(request: Request) -> list[str]:
   """launch.py's flags, the same in every pod; the per-pod ones come from the environment (see `_entry`)."""
-  return [f'--config={request.config}', f'--workdir={request.workdir}', '--max_restarts=0', *request.overrides]
+  elastic = [f'--elastic_full_processes={request.elastic_full_slices * shape(request).hosts}'] * bool(
+      request.elastic_full_slices)
+  return [f'--config={request.config}', f'--workdir={request.workdir}', '--max_restarts=0', *request.overrides,
+          *elastic]
 
 
 # The per-pod flags need arithmetic on the pod's indices, hence a shell; "$@" is _launch_args, untouched by it.
 _ENTRY = ('exec python launch.py "$@" --coordinator_address="$COORDINATOR_ADDRESS" --num_processes="$NUM_PROCESSES" '
           '--process_id=$((JOB_INDEX * PROCESSES_PER_SLICE + JOB_COMPLETION_INDEX))')
+
+
+def _final_exit_codes(request: Request) -> tuple[int, ...]:
+  # An elastic run's slices that waited for a lost one and exit 76 end the JobSet: recreating the group would wait
+  # for that slice again; the relaunch with the slices left is the next step (docs/supervisor.md, "Elastic runs").
+  return FINAL_EXIT_CODES + ((76,) if request.elastic_full_slices else ())
 
 
 def _field(name: str, path: str) -> dict:
@@ -255,7 +273,7 @@ def build(request: Request) -> dict:
   if request.is_tpu:  # One slice per node pool: two Jobs never share a slice's hosts.
     metadata['annotations'] = {'alpha.jobset.sigs.k8s.io/exclusive-topology': 'cloud.google.com/gke-nodepool'}
   final = {'action': 'FailJob', 'onExitCodes': {'containerName': CONTAINER, 'operator': 'In',
-                                                'values': list(FINAL_EXIT_CODES)}}
+                                                'values': list(_final_exit_codes(request))}}
   job_spec = {'parallelism': layout.hosts, 'completions': layout.hosts, 'completionMode': 'Indexed',
               'backoffLimit': 0, 'podFailurePolicy': {'rules': [final]}, 'template': _pod(request, layout, job)}
   return {

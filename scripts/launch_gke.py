@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
   add('--accelerator', required=True, help='TPU v4, v5p, v5e, v6e, or GPU nodes a3 (8 x H100), a3mega, a3ultra (H200)')
   add('--topology', default='', help='TPU: the slice, e.g. 2x2x2 (v5p, v4) or 2x4 (v5e, v6e)')
   add('--num_slices', type=int, default=1, help='TPU: slices joined over the data-centre network (default 1)')
+  add('--elastic_full_slices', type=int, default=0,
+      help='TPU, elastic: the slices the config is written for (mesh.dcn_data); --num_slices are the ones left of '
+           'them, and each launch.py recomputes its mesh and accumulation for those (docs/supervisor.md, "Elastic '
+           'runs"); 0 = not elastic (default)')
   add('--num_nodes', type=int, default=1, help='GPU: nodes of 8 GPUs (default 1)')
   add('--image', required=True, help='the container image with this repo (Dockerfile), e.g. REGION-docker.pkg.dev/...')
   add('--config', required=True, help='experiment config inside this repo, e.g. configs/default.py')
@@ -70,7 +74,8 @@ def _request(args, overrides: list[str]):
   from parallel import jobset
   return jobset.Request(
       name=args.name, accelerator=args.accelerator, image=args.image, config=args.config, workdir=args.workdir,
-      topology=args.topology, num_slices=args.num_slices, num_nodes=args.num_nodes, overrides=tuple(overrides),
+      topology=args.topology, num_slices=args.num_slices, elastic_full_slices=args.elastic_full_slices,
+      num_nodes=args.num_nodes, overrides=tuple(overrides),
       max_restarts=args.max_restarts, queue=args.queue, service_account=args.service_account,
       coordinator_port=args.coordinator_port, termination_grace_s=args.termination_grace_s, cluster=args.cluster,
       project=args.project, zone=args.zone)
@@ -92,7 +97,13 @@ def main(argv: list[str]) -> int:
   from parallel import jobset
   request = _request(args, overrides)
   try:
-    jobset.check(request, _load_config(args.config, overrides))
+    config = _load_config(args.config, overrides)
+    layout = jobset.check(request, config)
+    if args.elastic_full_slices:  # What each launch.py will run on the slices left, refused here as it would be there.
+      from trainer.supervision import elastic
+      size = elastic.plan(config.mesh, config.train, args.elastic_full_slices * layout.hosts, layout.processes,
+                          layout.chips)
+      print(f'{_PROG}: {size.describe()}', file=sys.stderr)
   except UserError as e:
     return _fail(str(e))
   except (AttributeError, KeyError, ValueError, TypeError) as e:  # config_flags' bad override or unloadable file.

@@ -40,6 +40,14 @@ login node, from a folder on storage the compute nodes share.
                        process (launch.py's supervisor; default 3, 0 = none)
   --restart_backoff_s=S
                        seconds before a restart (default 10, doubling in a crash loop)
+  --distributed_timeout_s=S
+                       seconds launch.py waits for every process to join (default 300)
+  --elastic_min_nodes=M
+                       elastic (docs/supervisor.md, "Elastic runs"): the job is submitted
+                       with --no-kill; when nodes are lost and the others, having waited
+                       --distributed_timeout_s for them, end short of peers, a new srun
+                       runs on the nodes left, at the same global batch, while at least M
+                       remain (default 0: not elastic)
   --dry_run            print the filled-in script and the sbatch command, submit nothing
   -h, --help           this text
 
@@ -50,7 +58,7 @@ EOF
 }
 
 NODES=1 GPUS_PER_NODE='' MODE=per_node PARTITION='' TIME='' JOB_NAME=jax-launch CPUS_PER_TASK=''
-CONFIG='' WORKDIR='' PYTHON='' LOG_DIR=''
+CONFIG='' WORKDIR='' PYTHON='' LOG_DIR='' ELASTIC_MIN_NODES=0
 OVERRIDES=()
 while (($#)); do
   case $1 in
@@ -67,7 +75,8 @@ while (($#)); do
     --workdir=*) WORKDIR=${1#*=} ;;
     --python=*) PYTHON=${1#*=} ;;
     --log_dir=*) LOG_DIR=${1#*=} ;;
-    --max_restarts=*|--restart_backoff_s=*) OVERRIDES+=("$1") ;;  # The supervisor's, passed to launch.py.
+    --elastic_min_nodes=*) ELASTIC_MIN_NODES=${1#*=} ;;
+    --max_restarts=*|--restart_backoff_s=*|--distributed_timeout_s=*) OVERRIDES+=("$1") ;;  # launch.py's own.
     --config.*=*) OVERRIDES+=("$1") ;;
     *) bad_argument "$1" ;;
   esac
@@ -86,6 +95,12 @@ case $MODE in
   per_gpu) NTASKS_PER_NODE=$GPUS_PER_NODE GPUS_PER_TASK=1 ;;
   *) die "--mode=$MODE: expected per_node (one process per node) or per_gpu (one process per GPU)." ;;
 esac
+if [[ ! $ELASTIC_MIN_NODES =~ ^(0|[1-9][0-9]*)$ ]] || ((ELASTIC_MIN_NODES > NODES)); then
+  die "--elastic_min_nodes=$ELASTIC_MIN_NODES: expected a whole number from 1 to --nodes=$NODES (0: not elastic)."
+fi
+if ((ELASTIC_MIN_NODES)); then  # Every step, the smaller ones too, is told the size the config is written for.
+  OVERRIDES+=("--elastic_full_processes=$((NODES * NTASKS_PER_NODE))")
+fi
 plain='^[A-Za-z0-9_.:/+@%,=-]+$'
 for option in "job_name=$JOB_NAME" "partition=$PARTITION" "time=$TIME"; do
   [[ -z ${option#*=} || ${option#*=} =~ $plain ]] || die "--$option: no spaces or shell characters, please."
@@ -114,6 +129,8 @@ fill_value() {
     CHDIR) printf '%s' "$PWD" ;;
     LOG_DIR) printf '%s' "$LOG_DIR" ;;
     MODE) printf '%s' "$MODE" ;;
+    NO_KILL) if ((ELASTIC_MIN_NODES)); then printf -- '--no-kill'; fi ;;
+    ELASTIC_MIN_NODES) printf '%s' "$ELASTIC_MIN_NODES" ;;
     PYTHON) quote "$PYTHON" ;;
     LAUNCH) quote "$REPO/launch.py" ;;
     TRAIN_ARGS) quote "--config=$CONFIG" "--workdir=$WORKDIR" ${OVERRIDES[@]+"${OVERRIDES[@]}"} ;;
@@ -160,5 +177,8 @@ job_id=${job_id%%;*}
 processes=$((NODES * NTASKS_PER_NODE))
 echo "Submitted job $job_id: $NODES node(s) x $NTASKS_PER_NODE process(es) x $GPUS_PER_TASK GPU(s) = $processes process(es)."
 echo "Batch log:   $LOG_DIR/$JOB_NAME-$job_id.out"
+if ((ELASTIC_MIN_NODES)); then
+  echo "Elastic:     on lost nodes it goes on with those left while at least $ELASTIC_MIN_NODES remain; one line each in the batch log."
+fi
 echo "Task logs:   $LOG_DIR/$JOB_NAME-$job_id-NODE-taskN.log (task 0 prints the progress lines)"
 echo "Follow with: squeue -j $job_id; tail -f $LOG_DIR/$JOB_NAME-$job_id-*-task0.log"

@@ -9,7 +9,9 @@ and resumes from the same checkpoint. A join that times out after every process 
 exit the supervisor retries. Under SLURM (scripts/slurm_train.sbatch, run with a fake srun that starts its tasks on this
 host with SLURM's variables, so jax detects the cluster): a killed member's supervisor restarts it, the survivor names
 it in one line (exit 75; it was a Gloo traceback, classed a crash) and restarts its own; both resume from the same
-checkpoint.
+checkpoint. An elastic SLURM job (--elastic_min_nodes) that loses a node's task for good runs a second srun on the
+node left, which trains on as 1 of the run's 2 processes; what it does with each other ending (a node gone without
+a status, one SLURM took out of the job, too few left, a user error) is checked with a stand-in for launch.py.
 """
 
 import json
@@ -104,51 +106,82 @@ def test_a_frozen_member_is_ended_by_its_supervisor_and_the_group_resumes_togeth
   assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
 
 
-# srun on one host: FAKE_NTASKS tasks with SLURM's variables, each task's output in FAKE_LOGS/taskN.log, and
-# --kill-on-bad-exit as SLURM documents it (a task ending non-zero ends the others: SIGTERM here).
+# srun on one host: its --ntasks (else FAKE_NTASKS) tasks with SLURM's variables, spread over the nodes of its
+# --nodelist (names only: every task runs here), each task's output appended to FAKE_LOGS/taskN.log, its own options
+# appended to FAKE_LOGS/srun.calls, --kill-on-bad-exit as SLURM documents it (a task ending non-zero ends the others:
+# SIGTERM here) and SLURM's exit code: the highest of its tasks'.
 _FAKE_SRUN = r'''#!/usr/bin/env bash
 set -uo pipefail
-kill_on_bad=0
-while [[ $1 == --* ]]; do [[ $1 == --kill-on-bad-exit=1 ]] && kill_on_bad=1; shift; done
+kill_on_bad=0 ntasks=$FAKE_NTASKS nodes=localhost worst=0 own=()
+while [[ $1 == --* ]]; do
+  own+=("$1")
+  case $1 in
+    --kill-on-bad-exit=1) kill_on_bad=1 ;;
+    --ntasks=*) ntasks=${1#*=} ;;
+    --nodelist=*) nodes=${1#*=} ;;
+  esac
+  shift
+done
+echo "${own[*]}" >>"$FAKE_LOGS/srun.calls"
+IFS=, read -ra node_of <<<"$nodes"
+per_node=$((ntasks / ${#node_of[@]}))
 declare -A task_of
-for ((t = 0; t < FAKE_NTASKS; t++)); do
-  SLURM_PROCID=$t SLURM_LOCALID=$t SLURM_NTASKS=$FAKE_NTASKS SLURM_STEP_NODELIST=localhost "$@" \
-    >"$FAKE_LOGS/task$t.log" 2>&1 &
+for ((t = 0; t < ntasks; t++)); do
+  SLURM_PROCID=$t SLURM_LOCALID=$((t % per_node)) SLURM_NTASKS=$ntasks SLURM_STEP_NODELIST=localhost \
+    SLURMD_NODENAME=${node_of[t / per_node]} "$@" >>"$FAKE_LOGS/task$t.log" 2>&1 &
   task_of[$!]=$t
 done
 while ((${#task_of[@]})); do
   wait -n -p ended; rc=$?
   task=${task_of[$ended]}; unset "task_of[$ended]"
   echo "srun: task $task exited with code $rc"
+  ((rc > worst)) && worst=$rc
   if ((rc && kill_on_bad)); then
     for pid in "${!task_of[@]}"; do kill -TERM "$pid" 2>/dev/null; done
     wait; exit "$rc"
   fi
 done
+exit "$worst"
+'''
+# scontrol for the fake job: node lists are plain comma lists; the job's nodes are FAKE_JOB_NODES (those SLURM left
+# it), else all it was given.
+_FAKE_SCONTROL = r'''#!/usr/bin/env bash
+case "$1 $2" in
+  'show hostnames') tr , '\n' <<<"$3" ;;
+  'show job') echo "   NodeList=${FAKE_JOB_NODES:-$SLURM_JOB_NODELIST} BatchHost=localhost" ;;
+esac
 '''
 
 
-def test_under_slurm_a_killed_member_restarts_and_the_group_resumes_together(tmp_path):
+def _slurm_job(tmp_path, *args: str, python: str = sys.executable) -> tuple[pathlib.Path, dict]:
+  # The job file scripts/launch_slurm.sh writes for a 2-node job of the tiny config, and an environment whose srun
+  # and scontrol are the fakes above.
   (tmp_path / 'text').mkdir()
   text_dir = make_text_dir(tmp_path / 'text')
-  workdir, logs, bin_dir = tmp_path / 'run', tmp_path / 'logs', tmp_path / 'bin'
+  logs, bin_dir = tmp_path / 'logs', tmp_path / 'bin'
   logs.mkdir()
   bin_dir.mkdir()
-  (bin_dir / 'srun').write_text(_FAKE_SRUN)
-  (bin_dir / 'srun').chmod(0o755)
+  for name, body in (('srun', _FAKE_SRUN), ('scontrol', _FAKE_SCONTROL)):
+    (bin_dir / name).write_text(body)
+    (bin_dir / name).chmod(0o755)
   env = launcher_env(JAX_PLATFORMS='cpu', XLA_FLAGS=xla_flags(4))
   dry = subprocess.run(
       ['bash', str(REPO / 'scripts' / 'launch_slurm.sh'), '--nodes=2', '--gpus_per_node=4',
-       '--config=configs/tiny.py', f'--workdir={workdir}', f'--python={sys.executable}',
-       f'--config.train.steps={STEPS}', '--config.ckpt.every_steps=5', '--config.ckpt.async_save=False',
-       '--config.log.every_steps=1', f'--config.data.text_dir={text_dir}', '--max_restarts=2',
-       '--restart_backoff_s=1', '--dry_run'], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+       '--config=configs/tiny.py', f'--workdir={tmp_path / "run"}', f'--python={python}',
+       '--config.ckpt.async_save=False', '--config.log.every_steps=1', f'--config.data.text_dir={text_dir}',
+       '--restart_backoff_s=1', *args, '--dry_run'], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert dry.returncode == 0, dry.stderr
   job = tmp_path / 'job.sbatch'
   job.write_text(dry.stdout.split("<<'SBATCH_EOF'\n", 1)[1].split('\nSBATCH_EOF\n', 1)[0] + '\n')
-  run_env = {**env, 'PATH': f'{bin_dir}{os.pathsep}{env["PATH"]}', 'FAKE_NTASKS': '2', 'FAKE_LOGS': str(logs),
-             'SLURM_JOB_ID': '77', 'JAX_COORDINATOR_PORT': str(free_port()),
-             'LAUNCH_TEST_FAULT': 'kill@7,process=1,attempt=1'}
+  return job, {**env, 'PATH': f'{bin_dir}{os.pathsep}{env["PATH"]}', 'FAKE_NTASKS': '2', 'FAKE_LOGS': str(logs),
+               'SLURM_JOB_ID': '77', 'SLURM_JOB_NAME': 'jax-launch', 'SLURM_JOB_NODELIST': 'node1,node2',
+               'JAX_COORDINATOR_PORT': str(free_port())}
+
+
+def test_under_slurm_a_killed_member_restarts_and_the_group_resumes_together(tmp_path):
+  workdir, logs = tmp_path / 'run', tmp_path / 'logs'
+  job, env = _slurm_job(tmp_path, f'--config.train.steps={STEPS}', '--config.ckpt.every_steps=5', '--max_restarts=2')
+  run_env = {**env, 'LAUNCH_TEST_FAULT': 'kill@7,process=1,attempt=1'}
   # cwd: what #SBATCH --chdir does under sbatch. The timeout is a hang guard only.
   result = subprocess.run(['bash', str(job)], cwd=REPO, env=run_env, capture_output=True, text=True, timeout=900)
   task_logs = [(logs / f'task{t}.log').read_text() for t in range(2)]
@@ -169,6 +202,59 @@ def test_under_slurm_a_killed_member_restarts_and_the_group_resumes_together(tmp
   assert records[1]['resumed_step'] == 5, records
   assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
 
+
+
+def test_under_slurm_a_lost_node_leaves_a_step_on_the_nodes_left(tmp_path):
+  """--elastic_min_nodes=1: node2's task lost for good at step 6; node1's, short of its peer, ends 76, and a second
+  srun on node1 alone trains on as 1 of the run's 2 processes, with gradient accumulation 2, to the end."""
+  workdir, logs = tmp_path / 'run', tmp_path / 'logs'
+  job, env = _slurm_job(tmp_path, '--config.train.steps=9', '--config.ckpt.every_steps=3', '--max_restarts=1',
+                        '--elastic_min_nodes=1', '--distributed_timeout_s=12')
+  assert '\n#SBATCH --no-kill\n' in job.read_text()
+  result = subprocess.run(['bash', str(job)], cwd=REPO, env={**env, 'LAUNCH_TEST_FAULT': 'lose@6,process=1'},
+                          capture_output=True, text=True, timeout=900)
+  task_logs = [(logs / f'task{t}.log').read_text() for t in range(2)]
+  assert result.returncode == 0, result.stderr + task_logs[0][-3000:] + task_logs[1][-3000:]
+  assert [l for l in result.stderr.splitlines() if l.startswith('slurm_train.sbatch:')] == [
+      "slurm_train.sbatch: elastic: task 1 on node2 exited with code 137; starting a step on the 1 node(s) left "
+      "(node1) as 1 of the run's 2 processes, from its newest checkpoint at the same global batch (resubmitting the "
+      "job file with every node grows it back)."], result.stderr
+  calls = (logs / 'srun.calls').read_text().splitlines()
+  assert [re.findall(r'--(?:ntasks|nodelist)=\S+', c) for c in calls] == [
+      ['--ntasks=2', '--nodelist=node1,node2'], ['--ntasks=1', '--nodelist=node1']], calls
+  assert all(c.startswith('--no-kill --kill-on-bad-exit=0 ') for c in calls), calls
+  assert ("Elastic: running on 1 of the run's 2 processes: mesh.data 8 -> 4, train.grad_accum_steps 1 -> 2"
+          in task_logs[0]), task_logs[0][-3000:]
+  records = [json.loads(l) for l in (workdir / 'attempts.jsonl').read_text().splitlines()]
+  assert [(r['exit_code'], r['retried']) for r in records] == [(75, True), (76, False), (0, False)], records
+  assert records[2].get('resized') == '2 -> 1 processes' and records[2]['grad_accum_steps'] == 2, records
+  assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == 9
+
+
+@pytest.mark.parametrize('on_node2, job_nodes, min_nodes, code, said', [
+    # Node2 gone with its task's shell: no exit status at all.
+    ('kill -9 $PPID', '', 1, 0, "slurm_train.sbatch: elastic: node2 was lost (no task exit status); starting a step on "
+     "the 1 node(s) left (node1) as 1 of the run's 2 processes"),
+    # Its task alive, but SLURM took the node out of the --no-kill job (a node failure).
+    ('exit 75', 'node1', 1, 0, "slurm_train.sbatch: elastic: node2 was taken out of the job by SLURM; starting a step "
+     "on the 1 node(s) left (node1)"),
+    ('exit 1', '', 2, 76, "slurm_train.sbatch: error: task 1 on node2 exited with code 1: 1 node(s) left, fewer than "
+     "--elastic_min_nodes=2; resubmit "),
+    ('exit 2', '', 1, 2, 'slurm_train.sbatch: error: task 1 on node2 exited with code 2; see its log.'),  # User error.
+])
+def test_under_slurm_what_the_elastic_job_does_with_each_ending(tmp_path, on_node2, job_nodes, min_nodes, code, said):
+  """A stand-in for launch.py (no jax): on the 2-node step node1's task ends 76 and node2's as given; alone, 0."""
+  python = tmp_path / 'python'
+  python.write_text(f'#!/usr/bin/env bash\nif ((SLURM_NTASKS == 1)); then exit 0; fi\n'
+                    f'if [[ $SLURMD_NODENAME == node2 ]]; then {on_node2}; fi\nexit 76\n')
+  python.chmod(0o755)
+  job, env = _slurm_job(tmp_path, f'--elastic_min_nodes={min_nodes}', python=str(python))
+  result = subprocess.run(['bash', str(job)], cwd=REPO, env={**env, 'FAKE_JOB_NODES': job_nodes}, capture_output=True,
+                          text=True, timeout=60)
+  assert result.returncode == code, result.stderr
+  lines = [l for l in result.stderr.splitlines() if l.startswith('slurm_train.sbatch:')]
+  assert len(lines) == 1 and lines[0].startswith(said), result.stderr
+  assert len((tmp_path / 'logs' / 'srun.calls').read_text().splitlines()) == (2 if code == 0 else 1)
 
 # gcloud for a TPU pod slice of FAKE_WORKERS workers on one host: `ssh --worker=all` runs the command once per worker,
 # each its own process with its own home (FAKE_HOMES/wN, where `scp --recurse` copies the repo), and with what jax's

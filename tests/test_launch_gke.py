@@ -127,6 +127,24 @@ def test_two_v5e_slices_are_two_replicated_jobs_joined_by_megascale(capsys):
   assert manifest['metadata']['labels']['kueue.x-k8s.io/queue-name'] == 'team-a'
 
 
+
+def test_an_elastic_relaunch_on_the_slices_left_tells_launch_py_the_full_size(capsys):
+  """One v5e slice left of two: a one-slice JobSet (no MEGASCALE), each launch.py told the 4 processes of the full
+  run, and the waiting slices' exit 76 ends the JobSet instead of recreating a group that would wait again."""
+  assert launch_gke.main([*COMMON, *V5E_TWO_SLICES[:3], '--num_slices=1', '--elastic_full_slices=2',
+                          '--config.train.batch_size=16', '--config.mesh.dcn_data=2', '--dry_run']) == 0
+  out, err = capsys.readouterr()
+  manifest = yaml.safe_load(out)
+  CRD.validate(manifest)
+  (job,) = manifest['spec']['replicatedJobs']
+  env = _env(_container(manifest))
+  assert job['replicas'] == 1 and env['NUM_PROCESSES'] == '2' and not any(k.startswith('MEGASCALE') for k in env)
+  assert _container(manifest)['args'][-1] == '--elastic_full_processes=4'
+  assert job['template']['spec']['podFailurePolicy']['rules'][0]['onExitCodes']['values'] == [2, 3, 130, 76]
+  assert err == ("launch_gke.py: Elastic: running on 2 of the run's 4 processes: mesh.dcn_data 2 -> 1, "
+                 "train.grad_accum_steps 1 -> 2; each step still takes train.batch_size examples, so the data order "
+                 "and learning-rate schedule are unchanged (a relaunch with all of them grows it back).\n")
+
 def test_two_a3_nodes_are_one_job_of_two_pods_with_eight_gpus(capsys):
   manifest = _dry_run(capsys, *A3_TWO_NODES, '--service_account=trainer')
   _restart_policy_is_the_jobsets(manifest, hosts=2)
@@ -158,8 +176,13 @@ def test_two_a3_nodes_are_one_job_of_two_pods_with_eight_gpus(capsys):
     (('--name=r', '--accelerator=tpu9', '--topology=2x2'), "--accelerator='tpu9' is not one of"),
     (('--name=r', '--accelerator=v6e'), '--accelerator=v6e is a TPU: give its slice as --topology, e.g. 2x4'),
     (('--name=r', '--accelerator=a3', '--config.train.nope=1'), '--config.train.nope=1'),
+    (('--name=r', '--accelerator=v5p', '--topology=2x2x2', '--elastic_full_slices=1'),
+     '--elastic_full_slices=1: the TPU slices the run is written for, 2 or more'),
+    (('--name=r', '--accelerator=v5e', '--topology=2x4', '--num_slices=2', '--elastic_full_slices=3',
+      '--config.mesh.dcn_data=3', '--config.train.batch_size=24'),
+     'elastic: 4 of 6 processes make 16 batch-parallel devices'),  # Divides at 3 slices, not at the 2 left.
 ], ids=['v5p-2d', 'v5e-3d', 'v4-not-cubes', 'local-workdir', 'batch-slices', 'slices-not-on-dcn', 'batch-slice',
-        'name', 'accelerator', 'no-topology', 'override'])
+        'name', 'accelerator', 'no-topology', 'override', 'elastic-one-slice', 'elastic-batch'])
 @pytest.mark.parametrize('mode', ['apply', 'dry_run', 'xpk'])
 def test_bad_input_is_one_line_and_exit_2_before_anything_is_written_or_applied(capsys, tmp_path, monkeypatch,
                                                                                  args, message, mode):

@@ -281,6 +281,16 @@ def _sbatch_options(script: str) -> dict[str, str]:
               if line.startswith('#SBATCH --'))
 
 
+def _assert_shellcheck_passes(tmp_path: pathlib.Path, script: str) -> None:
+  """The filled-in job script, as sbatch gets it, passes shellcheck (where it is installed)."""
+  shellcheck = _shellcheck()
+  if shellcheck:
+    job = tmp_path / 'job.sbatch'
+    job.write_text(script)
+    check = subprocess.run([shellcheck, str(job)], capture_output=True, text=True, timeout=600)
+    assert check.returncode == 0, check.stdout
+
+
 @pytest.mark.parametrize('mode,ntasks_per_node,gpus_per_task', [('per_node', '1', '4'), ('per_gpu', '4', '1')])
 def test_slurm_dry_run_fills_in_the_job(tmp_path, mode, ntasks_per_node, gpus_per_task):
   result = _run('launch_slurm.sh', *SLURM_ARGS, f'--mode={mode}', '--dry_run', env=_env(tmp_path))
@@ -304,14 +314,24 @@ def test_slurm_dry_run_fills_in_the_job(tmp_path, mode, ntasks_per_node, gpus_pe
   assert commands[0] == 'mkdir -p /shared/runs/run1/logs'
   assert commands[-1] == 'sbatch --parsable /shared/runs/run1/logs/llama.sbatch'
   assert subprocess.run(['bash', '-n'], input=script, text=True).returncode == 0
-  shellcheck = _shellcheck()
-  if shellcheck:
-    job = tmp_path / 'job.sbatch'
-    job.write_text(script)
-    check = subprocess.run([shellcheck, str(job)], capture_output=True, text=True, timeout=600)
-    assert check.returncode == 0, check.stdout
+  _assert_shellcheck_passes(tmp_path, script)
   assert not pathlib.Path('/shared/runs/run1/logs').exists()
 
+
+
+def test_slurm_elastic_dry_run_submits_with_no_kill_and_tells_launch_py_the_full_size(tmp_path):
+  result = _run('launch_slurm.sh', *SLURM_ARGS, '--mode=per_gpu', '--elastic_min_nodes=1',
+                '--distributed_timeout_s=600', '--dry_run', env=_env(tmp_path))
+  assert result.returncode == 0, result.stderr
+  script = _filled(result.stdout)
+  assert '\n#SBATCH --no-kill\n' in script and '\nELASTIC_MIN_NODES=1 ' in script
+  train_args = next(line for line in script.splitlines() if line.startswith('TRAIN_ARGS=('))
+  assert shlex.split(train_args.removeprefix('TRAIN_ARGS=(').removesuffix(')'))[-2:] == [
+      '--distributed_timeout_s=600', '--elastic_full_processes=8']  # 2 nodes x 4 processes.
+  _assert_shellcheck_passes(tmp_path, script)
+  plain = _filled(_run('launch_slurm.sh', *SLURM_ARGS, '--dry_run', env=_env(tmp_path)).stdout)
+  assert '--no-kill' not in plain.split('\nset -euo pipefail\n')[0] and '\nELASTIC_MIN_NODES=0 ' in plain
+  assert '--elastic_full_processes' not in next(line for line in plain.splitlines() if line.startswith('TRAIN_ARGS=('))
 
 def test_slurm_options_left_out_drop_their_lines_and_paths_become_absolute(tmp_path):
   result = _run('launch_slurm.sh', '--gpus_per_node=8', '--config=configs/tiny.py', '--workdir=runs/r1',
@@ -386,6 +406,8 @@ def test_the_unfilled_template_refuses_to_run(tmp_path):
     ((*SLURM_ARGS, '--mode=per_core'), 'expected per_node'),
     ((*SLURM_ARGS, '--nodes=0'), 'expected a whole number'),
     ((*SLURM_ARGS, '--job_name=my job'), 'no spaces'),
+    ((*SLURM_ARGS, '--elastic_min_nodes=3'), '--elastic_min_nodes=3: expected a whole number from 1 to --nodes=2'),
+    ((*SLURM_ARGS, '--elastic_min_nodes=01'), '--elastic_min_nodes=01: expected a whole number'),
 ])
 def test_slurm_bad_options_fail_clearly(tmp_path, args, message):
   result = _run('launch_slurm.sh', *args, '--dry_run', env=_env(tmp_path))
