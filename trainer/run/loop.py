@@ -189,6 +189,8 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
       logging.info('model.init_from=%r is not read: a resumed run continues from its checkpoint\'s weights.',
                    config.model.init_from)
   else:
+    if not_local:
+      logging.info('Training from step 0: %s, and the persistent tier (%s) has none.', not_local, ckpt.directory)
     logging.info('Initializing the parameters (compiling the init) ...')
     state = job.init_state(config.train.seed)
     logging.info('Initialized the parameters in %.1fs', time.perf_counter() - t_state)

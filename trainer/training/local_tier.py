@@ -82,13 +82,20 @@ class LocalTier:
     self.wait_until_finished()
     if not self.enabled:
       return
+    if self._layouts is None:
+      self._layouts = layout(state), _peer_layout(state) if self._count > 1 else None
+    # Where this process holds the same shards as the next (data parallelism across hosts), its own are the copy.
+    peer_in_own = self._layouts[0] == self._layouts[1]
     own = checkpoint.detach(state)
-    peer = self._to_previous_process(own) if self._count > 1 else None
+    peer = self._to_previous_process(own) if self._count > 1 and not peer_in_own else None
+    if peer is not None:
+      # Done before the next step is dispatched: XLA:CPU runs programs that share no buffer at once, and this
+      # transfer's collectives interleaved with the step's differently on two hosts hung both (gloo).
+      jax.block_until_ready(peer)
     # On GPU/TPU a copy to host now: the next step donates these buffers. On CPU `own` is a copy already.
     own = _shards(own) if jax.default_backend() != 'cpu' else functools.partial(_shards, own)
-    if self._layouts is None:
-      self._layouts = layout(state), layout(peer) if peer is not None else None
-    meta = {'step': step, 'data': data_state, 'layout': self._layouts[0], 'peer_layout': self._layouts[1]}
+    meta = {'step': step, 'data': data_state, 'layout': self._layouts[0], 'peer_layout': self._layouts[1],
+            'peer_in_own': peer_in_own}
     self._thread = threading.Thread(target=self._write, args=(step, own, peer, meta), daemon=True,
                                     name='local-tier-save')
     self._thread.start()
@@ -156,9 +163,7 @@ class LocalTier:
     call it (one small all-gather), with the tier on or off."""
     if not self.configured:
       return None, ''
-    expected = layout(abstract_with_shardings), layout(jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=_shifted(leaf.sharding)),
-        abstract_with_shardings)) if self._count > 1 else None
+    expected = layout(abstract_with_shardings), _peer_layout(abstract_with_shardings) if self._count > 1 else None
     own, peer = [], []
     for step in self.steps()[::-1]:
       meta = _read_meta(self.folder / str(step))
@@ -192,11 +197,12 @@ class LocalTier:
     own = _read_npz(folder / 'own.npz') if mine else {}
     if found.from_peer:  # Every process takes part in the one transfer back, holding the copy or not.
       needed = (self._index + 1) % self._count in found.from_peer
-      copy = _read_npz(folder / 'peer.npz') if needed else {}
+      copy = _read_npz(folder / ('own.npz' if _read_meta(folder)['peer_in_own'] else 'peer.npz')) if needed else {}
       shifted = _arrays(abstract_with_shardings, copy, rotate=True)
       returned = jax.device_put(shifted, jax.tree.map(lambda leaf: leaf.sharding, abstract_with_shardings))
+      data_state = self._data_state_from_peer(found)  # Every process takes part in this one too.
       if not mine:
-        return returned, self._data_state_from_peer(found)
+        return returned, data_state
     return _arrays(abstract_with_shardings, own, rotate=False, complete=True), _read_meta(folder)['data']
 
   def _data_state_from_peer(self, found: Found) -> dict[str, Any]:
@@ -280,6 +286,12 @@ def layout(state) -> str:
                       leaf.sharding.addressable_devices_indices_map(leaf.shape).values()})
     parts.append(f'{leaf.shape}{np.dtype(leaf.dtype).str}{indices}')
   return hashlib.sha256(repr((jax.tree.structure(state), parts)).encode()).hexdigest()
+
+
+def _peer_layout(state) -> str:
+  """The fingerprint of what this process holds of the next process's shards (`layout` on the shifted mesh)."""
+  return layout(jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=_shifted(leaf.sharding)),
+                             state))
 
 
 def _arrays(abstract_with_shardings, shards: dict[str, np.ndarray], rotate: bool, complete: bool = False):
