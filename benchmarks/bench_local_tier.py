@@ -108,9 +108,10 @@ def _spawn(args) -> None:
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     port = s.getsockname()[1]
+  flags = f'--xla_force_host_platform_device_count={args.devices_per_process}'
   children = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env={
-      **os.environ, 'BENCH_PROCESS': f'{i},{args.num_processes},{port}', 'JAX_PLATFORMS': 'cpu',
-      'XLA_FLAGS': f'--xla_force_host_platform_device_count={args.devices_per_process}'}) for i in range(args.num_processes)]
+      **os.environ, 'BENCH_PROCESS': f'{i},{args.num_processes},{port}', 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': flags})
+              for i in range(args.num_processes)]
   sys.exit(max(child.wait() for child in children))
 
 

@@ -116,3 +116,12 @@ def test_a_lost_host_is_restored_from_its_peer_and_one_whose_peer_is_lost_too_fr
   _held(monkeypatch, 3, {0: ([36, 34], [36, 34]), 1: ([34], [34]), 2: ([36, 34], [36, 34])})  # 1 died writing 36.
   assert tier.newest(_abstract(_state()), newer_than=0) == (local_tier.Found(36, (1,)), '')
   assert tier.newest(_abstract(_state()), newer_than=50)[0] is None  # The persistent tier's 50 is newer.
+
+
+def test_start_over_moves_the_local_steps_aside_and_keeps_them(tmp_path):
+  tier = local_tier.LocalTier(str(tmp_path), 2, '/w', 0, 1)
+  tier.save(2, _state(), {'position': 2})
+  tier.wait_until_finished()
+  tier.set_aside()
+  [kept] = [p for p in tier.folder.parent.iterdir() if '.previous_run_' in p.name]
+  assert (kept / '2' / 'own.npz').is_file() and tier.steps() == [] and tier.folder.is_dir()

@@ -86,8 +86,8 @@ def test_a_lost_host_whose_peer_copy_is_lost_too_is_one_line_and_the_persistent_
   reference, workdir, relaunch = runs
   result = relaunch(lose=['process-1-of-2', 'process-0-of-2'])  # Both hosts replaced: no copy of 1's shards left.
   assert result.returncode == 0, result.stderr[-3000:]
-  [said] = [l for l in result.stderr.splitlines() if 'the local tier holds no' in l]
-  assert said.startswith('[0] ') and said.endswith(  # The persistent tier has no step before 50: nothing lost.
+  [said] = [l for l in result.stderr.splitlines() if l.startswith('[0] ') and 'the local tier holds no' in l]
+  assert said.endswith(  # The persistent tier has no step before 50: nothing lost.
       f"Training from step 0: the local tier holds no step, and the persistent tier ({workdir / 'checkpoints'}) has "
       f'none.'), said
   assert _losses(workdir) == reference

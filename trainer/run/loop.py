@@ -89,7 +89,7 @@ class RunContext:
   idle_experts: expert_load.IdleExperts = dataclasses.field(default_factory=lambda: expert_load.IdleExperts(0))
   downstream: 'evals_lib.Downstream | None' = None  # eval.tasks, scored on the training mesh (trainer/evals/).
   sources: 'data.mixture.Accounting | None' = None  # data.source='mixture': tokens seen and eval loss per source.
-  local: 'local_tier.LocalTier | None' = None  # ckpt.local_dir: the fast per-host tier (trainer/training/local_tier.py).
+  local: 'local_tier.LocalTier | None' = None  # ckpt.local_dir: the per-host tier (trainer/training/local_tier.py).
 
 
 def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False) -> None:

@@ -313,8 +313,8 @@ def layout(state) -> str:
 
 def _peer_layout(state) -> str:
   """The fingerprint of what this process holds of the next process's shards (`layout` on the shifted mesh)."""
-  return layout(jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=_shifted(leaf.sharding)),
-                             state))
+  return layout(jax.tree.map(
+      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=_shifted(leaf.sharding)), state))
 
 
 def _sent_back(abstract_with_shardings, copy: dict[str, np.ndarray]):
