@@ -57,7 +57,7 @@ class LocalTier:
     self._index, self._count = process_index, process_count
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
-    self._rotated = None  # The peer's shardings, per leaf, built at the first save.
+    self._sender = None  # The compiled send of every shard to the previous process, built at the first save.
     self._layouts = None  # (own, peer) fingerprints: the mesh is fixed for the run.
     self._copier = None  # The compiled copy of the state, built at the first save.
     self.folder = None
@@ -89,11 +89,16 @@ class LocalTier:
     peer_in_own = self._layouts[0] == self._layouts[1]
     cpu = jax.default_backend() == 'cpu'
     own = self._copy(state) if cpu else state  # Elsewhere the copy to host below is the copy (no device memory).
-    peer = self._to_previous_process(own) if self._count > 1 and not peer_in_own else None
-    if peer is not None:
-      # Done before the next step is dispatched: XLA:CPU runs programs that share no buffer at once, and this
-      # transfer's collectives interleaved with the step's differently on two hosts hung both (gloo).
-      jax.block_until_ready(peer)
+    peer = None
+    if self._count > 1 and not peer_in_own:
+      if self._sender is None:
+        self._sender = _passer(state, towards_previous=True)
+      rows = self._sender(own)
+      peer = functools.partial(_peer_shards, [(leaf.shape, leaf.sharding) for leaf in jax.tree.leaves(state)],
+                               jax.tree.leaves(rows))
+      # Done before the next step is dispatched: XLA:CPU runs programs that share no buffer at once, and two
+      # programs' collectives started in different orders on two hosts would wait for each other (gloo).
+      jax.block_until_ready(rows)
     # On GPU/TPU a copy to host now: the next step donates these buffers. On CPU `own` is a copy already.
     own = functools.partial(_shards, own) if cpu else _shards(own)
     meta = {'step': step, 'data': data_state, 'layout': self._layouts[0], 'peer_layout': self._layouts[1],
@@ -119,11 +124,6 @@ class LocalTier:
       self._copier = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=shardings)
     return self._copier(state)
 
-  def _to_previous_process(self, state):
-    if self._rotated is None:
-      self._rotated = jax.tree.map(lambda leaf: _shifted(leaf.sharding), state)
-    return jax.device_put(state, self._rotated)
-
   def _write(self, step: int, own, peer, meta: dict[str, Any]) -> None:
     temporary = self.folder / f'.{step}.tmp-{os.getpid()}'
     try:
@@ -131,7 +131,7 @@ class LocalTier:
       os.mkdir(temporary, 0o700)
       _write_npz(temporary / 'own.npz', own() if callable(own) else own)
       if peer is not None:
-        _write_npz(temporary / 'peer.npz', _shards(peer))
+        _write_npz(temporary / 'peer.npz', peer())
       _write_file(temporary / 'meta.json', json.dumps(meta).encode())
       confined.check_folder(self.folder / str(step))
       shutil.rmtree(self.folder / str(step), ignore_errors=True)  # This run's own older copy of the step.
@@ -195,7 +195,7 @@ class LocalTier:
       return None, (f'the local tier holds no complete step (its newest, {candidates[0]}, lacks the shards of '
                     f'process(es) {missing}: neither their own folder nor their peer\'s copy on process(es) '
                     f'{[(p - 1) % self._count for p in missing]} has them; both hosts lost)')
-    step = complete[0]
+    step = int(complete[0])
     if step <= newer_than:
       return None, f'the local tier\'s newest complete step, {step}, is not newer'
     return Found(step, tuple(p for p in range(self._count) if step not in own_of[p])), ''
@@ -317,31 +317,69 @@ def _peer_layout(state) -> str:
       lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=_shifted(leaf.sharding)), state))
 
 
+def _passer(state, towards_previous: bool):
+  """A compiled program sending every device's block of every leaf of `state` (on its own shardings, or one row per
+  device) to the device at the same place in the previous process (or the next), as one row per device.
+
+  One collective-permute over the whole mesh, in the step's own device order: gloo pairs collectives by order, and a
+  reshard onto a reordered mesh (device_put) set up new groups at each save, slowly, and once hung both hosts.
+  """
+  leaves = jax.tree.leaves(state)
+  mesh = leaves[0].sharding.mesh
+  axes = tuple(mesh.axis_names)
+  position = {device: j for j, device in enumerate(mesh.devices.flat)}
+  previous = dict(zip(mesh.devices.flat, _shifted_mesh(mesh).devices.flat))
+  pairs = [(position[d], position[previous[d]]) for d in mesh.devices.flat]
+  pairs = pairs if towards_previous else [(b, a) for a, b in pairs]
+  if towards_previous:
+    in_specs, body = jax.tree.map(lambda leaf: leaf.sharding.spec, state), lambda x: x[None]
+  else:
+    in_specs, body = jax.sharding.PartitionSpec(axes), lambda x: x
+  return jax.jit(jax.shard_map(lambda tree: jax.tree.map(lambda x: body(jax.lax.ppermute(x, axes, pairs)), tree),
+                               mesh=mesh, in_specs=(in_specs,), out_specs=jax.sharding.PartitionSpec(axes),
+                               check_vma=False))
+
+
+def _peer_shards(layouts, rows) -> dict[str, np.ndarray]:
+  """The distinct shards of the next process held here as `rows` (a row per device: the block of the device at
+  its place in the next process), keyed as that process keys its own."""
+  out = {}
+  for i, ((shape, sharding), leaf_rows) in enumerate(zip(layouts, rows)):
+    index_of = sharding.devices_indices_map(shape)
+    following = dict(zip(_shifted_mesh(sharding.mesh).devices.flat, sharding.mesh.devices.flat))
+    for shard in leaf_rows.addressable_shards:
+      key = _key(i, index_of[following[shard.device]], shape)
+      if key not in out:
+        out[key] = np.asarray(shard.data)[0]
+  return out
+
+
 def _sent_back(abstract_with_shardings, copy: dict[str, np.ndarray]):
   """The state whose shards on each process are those the previous process holds in `copy` (zeros where it holds
   none): every leaf as one row per device, the row of each device built on the device before it, then moved.
 
-  Rows, not the leaves themselves: a leaf replicated across processes moved onto its shifted mesh is taken to be
-  the same on every device and is not sent at all (a replaced host kept its zeros).
+  Rows, not the leaves themselves: a leaf replicated across processes is taken to be the same on every device by
+  a reshard and is not sent at all (a replaced host kept its zeros).
   """
   leaves, tree = jax.tree.flatten(abstract_with_shardings)
-  flat = jax.sharding.Mesh(np.array(list(leaves[0].sharding.mesh.devices.flat)), ('devices',))
-  rows, targets = [], []
+  mesh = leaves[0].sharding.mesh
+  flat = list(mesh.devices.flat)
+  following = dict(zip(_shifted_mesh(mesh).devices.flat, flat))
+  rows_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
+  rows = []
   for i, leaf in enumerate(leaves):
     shard_shape = leaf.sharding.shard_shape(leaf.shape)
     index_of = leaf.sharding.devices_indices_map(leaf.shape)
 
     def row(index, i=i, leaf=leaf, shard_shape=shard_shape, index_of=index_of):
-      device = flat.devices[index[0].start or 0]  # Row j is what device j of the mesh holds.
-      found = copy.get(_key(i, index_of[device], leaf.shape))
+      target = following[flat[index[0].start or 0]]  # Row j goes to the device after device j.
+      found = copy.get(_key(i, index_of[target], leaf.shape))
       return (found.view(leaf.dtype) if found is not None else np.zeros(shard_shape, leaf.dtype))[None]
-    rows.append(jax.make_array_from_callback((flat.size, *shard_shape), jax.sharding.NamedSharding(
-        _shifted_mesh(flat), jax.sharding.PartitionSpec('devices')), row))
-    targets.append(jax.sharding.NamedSharding(flat, jax.sharding.PartitionSpec('devices')))
-  moved = jax.device_put(rows, targets)
+    rows.append(jax.make_array_from_callback((len(flat), *shard_shape), rows_sharding, row))
+  moved = _passer(rows, towards_previous=False)(rows)
   return jax.tree.unflatten(tree, [jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, [
       jax.device_put(np.asarray(shard.data)[0], shard.device) for shard in rows_leaf.addressable_shards])
-                                   for leaf, rows_leaf in zip(leaves, moved)])
+                                   for leaf, rows_leaf in zip(leaves, jax.tree.leaves(moved))])
 
 
 def _arrays(abstract_with_shardings, shards: dict[str, np.ndarray], complete: bool = False):
