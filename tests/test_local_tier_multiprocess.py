@@ -40,6 +40,7 @@ def runs(tmp_path_factory):
   workdir, local = root / 'run', root / 'shm'
   killed = _launch(workdir, local, text_dir, LAUNCH_TEST_FAULT='kill@37,process=1')
   assert killed.returncode == 137, killed.stderr[-3000:]
+  assert 'could not be written' not in reference.stderr + killed.stderr  # The tier was on all along.
   [run_folder] = local.iterdir()
   assert sorted(int(p.name) for p in (run_folder / 'process-1-of-2').iterdir() if p.name.isdigit()) == [34, 36]
   shutil.copytree(workdir, root / 'kept_run', symlinks=True)

@@ -36,6 +36,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from trainer.base import confined
+from trainer.training import peer_copy
 
 _KEEP = 2  # Newest complete steps kept per process: the one being written may fail, the one before stays.
 _SLOTS = 8  # Steps each process reports on a restart (more than _KEEP: a tmp folder never counts).
@@ -81,6 +82,8 @@ class LocalTier:
     """Copies `state` off the step's buffers (the next step donates them), sends the peer's shards here, and writes
     both in a background thread. Waits for the previous write first: at most one is in flight."""
     self.wait_until_finished()
+    if self.enabled and not peer_copy.named(state, self._count):
+      self._give_up('the local tier sends a peer its shards over a named mesh; parallel.strategy=\'pmap\' has none')
     if not self.enabled:
       return
     if self._layouts is None:
@@ -92,9 +95,9 @@ class LocalTier:
     peer = None
     if self._count > 1 and not peer_in_own:
       if self._sender is None:
-        self._sender = _passer(state, towards_previous=True)
+        self._sender = peer_copy.passer(state, towards_previous=True)
       rows = self._sender(own)
-      peer = functools.partial(_peer_shards, [(leaf.shape, leaf.sharding) for leaf in jax.tree.leaves(state)],
+      peer = functools.partial(peer_copy.peer_shards, [(leaf.shape, leaf.sharding) for leaf in jax.tree.leaves(state)],
                                jax.tree.leaves(rows))
       # Done before the next step is dispatched: XLA:CPU runs programs that share no buffer at once, and two
       # programs' collectives started in different orders on two hosts would wait for each other (gloo).
@@ -173,6 +176,8 @@ class LocalTier:
     call it (one small all-gather), with the tier on or off."""
     if not self.configured:
       return None, ''
+    if not peer_copy.named(abstract_with_shardings, self._count):
+      return None, 'the local tier is not read under parallel.strategy=\'pmap\' across processes'
     expected = layout(abstract_with_shardings), _peer_layout(abstract_with_shardings) if self._count > 1 else None
     own, peer = [], []
     for step in self.steps()[::-1]:
@@ -208,7 +213,7 @@ class LocalTier:
     if found.from_peer:  # Every process takes part in the one transfer back, holding the copy or not.
       needed = (self._index + 1) % self._count in found.from_peer
       copy = _read_npz(folder / ('own.npz' if _read_meta(folder)['peer_in_own'] else 'peer.npz')) if needed else {}
-      returned = _sent_back(abstract_with_shardings, copy)
+      returned = peer_copy.sent_back(abstract_with_shardings, copy)
       data_state = self._data_state_from_peer(found)  # Every process takes part in this one too.
       if not mine:
         return returned, data_state
@@ -272,10 +277,6 @@ def _read_meta(folder: pathlib.Path) -> dict[str, Any] | None:
   return None
 
 
-def _key(leaf: int, index: tuple, shape: tuple[int, ...]) -> str:
-  return f'{leaf}|' + ','.join(f'{s.start or 0}:{dim if s.stop is None else s.stop}' for s, dim in zip(index, shape))
-
-
 def _shards(state) -> dict[str, np.ndarray]:
   """The distinct shards this process holds of every leaf, as host arrays (the copy's; waits for it)."""
   leaves = jax.tree.leaves(state)
@@ -294,7 +295,7 @@ def _distinct_of(layouts) -> list[tuple[int, str, int]]:
   for i, (shape, sharding) in enumerate(layouts):
     indices = sharding.addressable_devices_indices_map(shape)
     for position, device in enumerate(sharding._addressable_device_assignment):  # pylint: disable=protected-access
-      key = _key(i, indices[device], shape)
+      key = peer_copy.key(i, indices[device], shape)
       if key not in seen:
         seen.add(key)
         out.append((i, key, position))
@@ -305,7 +306,7 @@ def layout(state) -> str:
   """A fingerprint of what this process holds of `state`: every leaf's shape, dtype and its shards' indices here."""
   parts = []
   for leaf in jax.tree.leaves(state):
-    indices = sorted({_key(0, index, leaf.shape) for index in
+    indices = sorted({peer_copy.key(0, index, leaf.shape) for index in
                       leaf.sharding.addressable_devices_indices_map(leaf.shape).values()})
     parts.append(f'{leaf.shape}{np.dtype(leaf.dtype).str}{indices}')
   return hashlib.sha256(repr((jax.tree.structure(state), parts)).encode()).hexdigest()
@@ -314,72 +315,7 @@ def layout(state) -> str:
 def _peer_layout(state) -> str:
   """The fingerprint of what this process holds of the next process's shards (`layout` on the shifted mesh)."""
   return layout(jax.tree.map(
-      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=_shifted(leaf.sharding)), state))
-
-
-def _passer(state, towards_previous: bool):
-  """A compiled program sending every device's block of every leaf of `state` (on its own shardings, or one row per
-  device) to the device at the same place in the previous process (or the next), as one row per device.
-
-  One collective-permute over the whole mesh, in the step's own device order: gloo pairs collectives by order, and a
-  reshard onto a reordered mesh (device_put) set up new groups at each save, slowly, and once hung both hosts.
-  """
-  leaves = jax.tree.leaves(state)
-  mesh = leaves[0].sharding.mesh
-  axes = tuple(mesh.axis_names)
-  position = {device: j for j, device in enumerate(mesh.devices.flat)}
-  previous = dict(zip(mesh.devices.flat, _shifted_mesh(mesh).devices.flat))
-  pairs = [(position[d], position[previous[d]]) for d in mesh.devices.flat]
-  pairs = pairs if towards_previous else [(b, a) for a, b in pairs]
-  if towards_previous:
-    in_specs, body = jax.tree.map(lambda leaf: leaf.sharding.spec, state), lambda x: x[None]
-  else:
-    in_specs, body = jax.sharding.PartitionSpec(axes), lambda x: x
-  return jax.jit(jax.shard_map(lambda tree: jax.tree.map(lambda x: body(jax.lax.ppermute(x, axes, pairs)), tree),
-                               mesh=mesh, in_specs=(in_specs,), out_specs=jax.sharding.PartitionSpec(axes),
-                               check_vma=False))
-
-
-def _peer_shards(layouts, rows) -> dict[str, np.ndarray]:
-  """The distinct shards of the next process held here as `rows` (a row per device: the block of the device at
-  its place in the next process), keyed as that process keys its own."""
-  out = {}
-  for i, ((shape, sharding), leaf_rows) in enumerate(zip(layouts, rows)):
-    index_of = sharding.devices_indices_map(shape)
-    following = dict(zip(_shifted_mesh(sharding.mesh).devices.flat, sharding.mesh.devices.flat))
-    for shard in leaf_rows.addressable_shards:
-      key = _key(i, index_of[following[shard.device]], shape)
-      if key not in out:
-        out[key] = np.asarray(shard.data)[0]
-  return out
-
-
-def _sent_back(abstract_with_shardings, copy: dict[str, np.ndarray]):
-  """The state whose shards on each process are those the previous process holds in `copy` (zeros where it holds
-  none): every leaf as one row per device, the row of each device built on the device before it, then moved.
-
-  Rows, not the leaves themselves: a leaf replicated across processes is taken to be the same on every device by
-  a reshard and is not sent at all (a replaced host kept its zeros).
-  """
-  leaves, tree = jax.tree.flatten(abstract_with_shardings)
-  mesh = leaves[0].sharding.mesh
-  flat = list(mesh.devices.flat)
-  following = dict(zip(_shifted_mesh(mesh).devices.flat, flat))
-  rows_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
-  rows = []
-  for i, leaf in enumerate(leaves):
-    shard_shape = leaf.sharding.shard_shape(leaf.shape)
-    index_of = leaf.sharding.devices_indices_map(leaf.shape)
-
-    def row(index, i=i, leaf=leaf, shard_shape=shard_shape, index_of=index_of):
-      target = following[flat[index[0].start or 0]]  # Row j goes to the device after device j.
-      found = copy.get(_key(i, index_of[target], leaf.shape))
-      return (found.view(leaf.dtype) if found is not None else np.zeros(shard_shape, leaf.dtype))[None]
-    rows.append(jax.make_array_from_callback((len(flat), *shard_shape), rows_sharding, row))
-  moved = _passer(rows, towards_previous=False)(rows)
-  return jax.tree.unflatten(tree, [jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, [
-      jax.device_put(np.asarray(shard.data)[0], shard.device) for shard in rows_leaf.addressable_shards])
-                                   for leaf, rows_leaf in zip(leaves, jax.tree.leaves(moved))])
+      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=peer_copy.shifted(leaf.sharding)), state))
 
 
 def _arrays(abstract_with_shardings, shards: dict[str, np.ndarray], complete: bool = False):
@@ -391,34 +327,14 @@ def _arrays(abstract_with_shardings, shards: dict[str, np.ndarray], complete: bo
     target = leaf.sharding
 
     def piece(index, i=i, leaf=leaf):
-      found = shards.get(_key(i, index, leaf.shape))
+      found = shards.get(peer_copy.key(i, index, leaf.shape))
       if found is not None:
         return found.view(leaf.dtype)  # np.savez keeps bfloat16 as raw 2-byte values.
       if complete:
-        raise KeyError(f'shard {_key(i, index, leaf.shape)} missing from the local tier\'s step')
+        raise KeyError(f'shard {peer_copy.key(i, index, leaf.shape)} missing from the local tier\'s step')
       return np.zeros([len(range(*s.indices(d))) for s, d in zip(index, leaf.shape)], leaf.dtype)
     out.append(jax.make_array_from_callback(leaf.shape, target, piece))
   return jax.tree.unflatten(tree, out)
-
-
-def _shifted(sharding):
-  """`sharding` with every device replaced by the device at the same place in the previous process: an array put
-  on it has process i's devices holding what process i+1's hold on `sharding`."""
-  return jax.sharding.NamedSharding(_shifted_mesh(sharding.mesh), sharding.spec)
-
-
-@functools.cache
-def _shifted_mesh(mesh):
-  by_process: dict[int, list] = {}
-  for device in sorted(mesh.devices.flat, key=lambda d: d.id):
-    by_process.setdefault(device.process_index, []).append(device)
-  processes = sorted(by_process)
-  place = {d: (processes.index(p), k) for p, ds in by_process.items() for k, d in enumerate(ds)}
-
-  def previous(device):
-    order, k = place[device]
-    return by_process[processes[(order - 1) % len(processes)]][k]
-  return jax.sharding.Mesh(np.vectorize(previous, otypes=[object])(mesh.devices), mesh.axis_names)
 
 
 def _why(error: BaseException) -> str:
