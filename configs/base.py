@@ -104,6 +104,8 @@ def get_config() -> config_dict.ConfigDict:
   # The issue's `ckpt.async`: `async` is a Python keyword, so the key is async_save.
   c.ckpt.storage_deadline_s = 120.0  # gs:// workdirs: a probe, lock or manifest read with no answer this long ends the launch in one line (exit 74, retried by the supervisor).
   c.ckpt.async_save = True  # Write checkpoints in the background while training goes on.
+  c.ckpt.local_dir = config_dict.placeholder(str)  # The local tier: each process's shards (and a copy of its peer's) in this folder on its own host, a RAM disk such as /dev/shm or local SSD; None = off. docs/checkpoints.md.
+  c.ckpt.local_every_steps = 10  # With ckpt.local_dir: save the local tier every N steps.
 
   c.log = config_dict.ConfigDict()
   c.log.every_steps = 50  # Write metrics and a progress line every N steps (and at step 1).

@@ -304,7 +304,7 @@ def test_the_copy_a_cpu_save_writes_from_outlives_the_donated_state_and_compiles
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda name, *_, **__: compiles.append(name) if name == '/jax/core/compile/backend_compile_duration' else None)
-  copy = checkpoint._detach_on_cpu(state)
+  copy = checkpoint.detach(state)
   assert not compiles
   for name, leaf in state.items():
     assert copy[name].sharding == leaf.sharding and copy[name].dtype == leaf.dtype, name

@@ -43,11 +43,11 @@ def _patch(name, module):
     module.compile_checked = compile_checked
   if _where == 'step' and name == 'trainer.supervision.faults':
     original_inject = module.inject
-    def inject(fault, step, where):
+    def inject(fault, step, where, **settle):
       if step == 1 and where == 'step':
         _marker('step 1')
         _hold(3)
-      return original_inject(fault, step, where)
+      return original_inject(fault, step, where, **settle)
     module.inject = inject
   if _where == 'final_eval' and name == 'trainer.run.evaluation':
     original_eval = module.held_out

@@ -141,6 +141,7 @@ SCHEMA: dict[str, Check] = {
 
     'ckpt.every_steps': COUNT, 'ckpt.max_to_keep': COUNT, 'ckpt.keep_period': COUNT_OR_OFF,
     'ckpt.storage_deadline_s': POSITIVE, 'ckpt.async_save': BOOL,
+    'ckpt.local_dir': optional(TEXT), 'ckpt.local_every_steps': COUNT,
 
     'log.every_steps': COUNT, 'log.idle_expert_steps': COUNT_OR_OFF, 'log.progress_bar': one_of('auto', 'on', 'off'),
     'log.trackers': sequence(one_of('wandb', 'mlflow')), 'log.run_name': optional(TEXT),

@@ -29,7 +29,7 @@ from trainer.run import compilation_cache, evaluation, preflight
 from trainer.run import job as job_lib
 from trainer.safety import guardrails, preemption, startup_signals
 from trainer.supervision import attempt, elastic, faults, hang, notices, stragglers
-from trainer.training import checkpoint, objectives, optimizer
+from trainer.training import checkpoint, local_tier, objectives, optimizer
 from trainer.training import manifest as manifests
 
 
@@ -90,6 +90,7 @@ class RunContext:
   downstream: 'evals_lib.Downstream | None' = None  # eval.tasks, scored on the training mesh (trainer/evals/).
   sources: 'data.mixture.Accounting | None' = None  # data.source='mixture': tokens seen and eval loss per source.
   first_log: dict = dataclasses.field(default_factory=dict)  # Scalars of an attempt's first logged step (its size).
+  local: 'local_tier.LocalTier | None' = None  # ckpt.local_dir: the per-host tier (trainer/training/local_tier.py).
 
 
 def run(config, workdir: str, devices: Sequence[jax.Device] | None = None, start_over: bool = False,
@@ -136,6 +137,10 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   ckpt = None if start_over else checkpoint.Checkpointer(workdir, config.ckpt)
   resumable = [] if start_over else storage.within_deadline("reading the checkpoints' manifests", workdir,
                                                              ckpt.resumable_steps, manifest)
+  local = local_tier.LocalTier(config.ckpt.local_dir, config.ckpt.local_every_steps, workdir, process_index,
+                               process_count)
+  found, not_local = ((None, '') if start_over else local.newest(
+      sharding.with_shardings(abstract, shardings), newer_than=resumable[0] if resumable else 0))
   # Before the compile: a finished run has nothing to build. Finished only if its final checkpoint restores (a
   # restore costs far less than the compile); a damaged one falls through to the usual fallback and trains again.
   if (resumable and resumable[0] >= config.train.steps
@@ -165,16 +170,22 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   if start_over:  # Only once the config, data and memory were checked: a launch that fails early moves nothing.
     checkpoint.start_over(workdir)
     ckpt = checkpoint.Checkpointer(workdir, config.ckpt)
+    local.set_aside()
   _describe(job, workdir, write=process_index == 0)
 
-  tracker = goodput_lib.Goodput(workdir, resumed_step=resumable[0] if resumable else None,
+  tracker = goodput_lib.Goodput(workdir, resumed_step=found.step if found else resumable[0] if resumable else None,
                                 shrunk=bool(elastic_size and elastic_size.shrunk))
   tracker.compiled(compile_s)
 
   latest = None
   hang_watch.phase('restore')
   t_state = time.perf_counter()
-  if resumable:
+  if found:
+    latest, state = found.step, local_tier.restore_into(local, found, sharding.with_shardings(abstract, shardings),
+                                                        train_iter, resumable[0] if resumable else None)
+  elif resumable:
+    if not_local:
+      logging.info('Restoring from the persistent tier (%s): %s.', ckpt.directory, not_local)
     logging.info('Restoring checkpoint step %d from %s ...', resumable[0], ckpt.directory)
     latest, state = ckpt.restore_newest_intact(resumable, sharding.with_shardings(abstract, shardings), train_iter)
     logging.info('Resuming from checkpoint at step %d in %s (data iterator position restored) after %.1fs',
@@ -183,11 +194,16 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
       logging.info('model.init_from=%r is not read: a resumed run continues from its checkpoint\'s weights.',
                    config.model.init_from)
   else:
+    if not_local:
+      logging.info('Training from step 0: %s, and the persistent tier (%s) has none.', not_local, ckpt.directory)
     logging.info('Initializing the parameters (compiling the init) ...')
     state = job.init_state(config.train.seed)
     logging.info('Initialized the parameters in %.1fs', time.perf_counter() - t_state)
 
-  attempt.note(process_index=process_index, resumed_step=latest or 0, steps_redone=tracker.lost_steps)
+  attempt.note(process_index=process_index, resumed_step=latest or 0, steps_redone=tracker.lost_steps,
+               resumed_from='local tier' if found else 'persistent tier' if latest else 'start',
+               restore_s=round(time.perf_counter() - t_state, 3))
+  local.discard_after(latest or 0)
   writer = MetricsWriter(workdir, enabled=process_index == 0, total_steps=config.train.steps,
                          progress_bar=config.log.progress_bar, goodput=tracker, trackers=trackers)
   if process_index == 0:
@@ -209,7 +225,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
       examples_per_epoch=getattr(inputs.train, 'examples_per_epoch', None),
       notices=notice, stragglers=stragglers.StragglerWatch(process_index, process_count, config.train.straggler_warn_fraction),
       idle_experts=expert_load.IdleExperts(config.log.get('idle_expert_steps', 0)), downstream=downstream,
-      sources=data.accounting(config.data, needs, inputs),
+      sources=data.accounting(config.data, needs, inputs), local=local,
       first_log={} if elastic_size is None else {'processes': elastic_size.processes,
                                                  'grad_accum_steps': elastic_size.grad_accum_steps})
   try:
@@ -219,6 +235,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
         break
       except guardrails.Rollback as rollback:
         latest, state = guard.roll_back(rollback, ckpt, sharding.with_shardings(abstract, shardings), train_iter)
+        local.discard_after(latest)
   except Exception as e:
     profiler.on_error(e)  # Out of memory: saves the device memory profile while the arrays are still alive.
     raise runtime_oom.explain(e, compiled_step, config.train, list(mesh.devices.flat)) or e  # OOM: one line, exit 2.
@@ -228,6 +245,7 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
     notice.close()
     t_close = time.perf_counter()
     try:
+      local.wait_until_finished()
       ckpt.close()  # Waits for an async save in flight: a finished run never leaves a half-written checkpoint.
     finally:
       preempt.close()  # After the final save: a signal during it is answered below, once the save is complete.
@@ -292,7 +310,7 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
     batch = next(train_iter)
     waited += time.perf_counter() - t0
     run.hang.phase('step')
-    faults.inject(run.fault, step, 'step')
+    faults.inject(run.fault, step, 'step', settle=run.local.wait_until_finished if run.local else lambda: None)
     with jax.profiler.StepTraceAnnotation('train', step_num=step):  # Step markers for the profile's step view.
       t_dispatch = time.perf_counter()
       state, metrics = run.compiled_step(state, batch)
@@ -322,6 +340,8 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
         guard.saved(step)
       elif preempted:
         preempted = 'unsaved'
+    if run.local is not None and run.local.due(step) and guard.may_save(step):
+      run.local.save(step, state, train_iter.get_state())  # Copied, then written in the background.
     t_eval = time.perf_counter()
     failed = evaluation.at_step(run, state, step, total, preempted, evals)  # A failure: one line, recorded.
     run.writer.goodput.record_side(eval_s=time.perf_counter() - t_eval, checkpoint_s=t_eval - t_side)

@@ -3,7 +3,8 @@
 LAUNCH_TEST_FAULT='KIND@STEP[,process=P][,attempt=A][,seconds=S]' acts at step STEP
 (and every later step for `slow`) on process P (default: every process), in attempt A
 (default: every attempt, which makes a crash loop):
-- kill: SIGKILL to itself (a host or process dying without a word);
+- kill: SIGKILL to itself (a host or process dying without a word), once the local checkpoint tier's write in flight
+  is done (so a test knows which step that tier holds);
 - lose: SIGKILL to its supervisor (its launch.py, when it has one), then to itself: a host lost for good, with
   nothing left on it to restart the training process;
 - crash: an exception in the step (a bug; exit 1 with its traceback);
@@ -53,8 +54,9 @@ def for_process(process_index: int) -> Fault | None:
   return fault
 
 
-def inject(fault: Fault | None, step: int, where: str) -> None:
-  """Called by the loop with where='data' (before the batch) and where='step' (before the step)."""
+def inject(fault: Fault | None, step: int, where: str, settle=lambda: None) -> None:
+  """Called by the loop with where='data' (before the batch) and where='step' (before the step); `settle` before a
+  kill."""
   if fault is None or step < fault.step:
     return
   if (fault.kind, where) == ('slow', 'step'):
@@ -66,6 +68,8 @@ def inject(fault: Fault | None, step: int, where: str) -> None:
   elif where == 'step':
     if fault.kind == 'lose' and attempt.supervised():
       os.kill(os.getppid(), signal.SIGKILL)
+    if fault.kind == 'kill':
+      settle()
     if fault.kind in ('kill', 'lose'):
       os.kill(os.getpid(), signal.SIGKILL)
     elif fault.kind == 'crash':

@@ -200,8 +200,9 @@ class Supervisor:
     record = {'attempt': n, 'start': round(started, 3), 'end': round(time.time(), 3), 'exit_code': returncode,
               'cause': cause, 'resumed_step': status.get('resumed_step'), 'last_step': status.get('last_step'),
               'steps_redone': status.get('steps_redone', 0), 'retried': retried}
-    if 'phase' in status:
-      record['phase'] = status['phase']
+    for key in ('phase', 'resumed_from', 'restore_s'):  # Where the run was restored from (a tier), and how fast.
+      if key in status:
+        record[key] = status[key]
     record.update({k: status[k] for k in _SIZE_FIELDS if k in status})
     if frozen:
       record['detail'] = frozen

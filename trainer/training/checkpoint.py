@@ -188,7 +188,7 @@ class Checkpointer:
   def save(self, step: int, state, data_iterator: grain.DatasetIterator, manifest: dict[str, Any],
            force: bool = False) -> bool:
     """Starts a save if `step` is due (or `force`); returns whether one started."""
-    state = _detach_on_cpu(state)
+    state = detach(state)
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_iterator.get_state()),
@@ -375,7 +375,7 @@ def _stop_for_storage(step: int, stall: storage.StorageStall) -> None:
   os._exit(stall.exit_code)
 
 
-def _detach_on_cpu(state):
+def detach(state):
   """On CPU, a copy of `state` for Orbax to write from, so the next (donating) step need not wait for the write.
 
   A CPU array is already host memory, and Orbax's async save reads it in place:
