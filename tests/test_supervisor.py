@@ -99,6 +99,9 @@ def test_a_killed_process_is_restarted_and_finishes_with_the_uninterrupted_losse
   assert (first['cause'], first['resumed_step'], first['retried']) == ('killed by SIGKILL', 0, True)
   assert (second['cause'], second['resumed_step'], second['exit_code']) == ('finished', 4, 0)
   assert second['steps_redone'] == 1  # Step 5 was logged (metrics come a step late), then redone.
+  # Where each attempt's state came from, and how long its restore took (issue 58: what each path saves).
+  assert (first['resumed_from'], second['resumed_from']) == ('start', 'persistent tier')
+  assert 0 <= second['restore_s'] < 60
   assert first['last_step'] == 5  # As logged: the record is written as each step is, not once a second.
   losses = _losses(workdir)
   assert sorted(losses) == list(range(1, STEPS + 1))
