@@ -75,24 +75,30 @@ def _last_line(text: str) -> str:
   return lines[-1][:300] if lines else ''
 
 
+def _launch(config: str, overrides: list[str], timeout_s: float, env: dict | None = None):
+  """One fresh launch.py in a temporary workdir, removed after (a llama_1b checkpoint is 11-17 GB): (its completed
+  process, its metrics.jsonl records, its seconds)."""
+  workdir = tempfile.mkdtemp(prefix='acceptance_launch_')
+  try:
+    started = time.perf_counter()
+    done = _run([sys.executable, str(REPO / 'launch.py'), f'--config={config}', f'--workdir={workdir}',
+                 '--max_restarts=0', *overrides], timeout_s, env)
+    metrics = pathlib.Path(workdir) / 'metrics.jsonl'
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
+  return done, records, round(time.perf_counter() - started, 1)
+
+
 def launches(count: int, config: str, overrides: list[str], log: Log, deadline: float,
              env: dict | None = None) -> dict:
   """`count` fresh launches of `config`; their exit codes, crashes and tokens/s."""
   runs = []
   for i in range(count):
-    workdir = tempfile.mkdtemp(prefix='acceptance_launch_')
-    try:
-      started = time.perf_counter()
-      done = _run([sys.executable, str(REPO / 'launch.py'), f'--config={config}', f'--workdir={workdir}',
-                   '--max_restarts=0', *overrides], deadline - time.monotonic(), env)
-      metrics = pathlib.Path(workdir) / 'metrics.jsonl'
-      rates = [json.loads(line).get('tokens_per_s') for line in metrics.read_text().splitlines()] if (
-          metrics.exists()) else []
-      rates = [r for r in rates if r]
-    finally:
-      shutil.rmtree(workdir, ignore_errors=True)
+    done, records, seconds = _launch(config, overrides, deadline - time.monotonic(), env)
+    rates = [r['tokens_per_s'] for r in records if r.get('tokens_per_s')]
     log.add(f'launch {i + 1}/{count}: {config} (exit {done.returncode})', done.stdout + done.stderr)
-    runs.append({'exit_code': done.returncode, 'seconds': round(time.perf_counter() - started, 1),
+    runs.append({'exit_code': done.returncode, 'seconds': seconds,
                  'tokens_per_s': rates[-1] if rates else None,
                  'failure': _last_line(done.stderr) if done.returncode else None})
   crashes = sum(1 for r in runs if r['exit_code'] != 0)
@@ -148,21 +154,13 @@ def quantization_rows(steps: int, log: Log, deadline: float, smoke: bool) -> lis
     if left < 30:
       results.append({'row': name, 'error': 'not run: the time budget was spent'})
       continue
-    workdir = tempfile.mkdtemp(prefix='acceptance_quantization_')
-    try:
-      started = time.perf_counter()
-      done = _run([sys.executable, str(REPO / 'launch.py'), f'--config={config}', f'--workdir={workdir}',
-                   '--max_restarts=0', *common,
-                   *([f'--config.train.quantization={precision}'] if precision else [])], left)
-      metrics = pathlib.Path(workdir) / 'metrics.jsonl'
-      records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    finally:
-      shutil.rmtree(workdir, ignore_errors=True)  # A llama_1b checkpoint is 11-17 GB: never left on the disk.
+    done, records, seconds = _launch(
+        config, [*common, *([f'--config.train.quantization={precision}'] if precision else [])], left)
     log.add(f'quantization {name} (exit {done.returncode})', done.stdout + done.stderr)
     windows = [r for r in records if 'tokens_per_s' in r][1:]
     evals = [r['eval_loss'] for r in records if 'eval_loss' in r]
     row = {'row': name, 'quantization': precision, 'exit_code': done.returncode,
-           'seconds': round(time.perf_counter() - started, 1),
+           'seconds': seconds,
            'tokens_per_s': sorted(r['tokens_per_s'] for r in windows)[len(windows) // 2] if windows else None,
            'mfu': windows[-1].get('mfu') if windows else None,
            'loss': windows[-1]['loss'] if windows else None, 'eval_loss': evals[-1] if evals else None,
