@@ -202,12 +202,12 @@ def _acquire_object(workdir) -> ObjectLock:
   key = os.fspath(storage.path(workdir) / LOCK_NAME)
   fs = storage.filesystem()
   content = json.dumps(dataclasses.asdict(_me())).encode()
-  for attempt in range(2):
+  for retry in range(2):  # Not `attempt`: that name is the supervision module this file imports.
     try:
       fs.pipe_file(key, content, mode='create')  # ifGenerationMatch=0: refused if the object exists.
       return ObjectLock(fs, key, content)
     except FileExistsError:
-      if attempt:
+      if retry:
         raise _in_use(workdir, None) from None
     try:
       fs.invalidate_cache(key)
