@@ -1,16 +1,18 @@
 """The local checkpoint tier in-process (trainer/training/local_tier.py): a bit-exact round trip, which step a
-restart takes when hosts are lost, and a local folder that cannot be written (one line, the run goes on).
+restart takes when hosts are lost, a local folder that cannot be written (one line, the run goes on), a damaged
+local copy (one line, the copy treated as missing), and the GPU/TPU path's copy to host before the next step.
 The two-process kill -9 runs are tests/test_local_tier_multiprocess.py."""
 
 import errno
 import logging as std_logging
 import os
+import shutil
 
 import jax
 import numpy as np
 import pytest
 
-from trainer.training import local_tier
+from trainer.training import local_files, local_tier
 
 
 def _state(scale=1.0):
@@ -79,12 +81,12 @@ def test_a_full_ram_disk_is_one_line_the_tier_stops_and_earlier_steps_stay(tmp_p
   tier = local_tier.LocalTier(str(tmp_path), 2, '/w', 0, 1)
   tier.save(2, _state(), {'position': 2})
   tier.wait_until_finished()
-  real = local_tier._write_npz
+  real = local_files.write_npz
 
   def full(path, arrays):
     real(path, arrays)
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-  monkeypatch.setattr(local_tier, '_write_npz', full)
+  monkeypatch.setattr(local_files, 'write_npz', full)
   tier.save(4, _state(), {'position': 4})
   tier.save(6, _state(), {'position': 6})  # Waits for 4's write, which failed: said once, then off.
   tier.wait_until_finished()
@@ -94,28 +96,22 @@ def test_a_full_ram_disk_is_one_line_the_tier_stops_and_earlier_steps_stay(tmp_p
   assert not tier.enabled and tier.steps() == [2] and sorted(p.name for p in tier.folder.iterdir()) == ['2']
 
 
-def _held(monkeypatch, tier_count, held):
-  """Makes `newest` see what each process says it holds: {process: (own steps, peer-copy steps)}."""
-  rows = np.full((tier_count, 2, local_tier._SLOTS), -1, np.int64)
-  for p, (own, peer) in held.items():
-    rows[p, 0, :len(own)], rows[p, 1, :len(peer)] = own, peer
-  monkeypatch.setattr(local_tier.multihost_utils, 'process_allgather', lambda _: rows)
-
-
-def test_a_lost_host_is_restored_from_its_peer_and_one_whose_peer_is_lost_too_from_the_persistent_tier(
-    tmp_path, monkeypatch):
-  tier = local_tier.LocalTier(str(tmp_path), 2, '/w', 0, 1)
-  tier._count = 3  # The decision only: what three processes would say.
-  _held(monkeypatch, 3, {0: ([36, 34], [36, 34]), 1: ([], []), 2: ([36, 34], [36])})  # Process 1's host is new.
-  assert tier.newest(_abstract(_state()), newer_than=0) == (local_tier.Found(36, (1,)), '')
-  _held(monkeypatch, 3, {0: ([36, 34], []), 1: ([], []), 2: ([36, 34], [36])})  # Process 0 lost its copy of 1's.
-  found, why = tier.newest(_abstract(_state()), newer_than=0)
+def test_a_lost_host_is_restored_from_its_peer_and_one_whose_peer_is_lost_too_from_the_persistent_tier():
+  def choose(own_of, copy_of, newer_than=0, unusable=False):  # {process: steps}, as the all-gather leaves them.
+    return local_tier.complete_step([set(own_of[p]) for p in range(3)],
+                                    [set(copy_of[(p - 1) % 3]) for p in range(3)], newer_than, unusable)
+  # Process 1's host is new: its shards of 36 come from process 0's copy.
+  assert choose({0: [36, 34], 1: [], 2: [36, 34]}, {0: [36, 34], 1: [], 2: [36]}) == (local_tier.Found(36, (1,)), '')
+  found, why = choose({0: [36, 34], 1: [], 2: [36, 34]}, {0: [], 1: [], 2: [36]})  # Process 0 lost its copy too.
   assert found is None and why == ("the local tier holds no complete step (its newest, 36, lacks the shards of "
                                    "process(es) [1]: neither their own folder nor their peer's copy on process(es) "
                                    "[0] has them; both hosts lost)")
-  _held(monkeypatch, 3, {0: ([36, 34], [36, 34]), 1: ([34], [34]), 2: ([36, 34], [36, 34])})  # 1 died writing 36.
-  assert tier.newest(_abstract(_state()), newer_than=0) == (local_tier.Found(36, (1,)), '')
-  assert tier.newest(_abstract(_state()), newer_than=50)[0] is None  # The persistent tier's 50 is newer.
+  assert choose({0: [36], 1: [], 2: [36]}, {0: [], 1: [], 2: []}, unusable=True)[1].endswith('; lost or unusable)')
+  everything = {0: [36, 34], 1: [34], 2: [36, 34]}, {0: [36, 34], 1: [34], 2: [36, 34]}  # 1 died writing 36.
+  assert choose(*everything) == (local_tier.Found(36, (1,)), '')
+  assert choose(*everything, newer_than=50)[0] is None  # The persistent tier's 50 is newer.
+  assert choose({0: [], 1: [], 2: []}, {0: [], 1: [], 2: []}, unusable=True) == (
+      None, 'the local tier holds no usable step')
 
 
 def test_start_over_moves_the_local_steps_aside_and_keeps_them(tmp_path):
@@ -125,3 +121,104 @@ def test_start_over_moves_the_local_steps_aside_and_keeps_them(tmp_path):
   tier.set_aside()
   [kept] = [p for p in tier.folder.parent.iterdir() if '.previous_run_' in p.name]
   assert (kept / '2' / 'own.npz').is_file() and tier.steps() == [] and tier.folder.is_dir()
+
+
+@pytest.fixture(scope='module')
+def saved(tmp_path_factory):
+  """A local dir holding steps 4 and 6 of one process, each with the state `_state(step)`, copied by each test."""
+  root = tmp_path_factory.mktemp('saved')
+  tier = local_tier.LocalTier(str(root / 'shm'), 2, '/w', 0, 1)
+  for step in (4, 6):
+    tier.save(step, _state(step), {'position': step})
+  tier.wait_until_finished()
+  return root / 'shm', tier.folder.relative_to(root / 'shm')
+
+
+def _flip_a_data_byte(path):
+  data = bytearray(path.read_bytes())
+  at = data.find(np.float32(6 * 17).tobytes())  # A value of w (step 6) inside its stored bytes: only the CRC sees it.
+  assert at > 0
+  data[at] ^= 0x40
+  path.write_bytes(bytes(data))
+
+
+def _wrong_shape(path):
+  with np.load(path) as files:
+    blocks = dict(files)
+  name = next(k for k in blocks if k.startswith('2|'))  # A block of w (leaves in key order: b, step, w).
+  blocks[name] = np.zeros((1, *blocks[name].shape[1:]), blocks[name].dtype)
+  os.unlink(path)
+  np.savez(path, **blocks)
+
+
+def _link_to_a_copy(path):
+  """Replaces `path` with a link to an intact copy of it elsewhere: were it followed, step 6 would restore."""
+  target = path.parent.parent.parent / f'elsewhere-{path.name}'
+  (shutil.copytree if path.is_dir() else shutil.copy)(path, target)
+  (shutil.rmtree if path.is_dir() else os.unlink)(path)
+  path.symlink_to(target)
+  return target
+
+
+DAMAGE = {
+    'own.npz a link': ('own.npz', _link_to_a_copy, 'a symbolic link (to '),
+    'own.npz a fifo': ('own.npz', lambda p: os.unlink(p) or os.mkfifo(p), 'a special file'),
+    'own.npz truncated': ('own.npz', lambda p: os.truncate(p, p.stat().st_size // 2), 'truncated or corrupt: '),
+    'own.npz a flipped byte': ('own.npz', _flip_a_data_byte, 'truncated or corrupt: Bad CRC-32'),
+    'own.npz a block of another shape': ('own.npz', _wrong_shape, 'block 2|0:4,0:2 is float32[1, 2], not float32[4, 2]'),
+    'the step folder a link': ('', _link_to_a_copy, 'a symbolic link (to '),
+    'meta.json a link': ('meta.json', _link_to_a_copy, 'its meta.json is a symbolic link (to '),
+}
+
+
+@pytest.mark.parametrize('damage', list(DAMAGE))
+def test_a_damaged_local_copy_is_one_line_treated_as_missing_and_the_step_before_restores(
+    damage, saved, tmp_path, warnings):
+  shm, folder = saved
+  shutil.copytree(shm, tmp_path / 'shm')
+  name, spoil, why = DAMAGE[damage]
+  path = tmp_path / 'shm' / folder / '6' / name if name else tmp_path / 'shm' / folder / '6'
+  target = spoil(path)
+  kept = target and sorted((p.relative_to(target), p.read_bytes()) for p in [target, *target.rglob('*')]
+                           if p.is_file())
+  tier = local_tier.LocalTier(str(tmp_path / 'shm'), 2, '/w', 0, 1)
+  found, not_local = tier.newest(_abstract(_state()), newer_than=0)
+  assert (found, not_local) == (local_tier.Found(4, ()), '')  # Step 6 treated as missing: never read through.
+  [line] = warnings()
+  assert line.startswith(f'{path if name != "meta.json" else path.parent} cannot be used ({why}') and line.endswith(
+      "the local tier treats this process's step 6 as missing (never reading through a link) and falls back to its "
+      "peer's copy of it if intact, else to an older step or the persistent tier."), line
+  state, data_state = tier.restore(found, _abstract(_state()))
+  assert data_state == {'position': 4}
+  for key, value in _state(4).items():
+    np.testing.assert_array_equal(np.asarray(state[key]), np.asarray(value))
+  tier.discard_after(4)  # The run goes on from 4: the damaged 6 goes (a link only unlinked), never its target.
+  assert tier.steps() == [4] and not os.path.lexists(tmp_path / 'shm' / folder / '6')
+  if target:
+    assert sorted((p.relative_to(target), p.read_bytes()) for p in [target, *target.rglob('*')] if p.is_file()) == kept
+
+
+def test_a_local_tier_whose_every_step_is_damaged_falls_back_to_the_persistent_tier(saved, tmp_path, warnings):
+  shm, folder = saved
+  shutil.copytree(shm, tmp_path / 'shm')
+  for step in (4, 6):
+    os.truncate(tmp_path / 'shm' / folder / str(step) / 'own.npz', 100)
+  tier = local_tier.LocalTier(str(tmp_path / 'shm'), 2, '/w', 0, 1)
+  assert tier.newest(_abstract(_state()), newer_than=0) == (None, 'the local tier holds no usable step')
+  assert [line.split(' cannot be used')[0] for line in warnings()] == [
+      str(tmp_path / 'shm' / folder / str(step) / 'own.npz') for step in (6, 4)]
+
+
+def test_off_the_host_the_save_copies_to_host_before_the_next_step_may_donate_the_buffers(tmp_path):
+  tier = local_tier.LocalTier(str(tmp_path), 2, '/w', 0, 1)
+  tier.host_resident = False  # As on a GPU or TPU: no device-side copy, the copy to host is made in save().
+  state = _state(2)
+  tier.save(2, state, {'position': 2})
+  for leaf in state.values():
+    leaf.delete()  # What the next step's donation does to these buffers: the write must not need them.
+  tier.wait_until_finished()
+  assert tier.enabled and tier.steps() == [2]
+  found, _ = tier.newest(_abstract(_state()), newer_than=0)
+  restored, _ = tier.restore(found, _abstract(_state()))
+  for key, value in _state(2).items():
+    np.testing.assert_array_equal(np.asarray(restored[key]), np.asarray(value))

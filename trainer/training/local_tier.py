@@ -3,14 +3,17 @@ with a copy of its peer's, so a lost host costs a few steps, not every step sinc
 
 Layout: LOCAL_DIR/jax-launch-<hash of the workdir>/process-<i>-of-<n>/<step>/{own.npz, peer.npz, meta.json}.
 `own.npz` holds the distinct shards this process's devices hold of every leaf of the train state; `peer.npz` those
-of process (i+1) % n, moved here by one device_put onto the mesh with each process's devices swapped for the
-previous process's (the interconnect carries it, as the step's collectives do: no file system is shared);
+of process (i+1) % n, moved here by one collective-permute over the training mesh (trainer/training/peer_copy.py:
+the interconnect carries it, as the step's collectives do; no file system is shared);
 `meta.json` the data position and a fingerprint of the layout. A step folder is written under a temporary name and
 renamed once whole, so a process killed mid-write leaves no step behind.
 
 On a restart every process says which steps it holds (its own and its peer's); the newest step for which every
 process's shards are somewhere (its own folder, or the previous process's peer copy) is restored, a lost host's
 shards sent back from its peer, if it is newer than the persistent tier's newest (trainer/training/checkpoint.py).
+The files that step needs are read then, checked (trainer/training/local_files.py): a copy that fails (a link or
+special file in its place, a truncated or corrupt file, a block of another shape, a step folder that is a link) is
+one line and treated as missing, and the choice is made again without it, so every process still agrees.
 
 Never fatal: a local folder that cannot be written (full, not a folder, a planted link) is one line and the run goes
 on with the persistent tier alone; a local tier that cannot give a complete step is one line and the persistent tier
@@ -24,7 +27,6 @@ import json
 import os
 import pathlib
 import shutil
-import stat
 import threading
 import time
 from typing import Any
@@ -36,7 +38,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from trainer.base import confined
-from trainer.training import peer_copy
+from trainer.training import local_files, peer_copy
 
 _KEEP = 2  # Newest complete steps kept per process: the one being written may fail, the one before stays.
 _SLOTS = 8  # Steps each process reports on a restart (more than _KEEP: a tmp folder never counts).
@@ -61,15 +63,23 @@ class LocalTier:
     self._sender = None  # The compiled send of every shard to the previous process, built at the first save.
     self._layouts = None  # (own, peer) fingerprints: the mesh is fixed for the run.
     self._copier = None  # The compiled copy of the state, built at the first save.
+    # Whether the state's buffers are host memory (CPU): then a compiled copy takes it off the buffers the next step
+    # donates and the host arrays are made in the background; elsewhere the copy to host is that copy. Tests set it
+    # False to take the GPU/TPU path on CPU.
+    self.host_resident = jax.default_backend() == 'cpu'
+    self._metas: dict[int, dict[str, Any]] = {}  # Of the steps this process offered at the last newest().
+    self._files: dict[pathlib.Path, dict[str, np.ndarray] | None] = {}  # Shard files read there (None: unusable).
+    self._chosen: tuple[int, dict | None, dict | None] | None = None  # (step, own, copy) read for restore().
+    self._read_s = 0.0
     self.folder = None
     if not self.every_steps:
       return
     run = hashlib.sha256(os.path.abspath(str(workdir)).encode()).hexdigest()[:12]
     self.folder = pathlib.Path(local_dir) / f'jax-launch-{run}' / f'process-{process_index}-of-{process_count}'
     try:
-      _make_folder(pathlib.Path(local_dir), self.folder)
+      local_files.make_folder(pathlib.Path(local_dir), self.folder)
     except (OSError, confined.Planted) as e:
-      self._give_up(f'ckpt.local_dir={local_dir!r} cannot be written ({_why(e)})')
+      self._give_up(f'ckpt.local_dir={local_dir!r} cannot be written ({local_files.why(e)})')
 
   @property
   def enabled(self) -> bool:
@@ -90,7 +100,7 @@ class LocalTier:
       self._layouts = layout(state), _peer_layout(state) if self._count > 1 else None
     # Where this process holds the same shards as the next (data parallelism across hosts), its own are the copy.
     peer_in_own = self._layouts[0] == self._layouts[1]
-    cpu = jax.default_backend() == 'cpu'
+    cpu = self.host_resident
     own = self._copy(state) if cpu else state  # Elsewhere the copy to host below is the copy (no device memory).
     peer = None
     if self._count > 1 and not peer_in_own:
@@ -117,7 +127,7 @@ class LocalTier:
       self._thread = None
     if self._error is not None:
       error, self._error = self._error, None
-      self._give_up(f'the local tier in {self.folder} could not be written ({_why(error)})')
+      self._give_up(f'the local tier in {self.folder} could not be written ({local_files.why(error)})')
 
   def _copy(self, state):
     """A copy of `state` the next (donating) step cannot touch: one compiled copy of every leaf, dispatched without
@@ -132,15 +142,17 @@ class LocalTier:
     try:
       shutil.rmtree(temporary, ignore_errors=True)  # Ours: a write this process started and never finished.
       os.mkdir(temporary, 0o700)
-      _write_npz(temporary / 'own.npz', own() if callable(own) else own)
+      local_files.write_npz(temporary / 'own.npz', own() if callable(own) else own)
       if peer is not None:
-        _write_npz(temporary / 'peer.npz', peer())
-      _write_file(temporary / 'meta.json', json.dumps(meta).encode())
-      confined.check_folder(self.folder / str(step))
+        local_files.write_npz(temporary / 'peer.npz', peer())
+      local_files.write_file(temporary / 'meta.json', json.dumps(meta).encode())
+      confined.check_folder(self.folder / str(step))  # A link planted there during the run: refused, the tier off.
       shutil.rmtree(self.folder / str(step), ignore_errors=True)  # This run's own older copy of the step.
       os.rename(temporary, self.folder / str(step))
-      for old in self.steps()[:-_KEEP]:
-        shutil.rmtree(self.folder / str(old), ignore_errors=True)
+      kept = self.steps()[-_KEEP:]
+      for old, path in local_files.entries(self.folder):
+        if old < kept[0]:
+          local_files.remove(path)  # An older step, or an unusable entry a restart found: a link only unlinked.
     except BaseException as e:  # pylint: disable=broad-except  (reported by the loop's thread, once)
       shutil.rmtree(temporary, ignore_errors=True)  # Frees the RAM disk; never a finished step.
       self._error = e
@@ -152,78 +164,162 @@ class LocalTier:
     self.every_steps = 0
 
   def steps(self) -> list[int]:
-    """Complete steps in this process's folder, oldest first."""
-    if self.folder is None or not self.folder.is_dir():
-      return []
-    return sorted(int(p.name) for p in self.folder.iterdir() if p.name.isdigit() and (p / 'meta.json').is_file())
+    """Complete steps in this process's folder, oldest first: real folders with their meta.json."""
+    return [step for step, path in local_files.entries(self.folder)
+            if local_files.is_folder(path) and local_files.is_file(path / 'meta.json')]
 
   def discard_after(self, step: int) -> None:
     """Drops this process's local steps after `step`, the one the run goes on from: they belong to a timeline that
     is trained again, and a restart must never join one process's old step with another's new one."""
-    for newer in self.steps():
+    for newer, path in local_files.entries(self.folder):
       if newer > step:
-        shutil.rmtree(self.folder / str(newer), ignore_errors=True)
+        local_files.remove(path)  # An unusable entry too: a link is unlinked, what it points at left alone.
 
   def set_aside(self) -> None:
     """--start_over: this run's local steps go to a `previous_run_<UTC time>` folder beside it (never deleted)."""
     if self.folder is not None and self.steps():
       os.rename(self.folder, self.folder.with_name(f'{self.folder.name}.previous_run_'
                                                    f'{time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())}'))
-      _make_folder(self.folder.parent, self.folder)
+      local_files.make_folder(self.folder.parent, self.folder)
 
   def newest(self, abstract_with_shardings, newer_than: int) -> tuple[Found | None, str]:
-    """The newest step complete across processes if newer than `newer_than`, and why, in words. Every process must
-    call it (one small all-gather), with the tier on or off."""
+    """The newest step complete across processes if newer than `newer_than`, and why, in words; the files this
+    process gives to it are read and checked now, kept for `restore`. Every process must call it (small
+    all-gathers: one of the steps held, one more for each round that finds a file unusable), with the tier on or
+    off."""
+    self._chosen, self._read_s = None, 0.0
     if not self.configured:
       return None, ''
     if not peer_copy.named(abstract_with_shardings, self._count):
       return None, 'the local tier is not read under parallel.strategy=\'pmap\' across processes'
+    own, peer, unusable = self._offer(abstract_with_shardings)
+    held = np.full((2, _SLOTS + 1), -1, np.int64)
+    held[0, :len(own[:_SLOTS])], held[1, :len(peer[:_SLOTS])] = own[:_SLOTS], peer[:_SLOTS]
+    held[:, _SLOTS] = unusable
+    every = np.asarray(multihost_utils.process_allgather(held)).reshape(self._count, 2, _SLOTS + 1)
+    own_of = [set(every[p, 0, :_SLOTS]) - {-1} for p in range(self._count)]
+    copy_of = [set(every[(p - 1) % self._count, 1, :_SLOTS]) - {-1} for p in range(self._count)]  # The previous's.
+    unusable_anywhere = bool(every[:, 0, _SLOTS].any())
+    try:
+      while True:  # Each round drops at least one claim, so it ends.
+        found, why = complete_step(own_of, copy_of, newer_than, unusable_anywhere)
+        if found is None:
+          self._chosen = None
+          return None, why
+        bad = np.asarray(multihost_utils.process_allgather(np.array(self._read(found, abstract_with_shardings),
+                                                                    np.int64))).reshape(self._count, 2)
+        if not bad.any():
+          return found, ''
+        unusable_anywhere = True
+        for p in range(self._count):
+          own_of[p] -= {found.step} if bad[p, 0] else set()
+          copy_of[(p + 1) % self._count] -= {found.step} if bad[p, 1] else set()
+    finally:
+      self._files = {}  # What the chosen step needs is in self._chosen.
+
+  def _offer(self, abstract_with_shardings) -> tuple[list[int], list[int], int]:
+    """(steps whose own shards this process offers, steps whose copy of the next process's it offers, newest first;
+    how many step entries are unusable). Steps of another layout (mesh, process count) are not this run's."""
     expected = layout(abstract_with_shardings), _peer_layout(abstract_with_shardings) if self._count > 1 else None
-    own, peer = [], []
-    for step in self.steps()[::-1]:
-      meta = _read_meta(self.folder / str(step))
-      if meta and meta['layout'] == expected[0]:
+    own, peer, unusable = [], [], 0
+    self._metas = {}
+    for step, path in local_files.entries(self.folder)[::-1]:
+      try:
+        meta = local_files.read_meta(path, step)
+      except local_files.Unusable as e:
+        self._unusable(path, str(e), step, self._index)
+        unusable += 1
+        continue
+      if meta['layout'] == expected[0]:
+        self._metas[step] = meta
         own.append(step)
         if self._count > 1 and meta['peer_layout'] == expected[1]:
           peer.append(step)
-    held = np.full((2, _SLOTS), -1, np.int64)
-    held[0, :len(own[:_SLOTS])], held[1, :len(peer[:_SLOTS])] = own[:_SLOTS], peer[:_SLOTS]
-    every = np.asarray(multihost_utils.process_allgather(held)).reshape(self._count, 2, _SLOTS)
-    own_of = [set(every[p, 0]) - {-1} for p in range(self._count)]
-    copy_of = [set(every[(p - 1) % self._count, 1]) - {-1} for p in range(self._count)]  # Held by the previous one.
-    candidates = sorted(set().union(*own_of, *copy_of), reverse=True)
-    complete = [s for s in candidates if all(s in own_of[p] or s in copy_of[p] for p in range(self._count))]
-    if not complete:
-      if not candidates:
-        return None, 'the local tier holds no step'
-      missing = [p for p in range(self._count) if candidates[0] not in own_of[p] | copy_of[p]]
-      return None, (f'the local tier holds no complete step (its newest, {candidates[0]}, lacks the shards of '
-                    f'process(es) {missing}: neither their own folder nor their peer\'s copy on process(es) '
-                    f'{[(p - 1) % self._count for p in missing]} has them; both hosts lost)')
-    step = int(complete[0])
-    if step <= newer_than:
-      return None, f'the local tier\'s newest complete step, {step}, is not newer'
-    return Found(step, tuple(p for p in range(self._count) if step not in own_of[p])), ''
+    return own, peer, unusable
+
+  def _read(self, found: Found, abstract_with_shardings) -> tuple[bool, bool]:
+    """Reads the files this process gives to `found` (its own shards, its copy of the next process's); (own
+    unusable, copy unusable)."""
+    start, step = time.perf_counter(), found.step
+    folder, following = self.folder / str(step), (self._index + 1) % self._count
+    needs_own, needs_copy = self._index not in found.from_peer, self._count > 1 and following in found.from_peer
+    in_own = step in self._metas and self._metas[step]['peer_in_own']  # Its own file is its copy too.
+    own = copy = None
+    read_own = needs_own or (needs_copy and in_own)
+    if read_own:
+      own = self._shards(folder / 'own.npz', local_files.expected_blocks(abstract_with_shardings), step, self._index)
+    if needs_copy:
+      copy = own if in_own else self._shards(folder / 'peer.npz', local_files.expected_blocks(_shifted(
+          abstract_with_shardings)), step, following)
+    self._chosen = step, own, copy
+    self._read_s += time.perf_counter() - start
+    # Only what this round read is said to fail, so each round drops a claim it relied on (and the loop ends).
+    own_bad = read_own and own is None
+    return own_bad, (needs_copy and copy is None) or (own_bad and in_own)
+
+  def _shards(self, path: pathlib.Path, expected, step: int, of: int) -> dict[str, np.ndarray] | None:
+    """The checked blocks of `path`, read once per newest(); None (and one line) when unusable."""
+    if path not in self._files:
+      try:
+        self._files[path] = local_files.read_shards(path, expected)
+      except local_files.Unusable as e:
+        self._unusable(path, str(e), step, of)
+        self._files[path] = None
+    return self._files[path]
+
+  def _unusable(self, path: pathlib.Path, why: str, step: int, of: int) -> None:
+    then = ('its peer\'s copy of it if intact, else to an older step or the persistent tier' if of == self._index
+            else 'an older step or the persistent tier')
+    logging.warning('%s cannot be used (%s): the local tier treats %s step %d as missing (never reading through a '
+                    'link) and falls back to %s.', path, why,
+                    'this process\'s' if of == self._index else f'its copy of process {of}\'s', step, then)
+
+  @property
+  def read_s(self) -> float:
+    """Seconds the last newest() spent reading and checking shard files."""
+    return self._read_s
 
   def restore(self, found: Found, abstract_with_shardings) -> tuple[Any, dict[str, Any]]:
-    """(state, data position) of `found.step`, straight into the given shardings. Every process must call it."""
-    folder = self.folder / str(found.step)
+    """(state, data position) of `found.step` (as `newest` returned it, with what it read), straight into the given
+    shardings. Every process must call it."""
+    step, own, copy = self._chosen
+    assert step == found.step, (step, found)
+    self._chosen = None  # Its host arrays are freed once on the devices.
     mine = self._index not in found.from_peer
-    own = _read_npz(folder / 'own.npz') if mine else {}
     if found.from_peer:  # Every process takes part in the one transfer back, holding the copy or not.
-      needed = (self._index + 1) % self._count in found.from_peer
-      copy = _read_npz(folder / ('own.npz' if _read_meta(folder)['peer_in_own'] else 'peer.npz')) if needed else {}
-      returned = peer_copy.sent_back(abstract_with_shardings, copy)
+      returned = peer_copy.sent_back(abstract_with_shardings, copy or {})
       data_state = self._data_state_from_peer(found)  # Every process takes part in this one too.
       if not mine:
         return returned, data_state
-    return _arrays(abstract_with_shardings, own, complete=True), _read_meta(folder)['data']
+    return _arrays(abstract_with_shardings, own), self._metas[step]['data']
 
   def _data_state_from_peer(self, found: Found) -> dict[str, Any]:
     """The data position, the same on every process: process 0's (or the next with its own folder) is sent."""
     holder = min(p for p in range(self._count) if p not in found.from_peer)
-    text = json.dumps(_read_meta(self.folder / str(found.step))['data']) if self._index == holder else ''
+    text = json.dumps(self._metas[found.step]['data']) if self._index == holder else ''
     return json.loads(_broadcast_text(text, holder))
+
+
+def complete_step(own_of: list[set[int]], copy_of: list[set[int]], newer_than: int,
+                  unusable: bool = False) -> tuple[Found | None, str]:
+  """The choice `newest` makes, the same on every process: the newest step for which every process p's shards are
+  somewhere (`own_of[p]`: the steps it holds its own of; `copy_of[p]`: those the previous process holds a copy of),
+  if newer than `newer_than`; else None and why. `unusable`: some process found a file it could not use."""
+  count = len(own_of)
+  candidates = sorted(set().union(*own_of, *copy_of), reverse=True)
+  complete = [s for s in candidates if all(s in own_of[p] or s in copy_of[p] for p in range(count))]
+  if not complete:
+    if not candidates:
+      return None, 'the local tier holds no usable step' if unusable else 'the local tier holds no step'
+    missing = [p for p in range(count) if candidates[0] not in own_of[p] | copy_of[p]]
+    return None, (f'the local tier holds no complete step (its newest, {candidates[0]}, lacks the shards of '
+                  f'process(es) {missing}: neither their own folder nor their peer\'s copy on process(es) '
+                  f'{[(p - 1) % count for p in missing]} has them; '
+                  f'{"lost or unusable" if unusable else "both hosts lost"})')
+  step = int(complete[0])
+  if step <= newer_than:
+    return None, f'the local tier\'s newest complete step, {step}, is not newer'
+  return Found(step, tuple(p for p in range(count) if step not in own_of[p])), ''
 
 
 def _broadcast_text(text: str, source: int) -> str:
@@ -233,49 +329,6 @@ def _broadcast_text(text: str, source: int) -> str:
   padded[:data.size] = data
   every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, length)
   return bytes(every[source]).rstrip(b'\0').decode()
-
-
-def _make_folder(root: pathlib.Path, folder: pathlib.Path) -> None:
-  """Makes `folder` (and its run folder) under `root`, 0700, refusing a link or a file planted at either."""
-  if root.exists() and not root.is_dir():
-    raise NotADirectoryError(f'{root} is not a folder')
-  root.mkdir(parents=True, exist_ok=True)  # A local SSD's folder may be new; a RAM disk's mount point is there.
-  for path in (folder.parent, folder):
-    confined.check_folder(path)
-    try:
-      os.mkdir(path, 0o700)
-    except FileExistsError:
-      confined.check_folder(path)  # Made between the check and here: still never a link.
-  probe = folder / f'.probe-{os.getpid()}'
-  _write_file(probe, b'0')
-  probe.unlink()
-
-
-def _write_file(path: pathlib.Path, data: bytes) -> None:
-  fd = confined.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # A new file, never through a link.
-  with os.fdopen(fd, 'wb') as f:
-    f.write(data)
-
-
-def _write_npz(path: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:
-  fd = confined.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-  with os.fdopen(fd, 'wb') as f:
-    np.savez(f, **arrays)
-
-
-def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
-  """A step's shards: a link or a non-regular file in its place is refused (O_NOFOLLOW), never unpickled."""
-  with os.fdopen(confined.open_fd(path, os.O_RDONLY), 'rb') as f, np.load(f, allow_pickle=False) as files:
-    return dict(files)
-
-
-def _read_meta(folder: pathlib.Path) -> dict[str, Any] | None:
-  try:
-    if stat.S_ISREG(os.lstat(folder / 'meta.json').st_mode):
-      return json.loads((folder / 'meta.json').read_text())
-  except (OSError, ValueError):
-    pass
-  return None
 
 
 def _shards(state) -> dict[str, np.ndarray]:
@@ -314,44 +367,33 @@ def layout(state) -> str:
 
 
 def _peer_layout(state) -> str:
-  """The fingerprint of what this process holds of the next process's shards (`layout` on the shifted mesh)."""
-  return layout(jax.tree.map(
-      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=peer_copy.shifted(leaf.sharding)), state))
+  """The fingerprint of what this process holds of the next process's shards."""
+  return layout(_shifted(state))
 
 
-def _arrays(abstract_with_shardings, shards: dict[str, np.ndarray], complete: bool = False):
-  """Global arrays on the given shardings from this process's `shards` (zeros where it has none, unless
-  `complete`)."""
+def _shifted(state):
+  """`state`'s leaves on the shifted mesh: what they hold here is what the next process holds of `state`."""
+  return jax.tree.map(
+      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=peer_copy.shifted(leaf.sharding)), state)
+
+
+def _arrays(abstract_with_shardings, shards: dict[str, np.ndarray]):
+  """Global arrays on the given shardings from this process's `shards` (every block there: checked as read)."""
   leaves, tree = jax.tree.flatten(abstract_with_shardings)
-  out = []
-  for i, leaf in enumerate(leaves):
-    target = leaf.sharding
-
-    def piece(index, i=i, leaf=leaf):
-      found = shards.get(peer_copy.key(i, index, leaf.shape))
-      if found is not None:
-        return found.view(leaf.dtype)  # np.savez keeps bfloat16 as raw 2-byte values.
-      if complete:
-        raise KeyError(f'shard {peer_copy.key(i, index, leaf.shape)} missing from the local tier\'s step')
-      return np.zeros([len(range(*s.indices(d))) for s, d in zip(index, leaf.shape)], leaf.dtype)
-    out.append(jax.make_array_from_callback(leaf.shape, target, piece))
-  return jax.tree.unflatten(tree, out)
-
-
-def _why(error: BaseException) -> str:
-  if isinstance(error, OSError) and error.strerror:
-    return f'{error.strerror}: {error.filename}' if error.filename else error.strerror
-  return ' '.join(str(error).split())[:200] or type(error).__name__
+  return jax.tree.unflatten(tree, [jax.make_array_from_callback(
+      leaf.shape, leaf.sharding,
+      lambda index, i=i, leaf=leaf: shards[peer_copy.key(i, index, leaf.shape)].view(leaf.dtype))  # bf16 kept as V2.
+                                   for i, leaf in enumerate(leaves)])
 
 
 def restore_into(tier: LocalTier, found: Found, abstract_with_shardings, data_iterator,
                  persistent_step: int | None) -> Any:
   """Restores `found` (state returned, data position set) and says in one line which tier and why."""
-  start = time.perf_counter()
+  start = time.perf_counter() - tier.read_s  # Its files were read as the step was chosen.
   state, data_state = tier.restore(found, abstract_with_shardings)
   data_iterator.set_state(data_state)
-  source = (f'process(es) {list(found.from_peer)} from their peer\'s copy (their own folder lacks it), the others '
-            f'from their own' if found.from_peer else 'every process from its own folder')
+  source = (f'process(es) {list(found.from_peer)} from their peer\'s copy (their own copy is missing or unusable), '
+            'the others from their own' if found.from_peer else 'every process from its own folder')
   logging.info('Resuming from the local tier at step %d (%s; newer than the persistent tier\'s %s) in %.1fs: %s.',
                found.step, tier.folder.parent, 'none' if persistent_step is None else f'step {persistent_step}',
                time.perf_counter() - start, source)
