@@ -1,12 +1,11 @@
-"""The local checkpoint tier across a lost host (issue 58): scripts/launch_local.py, 2 processes x 2 CPU devices,
+"""The local checkpoint tier across a lost host (issue 58): scripts/launch_local.py, 2 processes x 4 CPU devices,
 float32, ckpt.local_every_steps=12, ckpt.every_steps=50. Process 1 is killed (-9) at step 37; the relaunch resumes
 at step 36 from the local tier with an uninterrupted run's losses to the bit; with process 1's own copy of step 36
 unusable (a link planted in its place, never read through) the same from process 0's copy of its shards; with
 process 1's folder gone (its host replaced) and process 0's copies of its shards unusable too (one truncated, one a
 link), one line and the persistent tier (nothing there yet: step 0), which trains 1-38 uninterrupted: the
 reference the resumed runs' losses are compared with. One killed run serves all three relaunches: its workdir and
-local folders are kept aside and put back before each. Two devices a process, not four: each still holds several
-blocks and replicas of its own (what the tier dedupes and the peer copy pairs), at 0.26 s of CPU a step, not 0.72.
+local folders are kept aside and put back before each.
 """
 
 import pathlib
@@ -24,11 +23,11 @@ LOCAL_EVERY = 12  # Saves at 12, 24 and 36 (24 and 36 kept): the kill at 37 resu
 
 def _launch(workdir: pathlib.Path, local: pathlib.Path, text_dir: pathlib.Path, **env: str):
   return run_python([sys.executable, str(REPO / 'scripts' / 'launch_local.py'), '--num_processes=2',
-                     '--devices_per_process=2', '--timeout_s=500', '--config=configs/tiny.py', f'--workdir={workdir}',
+                     '--devices_per_process=4', '--timeout_s=500', '--config=configs/tiny.py', f'--workdir={workdir}',
                      f'--config.train.steps={STEPS}', '--config.train.compute_dtype=float32',
                      f'--config.ckpt.local_dir={local}', f'--config.ckpt.local_every_steps={LOCAL_EVERY}',
                      '--config.ckpt.every_steps=50', '--config.log.every_steps=1',
-                     '--config.mesh.data=1', '--config.mesh.fsdp=4',  # Each process holds its own shards: a real copy.
+                     '--config.mesh.data=1', '--config.mesh.fsdp=8',  # Each process holds its own shards: a real copy.
                      f'--config.data.text_dir={text_dir}'], env=launcher_env(**env), timeout=600)
 
 
