@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from trainer.models import grouped_matmul
+from trainer.models import grouped_matmul, row_permute
 
 
 def capacity_of(factor: float, num_tokens: int, experts_per_token: int, num_experts: int) -> int:
@@ -25,6 +25,11 @@ def route(x_TD, router_DE, k: int):
   probs_TE = jax.nn.softmax(logits_TE, axis=-1)
   weights_TK, experts_TK = jax.lax.top_k(probs_TE, k)
   return logits_TE, weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True), experts_TK
+
+
+def group_sizes(experts_A, num_experts: int):
+  """(E,) int32: assignments per expert, by a one-hot sum (bincount would scatter-add)."""
+  return jnp.sum(jax.nn.one_hot(experts_A, num_experts, dtype=jnp.int32), axis=0)
 
 
 def swiglu_ragged(x_AD, gate_EDF, up_EDF, down_EFD, group_sizes_E, kernel: str = 'ragged_dot'):
@@ -43,9 +48,12 @@ def dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, kernel: s
   E = gate_EDF.shape[0]
   experts_A = experts_TK.reshape(-1)
   order_A = jnp.argsort(experts_A, stable=True)
-  group_sizes_E = jnp.bincount(experts_A, length=E).astype(jnp.int32)
-  out_AD = swiglu_ragged(x_TD[order_A // K], gate_EDF, up_EDF, down_EFD, group_sizes_E, kernel)
-  out_TKD = out_AD[jnp.argsort(order_A)].reshape(T, K, -1)  # Back to (token, choice) order by a gather.
+  inverse_A = row_permute.inverse(order_A)
+  group_sizes_E = group_sizes(experts_A, E)
+  # Rows move by gathers both ways (trainer/models/row_permute.py): indexing's transpose would scatter-add.
+  x_AD = row_permute.sort(row_permute.repeat(x_TD, K), order_A, inverse_A)
+  out_AD = swiglu_ragged(x_AD, gate_EDF, up_EDF, down_EFD, group_sizes_E, kernel)
+  out_TKD = row_permute.unsort(out_AD, order_A, inverse_A).reshape(T, K, -1)  # Back to (token, choice) order.
   return jnp.einsum('tkd,tk->td', out_TKD, weights_TK.astype(out_TKD.dtype))
 
 

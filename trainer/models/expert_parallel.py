@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from parallel import mesh as mesh_lib
-from trainer.models import expert_math, expert_ragged
+from trainer.models import expert_math, expert_ragged, row_permute
 
 AXIS = 'expert'
 TENSOR = 'tensor'  # The axis an expert's hidden width is split over in the shard_map (the default 'expert_mlp' rule).
@@ -67,8 +67,9 @@ def one_device_for_counting():
 
 
 def _send_dropless(x_TD, experts_TK, num_devices: int, local_experts: int):
-  """Per-device buffers of the assignments routed to each device: (rows (N, A, D), local expert (N, A), and each
-  assignment's (device, place)). Unused places hold zeros and the local expert id E/N (none)."""
+  """Per-device buffers of the assignments routed to each device: (rows (N, A, D), local expert (N, A), each
+  assignment's place in the flattened buffers (A,), and the assignment in each place (N*A,), A for none). Unused
+  places hold zeros and the local expert id E/N (none). Filled by gathers (trainer/models/row_permute.py)."""
   T, K = experts_TK.shape
   A = T * K
   experts_A = experts_TK.reshape(-1)
@@ -76,33 +77,42 @@ def _send_dropless(x_TD, experts_TK, num_devices: int, local_experts: int):
   # Place within its device's buffer: its rank among the assignments bound to the same device, in token order.
   onehot_AN = jax.nn.one_hot(device_A, num_devices, dtype=jnp.int32)
   place_A = jnp.sum((jnp.cumsum(onehot_AN, axis=0) - onehot_AN) * onehot_AN, axis=-1)
-  rows_NAD = jnp.zeros((num_devices, A, x_TD.shape[-1]), x_TD.dtype).at[device_A, place_A].set(
-      jnp.repeat(x_TD, K, axis=0))
-  ids_NA = jnp.full((num_devices, A), local_experts, jnp.int32).at[device_A, place_A].set(experts_A % local_experts)
-  return rows_NAD, ids_NA, device_A, place_A
+  slot_A = device_A * A + place_A
+  # The inverse: device n's place a holds the a-th of its assignments in token order (a stable sort by device).
+  by_device_A = jnp.argsort(device_A, stable=True)
+  count_N = jnp.sum(onehot_AN, axis=0)
+  first_N = jnp.cumsum(count_N) - count_N
+  device_S, place_S = jnp.divmod(jnp.arange(num_devices * A), A)  # S = N*A places, device-major.
+  held_S = place_S < count_N[device_S]
+  source_S = jnp.where(held_S, by_device_A[jnp.minimum(first_N[device_S] + place_S, A - 1)], A)
+  rows_NAD = row_permute.take(row_permute.repeat(x_TD, K), source_S, slot_A).reshape(num_devices, A, -1)
+  ids_NA = jnp.where(held_S, experts_A[jnp.minimum(source_S, A - 1)] % local_experts, local_experts)
+  return rows_NAD, ids_NA.reshape(num_devices, A), slot_A, source_S
 
 
 def _local_dropless(rows_RD, ids_R, gate_EDF, up_EDF, down_EFD, local_experts: int, kernel: str):
   """The received rows through their local experts, sorted by expert for the grouped matmuls, in received order."""
   order_R = jnp.argsort(ids_R, stable=True)  # Empty places (id E/N) sort last, outside every group.
-  group_sizes_E = jnp.sum(jax.nn.one_hot(ids_R, local_experts, dtype=jnp.int32), axis=0)
-  out_RD = expert_math.swiglu_ragged(rows_RD[order_R], gate_EDF, up_EDF, down_EFD, group_sizes_E, kernel)
+  inverse_R = row_permute.inverse(order_R)
+  group_sizes_E = expert_math.group_sizes(ids_R, local_experts)
+  out_RD = expert_math.swiglu_ragged(row_permute.sort(rows_RD, order_R, inverse_R), gate_EDF, up_EDF, down_EFD,
+                                     group_sizes_E, kernel)
   out_RD = jnp.where((ids_R[order_R] < local_experts)[:, None], out_RD, 0)  # Rows outside the groups: zero.
-  return out_RD[jnp.argsort(order_R)]
+  return row_permute.unsort(out_RD, order_R, inverse_R)
 
 
 def _dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, kernel: str):
   T, K = experts_TK.shape
   N = jax.lax.axis_size(AXIS)
   local = gate_EDF.shape[0]
-  rows_NAD, ids_NA, device_A, place_A = _send_dropless(x_TD, experts_TK, N, local)
+  rows_NAD, ids_NA, slot_A, source_S = _send_dropless(x_TD, experts_TK, N, local)
   # Chunk j to device j; what arrives is stacked by source device.
   got_NAD = jax.lax.all_to_all(rows_NAD, AXIS, 0, 0)
   got_ids_NA = jax.lax.all_to_all(ids_NA, AXIS, 0, 0)
   out_RD = _local_dropless(got_NAD.reshape(-1, got_NAD.shape[-1]), got_ids_NA.reshape(-1), gate_EDF, up_EDF,
                            down_EFD, local, kernel)
   back_NAD = jax.lax.all_to_all(out_RD.reshape(got_NAD.shape), AXIS, 0, 0)  # Results home, by the same chunks.
-  out_TKD = back_NAD[device_A, place_A].reshape(T, K, -1)
+  out_TKD = row_permute.take(back_NAD.reshape(-1, back_NAD.shape[-1]), slot_A, source_S).reshape(T, K, -1)
   return jnp.einsum('tkd,tk->td', out_TKD, weights_TK.astype(out_TKD.dtype)), None
 
 

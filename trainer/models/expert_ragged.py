@@ -16,7 +16,7 @@ the offsets on 8 fake CPU devices.
 import jax
 import jax.numpy as jnp
 
-from trainer.models import expert_math
+from trainer.models import expert_math, row_permute
 
 
 def _exclusive_cumsum(x, axis=0):
@@ -46,7 +46,8 @@ def dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, kernel: s
   exchange = emulated if emulate else jax.lax.ragged_all_to_all
   experts_A = experts_TK.reshape(-1)
   order_A = jnp.argsort(experts_A, stable=True)  # By expert, so by device (device j holds experts j*local...).
-  counts_NE = jax.lax.all_gather(jnp.bincount(experts_A, length=N * local).astype(jnp.int32), axis)  # [source, e]
+  inverse_A = row_permute.inverse(order_A)  # Rows move by gathers both ways (trainer/models/row_permute.py).
+  counts_NE = jax.lax.all_gather(expert_math.group_sizes(experts_A, N * local), axis)  # [source, e]
   counts_NNe = counts_NE.reshape(N, N, local)  # [source, target, target's local expert]
   rows_NN = jnp.sum(counts_NNe, axis=-1)  # Rows source -> target.
   send_N, recv_N = rows_NN[me], rows_NN[:, me]
@@ -55,18 +56,21 @@ def dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, kernel: s
   into_peer_N = _exclusive_cumsum(rows_NN, axis=0)[me]
   recv_offsets_N = _exclusive_cumsum(recv_N)
   R = N * T * K
-  got_RD = exchange(x_TD[order_A // K], jnp.zeros((R, x_TD.shape[-1]), x_TD.dtype), send_offsets_N, send_N,
-                    into_peer_N, recv_N, axis_name=axis)
+  sorted_AD = row_permute.sort(row_permute.repeat(x_TD, K), order_A, inverse_A)
+  got_RD = exchange(sorted_AD, jnp.zeros((R, x_TD.shape[-1]), x_TD.dtype), send_offsets_N, send_N, into_peer_N, recv_N,
+                    axis_name=axis)
   # Each source's rows arrive sorted by local expert: segment (source, expert) of counts_NNe[:, me] in that order.
   ends = jnp.cumsum(counts_NNe[:, me].reshape(-1))
   segment_R = jnp.searchsorted(ends, jnp.arange(R), side='right')
   ids_R = jnp.where(segment_R < N * local, segment_R % local, local)  # Unfilled rows: id `local`, sorted last.
   order_R = jnp.argsort(ids_R, stable=True)
+  inverse_R = row_permute.inverse(order_R)
   group_sizes_e = jnp.sum(counts_NNe[:, me], axis=0)
-  out_RD = expert_math.swiglu_ragged(got_RD[order_R], gate_EDF, up_EDF, down_EFD, group_sizes_e, kernel)
-  out_RD = jnp.where((ids_R[order_R] < local)[:, None], out_RD, 0)[jnp.argsort(order_R)]
+  out_RD = expert_math.swiglu_ragged(row_permute.sort(got_RD, order_R, inverse_R), gate_EDF, up_EDF, down_EFD,
+                                     group_sizes_e, kernel)
+  out_RD = row_permute.unsort(jnp.where((ids_R[order_R] < local)[:, None], out_RD, 0), order_R, inverse_R)
   # The results home: the reverse exchange, each chunk back where its rows came from.
   back_AD = exchange(out_RD, jnp.zeros((T * K, x_TD.shape[-1]), out_RD.dtype), recv_offsets_N, recv_N,
                      _exclusive_cumsum(rows_NN, axis=1)[:, me], send_N, axis_name=axis)
-  out_TKD = back_AD[jnp.argsort(order_A)].reshape(T, K, -1)
+  out_TKD = row_permute.unsort(back_AD, order_A, inverse_A).reshape(T, K, -1)
   return jnp.einsum('tkd,tk->td', out_TKD, weights_TK.astype(out_TKD.dtype))

@@ -20,6 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from trainer.models import row_permute
+
 NAME = 'Pallas Triton grouped matmul (trainer/models/grouped_matmul.py)'
 _TILE_CHOICES = (128, 64, 32, 16)  # Triton's dot wants power-of-two tiles of at least 16.
 
@@ -43,26 +45,21 @@ def ragged_dot(x_AD, w_EDF, group_sizes_E, *, interpret: bool = False, tile_rows
   A, _ = x_AD.shape
   E = w_EDF.shape[0]
   layout = _Layout.of(group_sizes_E, A, E, tile_rows)
-  xp = jnp.zeros((layout.rows, x_AD.shape[1]), x_AD.dtype).at[layout.dest_A].set(x_AD, mode='drop')
-  xp, w_EDF = _vary_alike(xp, w_EDF)
+  # Padded and unpadded by gathers both ways (row_permute): a scatter here, or indexing's scatter-add transpose, ran
+  # about 39 ms of the 104 ms of moe_1b b8's grouped matmuls on an H200 (docs/moe.md).
+  xp = row_permute.take(x_AD, layout.src_P, layout.dest_A)
+  xp, w_EDF = row_permute.vary_alike(xp, w_EDF)
   yp = _padded_matmul(xp, w_EDF, layout.tile_group, layout.first_tile, layout.num_tiles, interpret, tile_rows, A)
-  return yp.at[layout.dest_A].get(mode='fill', fill_value=0)
-
-
-def _vary_alike(*arrays):
-  """The arrays varying over the same manual mesh axes (under shard_map, trainer/models/expert_parallel.py): the
-  custom VJP must give each gradient its operand's type, and a weight's gradient varies over the batch axes its rows
-  do; pcast's transpose then sums it over them."""
-  axes = frozenset().union(*(jax.typeof(a).mat.varying for a in arrays))
-  return [jax.lax.pcast(a, tuple(sorted(axes - jax.typeof(a).mat.varying)), to='varying') for a in arrays]
+  return row_permute.take(yp, layout.dest_A, layout.src_P)
 
 
 class _Layout:
-  """Where each row goes in the padded layout, and which group each row tile belongs to (all traced values)."""
+  """Where each row goes in the padded layout (dest_A; `rows` for none) and which row each padded row holds (src_P; A
+  for none: padding), and which group each row tile belongs to (all traced values)."""
 
-  def __init__(self, dest_A, tile_group, first_tile, num_tiles, rows):
-    self.dest_A, self.tile_group, self.first_tile, self.num_tiles, self.rows = (dest_A, tile_group, first_tile,
-                                                                                num_tiles, rows)
+  def __init__(self, dest_A, src_P, tile_group, first_tile, num_tiles, rows):
+    self.dest_A, self.src_P, self.tile_group, self.first_tile, self.num_tiles, self.rows = (
+        dest_A, src_P, tile_group, first_tile, num_tiles, rows)
 
   @classmethod
   def of(cls, group_sizes_E, A: int, E: int, tile: int) -> '_Layout':
@@ -80,8 +77,14 @@ class _Layout:
     tile_ends = jnp.cumsum(num_tiles)
     # Tiles past the last group's get E, which the kernel skips: a receive buffer with room for N times the rows
     # routed (trainer/models/expert_ragged.py) costs the rows it holds, not its size.
-    tile_group = jnp.searchsorted(tile_ends, jnp.arange(rows // tile), side='right')
-    return cls(dest_A, tile_group.astype(jnp.int32), first_tile.astype(jnp.int32), num_tiles.astype(jnp.int32), rows)
+    tile_group = jnp.searchsorted(tile_ends, jnp.arange(rows // tile), side='right').astype(jnp.int32)
+    # The inverse of dest_A, computed rather than scattered: padded row p of group g's tiles holds row start_g + offset.
+    row_P = jnp.arange(rows, dtype=jnp.int32)
+    group_P = tile_group[row_P // tile]
+    held_P = jnp.minimum(group_P, E - 1)
+    offset_P = row_P - first_tile[held_P] * tile
+    src_P = jnp.where((group_P < E) & (offset_P < sizes[held_P]), starts[held_P] + offset_P, A)
+    return cls(dest_A, src_P, tile_group, first_tile.astype(jnp.int32), num_tiles.astype(jnp.int32), rows)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
