@@ -22,12 +22,17 @@ from configs import base as base_config
 from parallel import sharding
 from trainer import attention
 from trainer.base.errors import UserError
+from trainer.models import router_bias
 
 # Settings that change what a checkpoint means; any other difference is safe and only logged.
 _UNSAFE_SECTIONS = ('model',)
 # Model keys that change how the step computes, never the parameters: a run may resume under another value.
 # init_from only seeds a fresh run (a resumed one never reads it), so a moved or re-exported folder is no other model.
 _KERNEL_ONLY_KEYS = ('attention', 'context_scheme', 'init_from')
+# Model keys a resume may change with a line (safe_differences), like a learning rate: the parameters keep their tree.
+# router_bias_rate only sets how far each step moves a bias the parameters hold; turning it on or off adds or drops
+# that bias, which _check_same_router_bias refuses.
+_LOGGED_MODEL_KEYS = ('router_bias_rate',)
 
 
 def param_shapes(params) -> dict[str, list[int]]:
@@ -81,11 +86,13 @@ def _flat(tree: Any, prefix: str = '') -> dict[str, Any]:
 def safe_differences(saved: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
   """Human-readable differences the resume tolerates: mesh, devices, strategy, schedule, versions, ..."""
   keys = ('mesh', 'device_count', 'strategy', 'versions', 'xla_flags', 'git_commit')
-  old = {**{k: saved.get(k) for k in keys}, **_flat(saved.get('config', {}), 'config.')}
+  logged = {f'config.model.{k}': getattr(base_config.get_config().model, k) for k in _LOGGED_MODEL_KEYS}
+  # A logged model key newer than the checkpoint is its default there (the model it built), not a change.
+  old = {**logged, **{k: saved.get(k) for k in keys}, **_flat(saved.get('config', {}), 'config.')}
   new = {**{k: manifest.get(k) for k in keys}, **_flat(manifest.get('config', {}), 'config.')}
   skip = tuple(f'config.{s}.' for s in _UNSAFE_SECTIONS)
   return [f'{k}: {old.get(k)!r} -> {new.get(k)!r}' for k in sorted(old.keys() | new.keys())
-          if not k.startswith(skip) and _normal(old.get(k)) != _normal(new.get(k))]
+          if (k in logged or not k.startswith(skip)) and _normal(old.get(k)) != _normal(new.get(k))]
 
 
 def check_schedule(step: int, saved: dict[str, Any], manifest: dict[str, Any]) -> None:
@@ -152,6 +159,23 @@ def _check_same_optimizer(saved: dict[str, Any], manifest: dict[str, Any], direc
                     f'with --config.train.optimizer={before}, or use a fresh --workdir to start with {now!r}.')
 
 
+def _check_same_router_bias(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
+  """The router bias is in the saved parameters or not: model.router_bias_rate may change its speed, not turn it on
+  or off (the checkpoints could not be restored into the other tree, nor route as they were trained to)."""
+  held = [any(name.rsplit('/', 1)[-1] == router_bias.PARAM for name in m['param_shapes']) for m in (saved, manifest)]
+  if held[0] == held[1]:  # A dense or brought model keeps none, whatever the rate.
+    return
+  before, now = (float(m['model'].get('router_bias_rate', 0.0) or 0.0) for m in (saved, manifest))
+  if held[0]:
+    raise UserError(f'--workdir {directory.parent} was trained with model.router_bias_rate={before:g}, so its '
+                    f'checkpoints hold the router bias its experts are chosen with; resume with a rate > 0 '
+                    f'(--config.model.router_bias_rate={before:g}, or another to move the bias faster or slower), '
+                    f'or use a fresh --workdir to train without it; nothing was changed.')
+  raise UserError(f'--workdir {directory.parent} was trained with model.router_bias_rate={before:g}, so its '
+                  f'checkpoints hold no router bias; resume with --config.model.router_bias_rate={before:g}, or use a '
+                  f'fresh --workdir to train with model.router_bias_rate={now:g} from step 0; nothing was changed.')
+
+
 def _normal(value):
   return list(value) if isinstance(value, tuple) else value
 
@@ -168,7 +192,10 @@ def check_same_model(saved: dict[str, Any], manifest: dict[str, Any], directory)
   defaults = base_config.get_config().model.to_dict()
   diffs = [f'model.{k}: checkpoint {saved["model"].get(k)!r} vs config {v!r}'
            for k, v in manifest['model'].items()
-           if saved['model'].get(k, _as_saved(defaults.get(k))) != _as_saved(v) and k not in _KERNEL_ONLY_KEYS]
+           if saved['model'].get(k, _as_saved(defaults.get(k))) != _as_saved(v)
+           and k not in _KERNEL_ONLY_KEYS + _LOGGED_MODEL_KEYS]
+  if not diffs:  # Before the shapes: it names the key that changes them.
+    _check_same_router_bias(saved, manifest, directory)
   if not diffs and saved['param_shapes'] != manifest['param_shapes']:
     diffs = ['parameter shapes differ']
   if diffs:

@@ -260,3 +260,8 @@ class _PmapWithGlobalBatch:
     """The compiled step's per-device memory analysis, as for the jitted strategies."""
     return self._fn.memory_analysis()
 
+  def as_text(self) -> str:
+    """The compiled step's per-device optimized HLO, as for the jitted strategies (the pre-flight's dense-experts
+    guard counts an MoE step's dots in it)."""
+    return self._fn.as_text()
+
