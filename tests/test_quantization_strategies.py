@@ -51,15 +51,19 @@ def jit_runs(tmp_path_factory):
   root, runs, absl = tmp_path_factory.mktemp('quantized_jit'), {}, logging.getLogger('absl')
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(flops, '_DEVICE_KINDS', (('cpu', 'h100'),))  # Only the FLOPs table reads it.
-    patch.setattr(absl, 'level', logging.INFO)
-    for framework in MODELS:
-      handler = _Lines()
-      absl.addHandler(handler)
-      try:
-        loop.run(_strategy_config(framework, 'jit'), str(root / framework))
-      finally:
-        absl.removeHandler(handler)
-      runs[framework] = read_metrics(root / framework), handler.lines
+    level = absl.level
+    absl.setLevel(logging.INFO)  # setLevel, not an attribute: it clears the isEnabledFor cache earlier tests filled.
+    try:
+      for framework in MODELS:
+        handler = _Lines()
+        absl.addHandler(handler)
+        try:
+          loop.run(_strategy_config(framework, 'jit'), str(root / framework))
+        finally:
+          absl.removeHandler(handler)
+        runs[framework] = read_metrics(root / framework), handler.lines
+    finally:
+      absl.setLevel(level)
   return runs
 
 
