@@ -29,7 +29,10 @@ from conftest import REPO, free_port, launcher_env, make_text_dir, watch_command
 from parallel import distributed
 from trainer.supervision import supervisor
 
-STEPS = 16
+STEPS = 16  # The kill or freeze sent once the log shows step 7 races the run: 9 steps of margin on a fast machine.
+# LAUNCH_TEST_FAULT kills process 1 inside its step 7 itself, with no race against the log: 10 steps keep checkpoint 5
+# before the kill and 10 after it. Each step of 2 x 4 devices costs about 0.3 s of CPU (gloo over loopback).
+INJECTED_STEPS = 10
 
 
 def _launch_py_of(launcher_pid: int, process_id: int) -> int:
@@ -180,7 +183,8 @@ def _slurm_job(tmp_path, *args: str, python: str = sys.executable) -> tuple[path
 
 def test_under_slurm_a_killed_member_restarts_and_the_group_resumes_together(tmp_path):
   workdir, logs = tmp_path / 'run', tmp_path / 'logs'
-  job, env = _slurm_job(tmp_path, f'--config.train.steps={STEPS}', '--config.ckpt.every_steps=5', '--max_restarts=2')
+  job, env = _slurm_job(tmp_path, f'--config.train.steps={INJECTED_STEPS}', '--config.ckpt.every_steps=5',
+                        '--max_restarts=2')
   run_env = {**env, 'LAUNCH_TEST_FAULT': 'kill@7,process=1,attempt=1'}
   # cwd: what #SBATCH --chdir does under sbatch. The timeout is a hang guard only.
   result = subprocess.run(['bash', str(job)], cwd=REPO, env=run_env, capture_output=True, text=True, timeout=900)
@@ -200,7 +204,7 @@ def test_under_slurm_a_killed_member_restarts_and_the_group_resumes_together(tmp
   assert [(r['cause'], r['exit_code'], r['retried']) for r in records] == [('lost peer', 75, True),
                                                                            ('finished', 0, False)], records
   assert records[1]['resumed_step'] == 5, records
-  assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
+  assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == INJECTED_STEPS
 
 
 
@@ -308,7 +312,7 @@ def test_on_a_tpu_pod_a_killed_member_restarts_and_the_group_resumes_together(tm
   result = subprocess.run(
       ['bash', str(REPO / 'scripts' / 'launch_tpu_pod.sh'), '--name=pod', '--zone=us-east5-a',
        '--accelerator_type=v4-16', '--config=configs/tiny.py', f'--workdir={workdir}', f'--log_dir={tmp_path / "logs"}',
-       f'--config.train.steps={STEPS}', '--config.ckpt.every_steps=5', '--config.ckpt.async_save=False',
+       f'--config.train.steps={INJECTED_STEPS}', '--config.ckpt.every_steps=5', '--config.ckpt.async_save=False',
        '--config.log.every_steps=1', f'--config.data.text_dir={text_dir}', '--max_restarts=2',
        '--restart_backoff_s=1'], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)  # A hang guard.
   logs = [(tmp_path / 'logs' / f'worker-{w}' / f'worker-{w}.log').read_text() for w in range(2)]
@@ -323,7 +327,7 @@ def test_on_a_tpu_pod_a_killed_member_restarts_and_the_group_resumes_together(tm
   assert [(r['cause'], r['exit_code'], r['retried']) for r in records] == [('lost peer', 75, True),
                                                                            ('finished', 0, False)], records
   assert records[1]['resumed_step'] == 5, records
-  assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == STEPS
+  assert sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())[-1] == INJECTED_STEPS
 
 
 def test_a_join_that_times_out_after_check_in_is_one_line_and_retried(monkeypatch):
