@@ -203,7 +203,10 @@ def _records(workdir: pathlib.Path) -> dict[int, tuple]:
 def test_an_fp8_run_killed_with_9_resumes_bit_exactly_over_30_steps(text_dir, tmp_path):
   """train.quantization='fp8' (bf16 compute, float32 master weights): current scaling keeps no state, so the
   checkpoint holds all a resume needs, and the relaunched run's losses and norms are the uninterrupted run's."""
-  steps, fp8 = 30, ('--config.train.quantization=fp8', '--config.train.compute_dtype=bfloat16')
+  # A synchronous save: step 15's checkpoint is whole before step 16 starts, so the kill at 17 resumes at 15 however
+  # slow the machine (async, a loaded CI machine could still be writing it at the kill: then 10).
+  steps, fp8 = 30, ('--config.train.quantization=fp8', '--config.train.compute_dtype=bfloat16',
+                    '--config.ckpt.async_save=False')
   straight = _launch(_args(tmp_path / 'straight', text_dir, *fp8, steps=steps), steps=steps)
   assert straight.returncode == 0, straight.stderr[-3000:]
   killed = _launch(_args(tmp_path / 'killed', text_dir, *fp8, steps=steps), signal_at_step=17, steps=steps)
