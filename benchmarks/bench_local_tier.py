@@ -74,7 +74,7 @@ def bench(args, root: pathlib.Path) -> dict:
 
   def with_tier(step, state):
     if tier.due(step):
-      tier.save(step, state, data_state)
+      tier.save(step, state, data_state, manifest)
 
   def with_orbax(step, state):
     if step % args.every == 0:

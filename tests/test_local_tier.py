@@ -1,26 +1,36 @@
 """The local checkpoint tier in-process (trainer/training/local_tier.py): a bit-exact round trip, which step a
 restart takes when hosts are lost, a local folder that cannot be written (one line, the run goes on), a damaged
-local copy (one line, the copy treated as missing), and the GPU/TPU path's copy to host before the next step.
-The two-process kill -9 runs are tests/test_local_tier_multiprocess.py."""
+local copy (one line, the copy treated as missing), the GPU/TPU path's copy to host before the next step, and a
+resume from it checked against the launch as the persistent tier's is (trainer/training/resume.py; one launch
+refused). The two-process kill -9 runs are tests/test_local_tier_multiprocess.py."""
 
 import errno
+import json
 import logging as std_logging
 import os
+import re
 import shutil
 
 import jax
 import numpy as np
 import pytest
 
-from trainer.training import local_files, local_tier
+from configs import tiny
+from conftest import make_text_dir, run_launcher
+from trainer.base.errors import UserError
+from trainer.training import checkpoint, local_files, local_tier, resume
+from trainer.training import manifest as manifests
+
+# A manifest with what a resume reads (trainer/training/manifest.py), for the tests that never check one.
+MANIFEST = {'model': {}, 'param_shapes': {}, 'config': {}}
 
 
-def _state(scale=1.0):
+def _state(scale=1.0, width=8):
   mesh = jax.make_mesh((2, 4), ('data', 'fsdp'))
 
   def put(value, *spec):
     return jax.device_put(value, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
-  return {'w': put(np.arange(64, dtype=np.float32).reshape(8, 8) * scale, 'data', 'fsdp'),
+  return {'w': put(np.arange(8 * width, dtype=np.float32).reshape(8, width) * scale, 'data', 'fsdp'),
           'b': put((np.ones((5, 3)) * scale).astype(jax.numpy.bfloat16)), 'step': put(np.int32(3))}
 
 
@@ -37,7 +47,7 @@ def warnings(caplog):
 def test_a_saved_step_restores_bit_exact_with_its_data_position_and_two_are_kept(tmp_path):
   tier = local_tier.LocalTier(str(tmp_path), 2, '/some/workdir', 0, 1)
   for step in (2, 4, 6):
-    tier.save(step, _state(step), {'position': step})
+    tier.save(step, _state(step), {'position': step}, MANIFEST)
   tier.wait_until_finished()
   assert tier.steps() == [4, 6]
   assert oct(os.stat(tier.folder).st_mode & 0o777) == '0o700'
@@ -79,7 +89,7 @@ def test_a_link_planted_where_the_run_folder_goes_is_refused_in_one_line(tmp_pat
 
 def test_a_full_ram_disk_is_one_line_the_tier_stops_and_earlier_steps_stay(tmp_path, warnings, monkeypatch):
   tier = local_tier.LocalTier(str(tmp_path), 2, '/w', 0, 1)
-  tier.save(2, _state(), {'position': 2})
+  tier.save(2, _state(), {'position': 2}, MANIFEST)
   tier.wait_until_finished()
   real = local_files.write_npz
 
@@ -87,8 +97,8 @@ def test_a_full_ram_disk_is_one_line_the_tier_stops_and_earlier_steps_stay(tmp_p
     real(path, arrays)
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
   monkeypatch.setattr(local_files, 'write_npz', full)
-  tier.save(4, _state(), {'position': 4})
-  tier.save(6, _state(), {'position': 6})  # Waits for 4's write, which failed: said once, then off.
+  tier.save(4, _state(), {'position': 4}, MANIFEST)
+  tier.save(6, _state(), {'position': 6}, MANIFEST)  # Waits for 4's write, which failed: said once, then off.
   tier.wait_until_finished()
   [line] = warnings()
   assert line.startswith(f'the local tier in {tier.folder} could not be written (No space left on device: ') and (
@@ -116,7 +126,7 @@ def test_a_lost_host_is_restored_from_its_peer_and_one_whose_peer_is_lost_too_fr
 
 def test_start_over_moves_the_local_steps_aside_and_keeps_them(tmp_path):
   tier = local_tier.LocalTier(str(tmp_path), 2, '/w', 0, 1)
-  tier.save(2, _state(), {'position': 2})
+  tier.save(2, _state(), {'position': 2}, MANIFEST)
   tier.wait_until_finished()
   tier.set_aside()
   [kept] = [p for p in tier.folder.parent.iterdir() if '.previous_run_' in p.name]
@@ -129,7 +139,7 @@ def saved(tmp_path_factory):
   root = tmp_path_factory.mktemp('saved')
   tier = local_tier.LocalTier(str(root / 'shm'), 2, '/w', 0, 1)
   for step in (4, 6):
-    tier.save(step, _state(step), {'position': step})
+    tier.save(step, _state(step), {'position': step}, MANIFEST)
   tier.wait_until_finished()
   return root / 'shm', tier.folder.relative_to(root / 'shm')
 
@@ -168,6 +178,11 @@ DAMAGE = {
     'own.npz a block of another shape': ('own.npz', _wrong_shape, 'block 2|0:4,0:2 is float32[1, 2], not float32[4, 2]'),
     'the step folder a link': ('', _link_to_a_copy, 'a symbolic link (to '),
     'meta.json a link': ('meta.json', _link_to_a_copy, 'its meta.json is a symbolic link (to '),
+    # A step saved before the tier kept manifests has none: it cannot be checked against the launch.
+    'manifest.json missing': ('manifest.json', os.unlink, 'its manifest.json is missing'),
+    'manifest.json truncated': ('manifest.json', lambda p: os.truncate(p, 20), 'its manifest.json cannot be read ('),
+    'manifest.json not a manifest': ('manifest.json', lambda p: p.write_text('{"model": {}}') and None,
+                                     'its manifest.json is not a run manifest'),
 }
 
 
@@ -185,7 +200,7 @@ def test_a_damaged_local_copy_is_one_line_treated_as_missing_and_the_step_before
   found, not_local = tier.newest(_abstract(_state()), newer_than=0)
   assert (found, not_local) == (local_tier.Found(4, ()), '')  # Step 6 treated as missing: never read through.
   [line] = warnings()
-  assert line.startswith(f'{path if name != "meta.json" else path.parent} cannot be used ({why}') and line.endswith(
+  assert line.startswith(f'{path.parent if name.endswith(".json") else path} cannot be used ({why}') and line.endswith(
       "the local tier treats this process's step 6 as missing (never reading through a link) and falls back to its "
       "peer's copy of it if intact, else to an older step or the persistent tier."), line
   state, data_state = tier.restore(found, _abstract(_state()))
@@ -213,7 +228,7 @@ def test_off_the_host_the_save_copies_to_host_before_the_next_step_may_donate_th
   tier = local_tier.LocalTier(str(tmp_path), 2, '/w', 0, 1)
   tier.host_resident = False  # As on a GPU or TPU: no device-side copy, the copy to host is made in save().
   state = _state(2)
-  tier.save(2, state, {'position': 2})
+  tier.save(2, state, {'position': 2}, MANIFEST)
   for leaf in state.values():
     leaf.delete()  # What the next step's donation does to these buffers: the write must not need them.
   tier.wait_until_finished()
@@ -222,3 +237,115 @@ def test_off_the_host_the_save_copies_to_host_before_the_next_step_may_donate_th
   restored, _ = tier.restore(found, _abstract(_state()))
   for key, value in _state(2).items():
     np.testing.assert_array_equal(np.asarray(restored[key]), np.asarray(value))
+
+
+def _manifest(state, **changes) -> dict:
+  """What a resume reads of a run's manifest (trainer/training/manifest.py: run_manifest): configs/tiny.py with
+  `changes` ({'train__learning_rate': 0.01}), over the toy `state`'s parameters."""
+  config = tiny.get_config()
+  for key, value in changes.items():
+    section, name = key.split('__')
+    config[section][name] = value
+  return {'model': config.model.to_dict(), 'param_shapes': manifests.param_shapes(state),
+          'config': json.loads(config.to_json_best_effort())}
+
+
+class _Position:
+  """The data iterator a persistent save reads the position from."""
+
+  def __init__(self, step):
+    self.step = step
+
+  def get_state(self):
+    return {'position': self.step}
+
+
+def _files(root) -> dict[str, bytes]:
+  return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob('*')) if p.is_file()}
+
+
+def _resume(root, persistent, local, launch, width, caplog):
+  """What resume.choose makes of the launch manifest `launch` (a toy state `width` wide) over a persistent step and
+  a local one, each (step, manifest) or None: (the error, or the step it resumes from; the manifest lines logged),
+  with the tier's folder and the workdir as words. It changes no file."""
+  workdir = root / 'run'
+  ckpt = checkpoint.Checkpointer(str(workdir), tiny.get_config().ckpt)
+  if persistent:
+    ckpt.save(persistent[0], _state(persistent[0]), _Position(persistent[0]), persistent[1], force=True)
+    ckpt.wait_until_finished()
+  tier = local_tier.LocalTier(str(root / 'shm'), 2, str(workdir), 0, 1)
+  if local:
+    tier.save(local[0], _state(local[0]), {'position': local[0]}, local[1])
+    tier.wait_until_finished()
+  before = _files(root)
+  caplog.clear()
+  try:
+    resumable, found, _ = resume.choose(ckpt, tier, launch, _abstract(_state(width=width)), str(workdir))
+    said = found.step if found else resumable[0]
+  except UserError as e:
+    said = str(e)
+  finally:
+    ckpt.close()
+  assert _files(root) == before
+  lines = [r.getMessage() for r in caplog.records if r.module == 'manifest']
+  words = {str(tier.folder): 'FOLDER', str(workdir / 'checkpoints'): 'FOLDER', str(workdir): 'WORKDIR'}
+  return [re.sub('|'.join(map(re.escape, words)), lambda m: words[m[0]], str(x)) for x in (said, *lines)]
+
+
+CHANGES = {  # A launch's changes since step 6, the toy state's width it builds, and what is said of it.
+    'another model of the same shapes': ({'model__rope_max_wavelength': 5e5}, 8, [
+        'different model (model.rope_max_wavelength: checkpoint 10000.0 vs config 500000.0) in FOLDER. Resume with '
+        'the config it was trained with']),
+    'another model of other shapes': ({'model__d_model': 64}, 16, ['(model.d_model: checkpoint 32 vs config 64) in FOLDER']),
+    'another optimizer': ({'train__optimizer': 'lion'}, 8, [
+        "--workdir WORKDIR was trained with train.optimizer='adamw', not 'lion'"]),
+    'a learning-rate jump': ({'train__learning_rate': 0.01}, 8, [
+        'train.learning_rate 0.003 -> 0.01 since checkpoint 6: the learning-rate schedule moves']),
+    'a learning-rate jump accepted, and a setting only logged': (
+        {'train__learning_rate': 0.01, 'train__accept_schedule_change': True, 'log__every_steps': 7}, 8,
+        ['6', '(accepted: train.accept_schedule_change=True)',
+         'Resuming step 6 with 3 setting(s) changed since it was saved: config.log.every_steps: 2 -> 7; '
+         'config.train.accept_schedule_change: False -> True; config.train.learning_rate: 0.003 -> 0.01']),
+}
+
+
+@pytest.mark.parametrize('change', list(CHANGES))
+def test_a_resume_from_the_local_tier_is_refused_or_logged_as_one_from_the_persistent_tier(change, tmp_path, caplog):
+  """The persistent tier's step 6 alone, against the local tier's step 6 over a persistent step 2 that agrees with
+  the launch: the newest state decides, in the same words, whichever tier holds it; nothing is changed."""
+  changes, width, said = CHANGES[change]
+  caplog.set_level(std_logging.INFO)
+  saved, launch = _manifest(_state()), _manifest(_state(width=width), **changes)
+  from_persistent = _resume(tmp_path / 'persistent', (6, saved), None, launch, width, caplog)
+  from_local = _resume(tmp_path / 'local', (2, launch), (6, saved), launch, width, caplog)
+  assert from_local == from_persistent
+  assert len(from_local) == len(said) and all(part in line for part, line in zip(said, from_local)), from_local
+
+
+def test_a_launch_with_another_model_than_its_newer_local_step_is_refused_in_one_line_before_the_compile(tmp_path):
+  """The launcher's path (trainer/run/loop.py): configs/tiny.py's state saved to the local tier at step 6, none in
+  the persistent tier; a launch with another RoPE wavelength (the same shapes) stops with one line, exit 2, and leaves
+  the local tier as it was."""
+  from parallel import sharding
+  from trainer.run import job as job_lib
+  text_dir = make_text_dir((tmp_path / 'text').mkdir() or tmp_path / 'text', num_files=4)
+  config = tiny.get_config()
+  config.data.text_dir = str(text_dir)
+  job = job_lib.build_job(config)
+  workdir, shm = tmp_path / 'run', tmp_path / 'shm'
+  tier = local_tier.LocalTier(str(shm), 2, str(workdir), 0, 1)
+  state = jax.tree.map(lambda leaf: jax.device_put(np.zeros(leaf.shape, leaf.dtype), leaf.sharding),
+                       sharding.with_shardings(job.abstract, job.shardings))
+  tier.save(6, state, {}, manifests.run_manifest(config, job.abstract, job.mesh))
+  tier.wait_until_finished()
+  saved = _files(shm)
+  result = run_launcher('--config=configs/tiny.py', f'--workdir={workdir}', f'--config.data.text_dir={text_dir}',
+                        f'--config.ckpt.local_dir={shm}', '--config.ckpt.local_every_steps=2',
+                        '--config.model.rope_max_wavelength=500000.0')
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines()[-1] == (
+      'launch.py: error: --workdir holds checkpoints of a different model (model.rope_max_wavelength: checkpoint '
+      f'10000.0 vs config 500000.0) in {tier.folder}. Resume with the config it was trained with, or use a fresh '
+      '--workdir; nothing was changed.')
+  assert 'Traceback' not in result.stderr and 'Compiling the train step' not in result.stderr
+  assert _files(shm) == saved

@@ -29,7 +29,7 @@ from trainer.run import compilation_cache, evaluation, preflight
 from trainer.run import job as job_lib
 from trainer.safety import guardrails, preemption, startup_signals
 from trainer.supervision import attempt, elastic, faults, hang, notices, stragglers
-from trainer.training import checkpoint, local_tier, objectives, optimizer
+from trainer.training import checkpoint, local_tier, objectives, optimizer, resume
 from trainer.training import manifest as manifests
 
 
@@ -135,12 +135,11 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   # Before compiling: a foreign or unreadable workdir should fail in seconds, not minutes. (Only damaged steps are
   # moved aside here, and kept; intact checkpoints are only read.)
   ckpt = None if start_over else checkpoint.Checkpointer(workdir, config.ckpt)
-  resumable = [] if start_over else storage.within_deadline("reading the checkpoints' manifests", workdir,
-                                                             ckpt.resumable_steps, manifest)
   local = local_tier.LocalTier(config.ckpt.local_dir, config.ckpt.local_every_steps, workdir, process_index,
                                process_count)
-  found, not_local = ((None, '') if start_over else local.newest(
-      sharding.with_shardings(abstract, shardings), newer_than=resumable[0] if resumable else 0))
+  # Either tier's step is checked against this launch the same way (trainer/training/resume.py).
+  resumable, found, not_local = ([], None, '') if start_over else resume.choose(
+      ckpt, local, manifest, sharding.with_shardings(abstract, shardings), workdir)
   # Before the compile: a finished run has nothing to build. Finished only if its final checkpoint restores (a
   # restore costs far less than the compile); a damaged one falls through to the usual fallback and trains again.
   if (resumable and resumable[0] >= config.train.steps
@@ -181,8 +180,8 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
   hang_watch.phase('restore')
   t_state = time.perf_counter()
   if found:
-    latest, state = found.step, local_tier.restore_into(local, found, sharding.with_shardings(abstract, shardings),
-                                                        train_iter, resumable[0] if resumable else None)
+    latest, state = found.step, resume.restore_local(local, found, sharding.with_shardings(abstract, shardings),
+                                                     train_iter, resumable[0] if resumable else None)
   elif resumable:
     if not_local:
       logging.info('Restoring from the persistent tier (%s): %s.', ckpt.directory, not_local)
@@ -202,7 +201,8 @@ def _run(config, workdir: str, devices, start_over: bool, hang_watch: hang.HangW
 
   attempt.note(process_index=process_index, resumed_step=latest or 0, steps_redone=tracker.lost_steps,
                resumed_from='local tier' if found else 'persistent tier' if latest else 'start',
-               restore_s=round(time.perf_counter() - t_state, 3))
+               # With the local tier's files, read before the compile as its step was chosen.
+               restore_s=round(time.perf_counter() - t_state + local.read_s, 3))
   local.discard_after(latest or 0)
   writer = MetricsWriter(workdir, enabled=process_index == 0, total_steps=config.train.steps,
                          progress_bar=config.log.progress_bar, goodput=tracker, trackers=trackers)
@@ -341,7 +341,7 @@ def _train(run: 'RunContext', state, start_step: int) -> None:
       elif preempted:
         preempted = 'unsaved'
     if run.local is not None and run.local.due(step) and guard.may_save(step):
-      run.local.save(step, state, train_iter.get_state())  # Copied, then written in the background.
+      run.local.save(step, state, train_iter.get_state(), run.manifest)  # Copied, then written in the background.
     t_eval = time.perf_counter()
     failed = evaluation.at_step(run, state, step, total, preempted, evals)  # A failure: one line, recorded.
     run.writer.goodput.record_side(eval_s=time.perf_counter() - t_eval, checkpoint_s=t_eval - t_side)

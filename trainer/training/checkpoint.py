@@ -34,7 +34,6 @@ from absl import logging
 from parallel import sharding
 from trainer.base import storage
 from trainer.base.errors import UserError
-from trainer.models import quantization
 from trainer.safety import checksums, disk
 from trainer.safety import damaged as damaged_lib
 from trainer.supervision import attempt
@@ -99,6 +98,7 @@ class Checkpointer:
     self._failed = None  # The SaveFailedError already raised: close() does not raise it twice.
     self._finalizing = collections.deque()  # Steps of the async saves not yet committed, oldest first.
     self._verified = set()  # Steps whose files matched their checksums in this process (each is read once).
+    self.newest_manifest: dict[str, Any] | None = None  # The newest readable step's, read by resumable_steps().
     disk.quiet_orbax_tracebacks()
 
   def latest_step(self) -> int | None:
@@ -121,13 +121,16 @@ class Checkpointer:
   def read_manifest(self, step: int) -> dict[str, Any]:
     return self._manager.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))['manifest']
 
-  def resumable_steps(self, manifest: dict[str, Any], training: bool = True) -> list[int]:
-    """Steps to try resuming from, newest first, after checking the newest readable one against `manifest`.
+  def resumable_steps(self, manifest: dict[str, Any], training: bool = True, resuming_here: bool = True) -> list[int]:
+    """Steps to try resuming from, newest first, after checking the newest readable one against `manifest`
+    (`manifests.check_resume`; its manifest is kept as `newest_manifest`).
 
     Reports (and skips) interrupted saves and checkpoints whose manifest cannot
     be read. Raises UserError for a different model, or when checkpoints exist
     but none is readable: the launcher never starts from scratch over a saved one
-    (a first save that never completed is not one).
+    (a first save that never completed is not one). `resuming_here=False`: only
+    another model is refused here; a run that may resume from its local tier
+    checks the step it restores, of either tier (trainer/training/resume.py).
     """
     for path in self.incomplete_saves():
       logging.warning('Checkpoint %s is an incomplete save (the run was killed while writing it): skipped, '
@@ -148,17 +151,11 @@ class Checkpointer:
                         self.directory / str(step), _short(e))
         damaged.append(step)
         continue
-      self.check_compatible(step, manifest)  # Unsafe differences refuse; the others are logged here:
-      if training:  # A tool reading the parameters (export, sample) applies no schedule.
-        manifests.check_schedule(step, saved, manifest)
-      changes = manifests.safe_differences(saved, manifest)
-      quantized = quantization.resume_note(step, *(m.get('config', {}).get('train', {}).get('quantization')
-                                                   for m in (saved, manifest)))
-      if quantized and training:
-        logging.info(quantized)
-      if changes:
-        logging.info('%s step %d with %d setting(s) changed since it was saved: %s',
-                     'Resuming' if training else 'Reading', step, len(changes), '; '.join(changes))
+      self.newest_manifest = saved
+      if resuming_here:  # Unsafe differences refuse; the others are logged.
+        manifests.check_resume(step, saved, manifest, self.directory, self.directory.parent, training)
+      else:
+        manifests.check_same_model(saved, manifest, self.directory, self.directory.parent)
       self._set_aside([s for s in damaged if s not in changed], 'manifest unreadable')
       for changed_step, why in changed.items():
         self._set_aside([changed_step], why)
@@ -182,7 +179,7 @@ class Checkpointer:
     except Exception as e:  # Any failure here means we cannot trust this checkpoint for resuming.
       raise UserError(f'checkpoint {self.directory / str(step)} has no readable manifest ({type(e).__name__}); '
                       f'it was not written by this launcher or is damaged. Use a fresh --workdir.') from e
-    manifests.check_same_model(saved, manifest, self.directory)
+    manifests.check_same_model(saved, manifest, self.directory, self.directory.parent)
     # Another process count is fine: the data position is a count of global examples (trainer/data/pipeline.py).
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator, manifest: dict[str, Any],

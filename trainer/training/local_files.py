@@ -1,8 +1,10 @@
 """A local-tier step's files (trainer/training/local_tier.py): written as new files, never through a link; read back
 checked, since the tier is a cache anyone with the host can damage: a step folder that is a real folder, a meta.json
-that parses and names its step, and shard files that are regular files holding every expected block at its shape and
-dtype (a truncated or flipped byte fails the zip's CRC as the data is read). What fails is `Unusable`, in words: the
-tier treats that copy as missing. Entries are removed without following a link (a link's target is never touched).
+that parses and names its step, a manifest.json that parses as the run's manifest (trainer/training/manifest.py: what
+a resume checks the launch against), and shard files that are regular files holding every expected block at its
+shape and dtype (a truncated or flipped byte fails the zip's CRC as the data is read). What fails is `Unusable`, in
+words: the tier treats that copy as missing. Entries are removed without following a link (a link's target is never
+touched).
 """
 
 import json
@@ -20,6 +22,8 @@ from trainer.base import confined
 from trainer.training import peer_copy
 
 META_KEYS = ('step', 'data', 'layout', 'peer_layout', 'peer_in_own')
+# What a resume reads of a step's manifest.json (trainer/training/manifest.py: check_resume), each a dict.
+MANIFEST_KEYS = ('model', 'param_shapes', 'config')
 
 
 class Unusable(Exception):
@@ -99,22 +103,28 @@ def _kind(path: pathlib.Path) -> str | None:
   return 'a folder' if stat.S_ISDIR(mode) else 'a special file'
 
 
-def read_meta(folder: pathlib.Path, step: int) -> dict[str, Any]:
-  """The step folder's meta.json; Unusable when the folder or the file is not what the tier wrote."""
+def read_meta(folder: pathlib.Path, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+  """The step folder's meta.json and manifest.json; Unusable when the folder or a file is not what the tier wrote (a
+  step saved before the tier kept manifests has none: it cannot be checked against the launch, so it is not used)."""
   if not is_folder(folder):
     raise Unusable(f'{_kind(folder)}, not a folder')
-  path = folder / 'meta.json'
-  kind = _kind(path)
-  if kind:
-    raise Unusable(f'its meta.json is {kind}')
-  try:
-    with os.fdopen(confined.open_fd(path, os.O_RDONLY), 'rb') as f:
-      meta = json.loads(f.read())
-  except (OSError, ValueError, confined.Planted) as e:
-    raise Unusable(f'its meta.json cannot be read ({why(e)})') from None
+  meta, manifest = _read_json(folder / 'meta.json'), _read_json(folder / 'manifest.json')
   if not isinstance(meta, dict) or any(k not in meta for k in META_KEYS) or meta['step'] != step:
     raise Unusable('its meta.json is not the one the tier wrote for this step')
-  return meta
+  if not isinstance(manifest, dict) or not all(isinstance(manifest.get(k), dict) for k in MANIFEST_KEYS):
+    raise Unusable('its manifest.json is not a run manifest')
+  return meta, manifest
+
+
+def _read_json(path: pathlib.Path) -> Any:
+  kind = _kind(path)
+  if kind:
+    raise Unusable(f'its {path.name} is {kind}')
+  try:
+    with os.fdopen(confined.open_fd(path, os.O_RDONLY), 'rb') as f:
+      return json.loads(f.read())
+  except (OSError, ValueError, confined.Planted) as e:
+    raise Unusable(f'its {path.name} cannot be read ({why(e)})') from None
 
 
 def read_shards(path: pathlib.Path, expected: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, np.ndarray]:

@@ -1,12 +1,15 @@
 """The local checkpoint tier: each process's shards every `ckpt.local_every_steps` on its own RAM disk or SSD,
 with a copy of its peer's, so a lost host costs a few steps, not every step since the last persistent save.
 
-Layout: LOCAL_DIR/jax-launch-<hash of the workdir>/process-<i>-of-<n>/<step>/{own.npz, peer.npz, meta.json}.
+Layout: LOCAL_DIR/jax-launch-<hash of the workdir>/process-<i>-of-<n>/<step>/{own.npz, peer.npz, meta.json,
+manifest.json}.
 `own.npz` holds the distinct shards this process's devices hold of every leaf of the train state; `peer.npz` those
 of process (i+1) % n, moved here by one collective-permute over the training mesh (trainer/training/peer_copy.py:
 the interconnect carries it, as the step's collectives do; no file system is shared);
-`meta.json` the data position and a fingerprint of the layout. A step folder is written under a temporary name and
-renamed once whole, so a process killed mid-write leaves no step behind.
+`meta.json` the data position and a fingerprint of the layout; `manifest.json` the record the persistent tier saves
+with its checkpoints (trainer/training/manifest.py), which a resume from this tier is checked against the same way
+(trainer/training/resume.py). A step folder is written under a temporary name and renamed once whole, so a process
+killed mid-write leaves no step behind.
 
 On a restart every process says which steps it holds (its own and its peer's); the newest step for which every
 process's shards are somewhere (its own folder, or the previous process's peer copy) is restored, a lost host's
@@ -68,6 +71,8 @@ class LocalTier:
     # False to take the GPU/TPU path on CPU.
     self.host_resident = jax.default_backend() == 'cpu'
     self._metas: dict[int, dict[str, Any]] = {}  # Of the steps this process offered at the last newest().
+    self._manifests: dict[int, dict[str, Any]] = {}  # Of the steps whose files this process read there, any layout.
+    self._described: list[set[int]] = []  # Per process, the steps with a readable manifest (the last newest()).
     self._files: dict[pathlib.Path, dict[str, np.ndarray] | None] = {}  # Shard files read there (None: unusable).
     self._chosen: tuple[int, dict | None, dict | None] | None = None  # (step, own, copy) read for restore().
     self._read_s = 0.0
@@ -88,9 +93,10 @@ class LocalTier:
   def due(self, step: int) -> bool:
     return self.enabled and step % self.every_steps == 0
 
-  def save(self, step: int, state, data_state: dict[str, Any]) -> None:
+  def save(self, step: int, state, data_state: dict[str, Any], manifest: dict[str, Any]) -> None:
     """Copies `state` off the step's buffers (the next step donates them), sends the peer's shards here, and writes
-    both in a background thread. Waits for the previous write first: at most one is in flight."""
+    both in a background thread, with the data position and the run's `manifest` (what the persistent tier saves).
+    Waits for the previous write first: at most one is in flight."""
     self.wait_until_finished()
     if self.enabled and not peer_copy.named(state, self._count):
       self._give_up('the local tier sends a peer its shards over a named mesh; parallel.strategy=\'pmap\' has none')
@@ -116,7 +122,7 @@ class LocalTier:
     own = functools.partial(_shards, own) if cpu else _shards(own)
     meta = {'step': step, 'data': data_state, 'layout': self._layouts[0], 'peer_layout': self._layouts[1],
             'peer_in_own': peer_in_own}
-    self._thread = threading.Thread(target=self._write, args=(step, own, peer, meta), daemon=True,
+    self._thread = threading.Thread(target=self._write, args=(step, own, peer, meta, manifest), daemon=True,
                                     name='local-tier-save')
     self._thread.start()
 
@@ -137,7 +143,7 @@ class LocalTier:
       self._copier = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=shardings)
     return self._copier(state)
 
-  def _write(self, step: int, own, peer, meta: dict[str, Any]) -> None:
+  def _write(self, step: int, own, peer, meta: dict[str, Any], manifest: dict[str, Any]) -> None:
     temporary = self.folder / f'.{step}.tmp-{os.getpid()}'
     try:
       shutil.rmtree(temporary, ignore_errors=True)  # Ours: a write this process started and never finished.
@@ -146,6 +152,7 @@ class LocalTier:
       if peer is not None:
         local_files.write_npz(temporary / 'peer.npz', peer())
       local_files.write_file(temporary / 'meta.json', json.dumps(meta).encode())
+      local_files.write_file(temporary / 'manifest.json', json.dumps(manifest).encode())
       confined.check_folder(self.folder / str(step))  # A link planted there during the run: refused, the tier off.
       shutil.rmtree(self.folder / str(step), ignore_errors=True)  # This run's own older copy of the step.
       os.rename(temporary, self.folder / str(step))
@@ -187,16 +194,18 @@ class LocalTier:
     process gives to it are read and checked now, kept for `restore`. Every process must call it (small
     all-gathers: one of the steps held, one more for each round that finds a file unusable), with the tier on or
     off."""
-    self._chosen, self._read_s = None, 0.0
+    self._chosen, self._read_s, self._described = None, 0.0, []
     if not self.configured:
       return None, ''
     if not peer_copy.named(abstract_with_shardings, self._count):
       return None, 'the local tier is not read under parallel.strategy=\'pmap\' across processes'
-    own, peer, unusable = self._offer(abstract_with_shardings)
-    held = np.full((2, _SLOTS + 1), -1, np.int64)
-    held[0, :len(own[:_SLOTS])], held[1, :len(peer[:_SLOTS])] = own[:_SLOTS], peer[:_SLOTS]
+    own, peer, described, unusable = self._offer(abstract_with_shardings)
+    held = np.full((3, _SLOTS + 1), -1, np.int64)
+    for row, steps in enumerate((own, peer, described)):
+      held[row, :len(steps[:_SLOTS])] = steps[:_SLOTS]
     held[:, _SLOTS] = unusable
-    every = np.asarray(multihost_utils.process_allgather(held)).reshape(self._count, 2, _SLOTS + 1)
+    every = np.asarray(multihost_utils.process_allgather(held)).reshape(self._count, 3, _SLOTS + 1)
+    self._described = [set(every[p, 2, :_SLOTS].tolist()) - {-1} for p in range(self._count)]
     own_of = [set(every[p, 0, :_SLOTS]) - {-1} for p in range(self._count)]
     copy_of = [set(every[(p - 1) % self._count, 1, :_SLOTS]) - {-1} for p in range(self._count)]  # The previous's.
     unusable_anywhere = bool(every[:, 0, _SLOTS].any())
@@ -217,15 +226,16 @@ class LocalTier:
     finally:
       self._files = {}  # What the chosen step needs is in self._chosen.
 
-  def _offer(self, abstract_with_shardings) -> tuple[list[int], list[int], int]:
-    """(steps whose own shards this process offers, steps whose copy of the next process's it offers, newest first;
-    how many step entries are unusable). Steps of another layout (mesh, process count) are not this run's."""
+  def _offer(self, abstract_with_shardings) -> tuple[list[int], list[int], list[int], int]:
+    """(steps whose own shards this process offers, steps whose copy of the next process's it offers, steps whose
+    manifest it holds, of any layout, newest first; how many step entries are unusable). Steps of another layout
+    (mesh, process count, model) are not restored, but their manifests still say which model they hold."""
     expected = layout(abstract_with_shardings), _peer_layout(abstract_with_shardings) if self._count > 1 else None
     own, peer, unusable = [], [], 0
-    self._metas = {}
+    self._metas, self._manifests = {}, {}
     for step, path in local_files.entries(self.folder)[::-1]:
       try:
-        meta = local_files.read_meta(path, step)
+        meta, self._manifests[step] = local_files.read_meta(path, step)
       except local_files.Unusable as e:
         self._unusable(path, str(e), step, self._index)
         unusable += 1
@@ -235,7 +245,7 @@ class LocalTier:
         own.append(step)
         if self._count > 1 and meta['peer_layout'] == expected[1]:
           peer.append(step)
-    return own, peer, unusable
+    return own, peer, sorted(self._manifests, reverse=True), unusable
 
   def _read(self, found: Found, abstract_with_shardings) -> tuple[bool, bool]:
     """Reads the files this process gives to `found` (its own shards, its copy of the next process's); (own
@@ -279,6 +289,17 @@ class LocalTier:
     """Seconds the last newest() spent reading and checking shard files."""
     return self._read_s
 
+  def newest_described(self) -> int | None:
+    """The newest step any process holds a readable manifest of, whatever its layout, as the last newest() found;
+    None if none (or the tier is off)."""
+    return max(set().union(*self._described), default=None)
+
+  def manifest(self, step: int) -> dict[str, Any]:
+    """The manifest `step` was saved with, the same on every process: the first process holding one sends its own
+    (as the persistent tier's is process 0's). `step` is one the last newest() found; every process must call it."""
+    holder = min(p for p, steps in enumerate(self._described) if step in steps)
+    return self._manifests[step] if self._count == 1 else self._from(holder, lambda: self._manifests[step])
+
   def restore(self, found: Found, abstract_with_shardings) -> tuple[Any, dict[str, Any]]:
     """(state, data position) of `found.step` (as `newest` returned it, with what it read), straight into the given
     shardings. Every process must call it."""
@@ -296,8 +317,11 @@ class LocalTier:
   def _data_state_from_peer(self, found: Found) -> dict[str, Any]:
     """The data position, the same on every process: process 0's (or the next with its own folder) is sent."""
     holder = min(p for p in range(self._count) if p not in found.from_peer)
-    text = json.dumps(self._metas[found.step]['data']) if self._index == holder else ''
-    return json.loads(_broadcast_text(text, holder))
+    return self._from(holder, lambda: self._metas[found.step]['data'])
+
+  def _from(self, holder: int, value) -> Any:
+    """`value()` of process `holder`, sent to every process as JSON (every process must call it)."""
+    return json.loads(_broadcast_text(json.dumps(value()) if self._index == holder else '', holder))
 
 
 def complete_step(own_of: list[set[int]], copy_of: list[set[int]], newer_than: int,
@@ -384,17 +408,3 @@ def _arrays(abstract_with_shardings, shards: dict[str, np.ndarray]):
       leaf.shape, leaf.sharding,
       lambda index, i=i, leaf=leaf: shards[peer_copy.key(i, index, leaf.shape)].view(leaf.dtype))  # bf16 kept as V2.
                                    for i, leaf in enumerate(leaves)])
-
-
-def restore_into(tier: LocalTier, found: Found, abstract_with_shardings, data_iterator,
-                 persistent_step: int | None) -> Any:
-  """Restores `found` (state returned, data position set) and says in one line which tier and why."""
-  start = time.perf_counter() - tier.read_s  # Its files were read as the step was chosen.
-  state, data_state = tier.restore(found, abstract_with_shardings)
-  data_iterator.set_state(data_state)
-  source = (f'process(es) {list(found.from_peer)} from their peer\'s copy (their own copy is missing or unusable), '
-            'the others from their own' if found.from_peer else 'every process from its own folder')
-  logging.info('Resuming from the local tier at step %d (%s; newer than the persistent tier\'s %s) in %.1fs: %s.',
-               found.step, tier.folder.parent, 'none' if persistent_step is None else f'step {persistent_step}',
-               time.perf_counter() - start, source)
-  return state

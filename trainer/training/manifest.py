@@ -4,7 +4,8 @@ The manifest (saved with every checkpoint as `manifest`) holds the resolved conf
 flags, mesh, strategy and git commit. On resume it is compared with the launching run's: another model, optimizer,
 parameter average or objective is refused in one line before anything is compiled or restored (`check_same_model`),
 a learning-rate jump at the resume step needs consent (`check_schedule`), and every other difference is logged
-(`safe_differences`).
+(`safe_differences`). `check_resume` is the one rule both checkpoint tiers go through: the persistent tier's
+(trainer/training/checkpoint.py) and the local tier's (trainer/training/local_tier.py, which saves the same record).
 """
 
 import json
@@ -22,7 +23,7 @@ from configs import base as base_config
 from parallel import sharding
 from trainer import attention
 from trainer.base.errors import UserError
-from trainer.models import router_bias
+from trainer.models import quantization, router_bias
 
 # Settings that change what a checkpoint means; any other difference is safe and only logged.
 _UNSAFE_SECTIONS = ('model',)
@@ -128,38 +129,38 @@ def _given_on_command_line(key: str) -> bool:
   return any(arg.lstrip('-').startswith(f'config.{key}=') for arg in sys.argv[1:])
 
 
-def _check_same_average(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
+def _check_same_average(saved: dict[str, Any], manifest: dict[str, Any], workdir) -> None:
   """A parameter average is in the saved state or not: train.ema_decay may change its value, not turn it on or off."""
   before = saved.get('config', {}).get('train', {}).get('ema_decay', 0.0) or 0.0
   now = manifest.get('config', {}).get('train', {}).get('ema_decay', 0.0) or 0.0
   if bool(before) != bool(now):
     kept = 'keep a parameter average' if before else 'keep no parameter average'
-    raise UserError(f'--workdir {directory.parent} was trained with train.ema_decay={before}, so its checkpoints '
+    raise UserError(f'--workdir {workdir} was trained with train.ema_decay={before}, so its checkpoints '
                     f'{kept}; resume with --config.train.ema_decay={before if before else 0}'
                     f'{" (any value in (0, 1) works)" if before else ""}, or use a fresh --workdir for '
                     f'train.ema_decay={now}.')
 
 
-def _check_same_objective(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
+def _check_same_objective(saved: dict[str, Any], manifest: dict[str, Any], workdir) -> None:
   """A DPO run's checkpoints hold its reference parameters, another run's none: train.objective stays as it was."""
   before, now = (m.get('config', {}).get('train', {}).get('objective', 'task') for m in (saved, manifest))
   if (before == 'dpo') != (now == 'dpo'):
-    raise UserError(f'--workdir {directory.parent} was trained with train.objective={before!r}; resume with '
+    raise UserError(f'--workdir {workdir} was trained with train.objective={before!r}; resume with '
                     f'--config.train.objective={before}, or start train.objective={now!r} in a fresh --workdir '
                     f'(from an exported checkpoint: scripts/export_hf.py, then model.init_from=hf:FOLDER).')
 
 
-def _check_same_optimizer(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
+def _check_same_optimizer(saved: dict[str, Any], manifest: dict[str, Any], workdir) -> None:
   """Another optimizer's state cannot be restored into this one's (a schedule change can, and is logged)."""
   # Checkpoints written before train.optimizer existed were AdamW's.
   before = saved.get('config', {}).get('train', {}).get('optimizer', 'adamw')
   now = manifest.get('config', {}).get('train', {}).get('optimizer', 'adamw')
   if before != now:
-    raise UserError(f'--workdir {directory.parent} was trained with train.optimizer={before!r}, not {now!r}: resume '
+    raise UserError(f'--workdir {workdir} was trained with train.optimizer={before!r}, not {now!r}: resume '
                     f'with --config.train.optimizer={before}, or use a fresh --workdir to start with {now!r}.')
 
 
-def _check_same_router_bias(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
+def _check_same_router_bias(saved: dict[str, Any], manifest: dict[str, Any], workdir) -> None:
   """The router bias is in the saved parameters or not: model.router_bias_rate may change its speed, not turn it on
   or off (the checkpoints could not be restored into the other tree, nor route as they were trained to)."""
   held = [any(name.rsplit('/', 1)[-1] == router_bias.PARAM for name in m['param_shapes']) for m in (saved, manifest)]
@@ -167,11 +168,11 @@ def _check_same_router_bias(saved: dict[str, Any], manifest: dict[str, Any], dir
     return
   before, now = (float(m['model'].get('router_bias_rate', 0.0) or 0.0) for m in (saved, manifest))
   if held[0]:
-    raise UserError(f'--workdir {directory.parent} was trained with model.router_bias_rate={before:g}, so its '
+    raise UserError(f'--workdir {workdir} was trained with model.router_bias_rate={before:g}, so its '
                     f'checkpoints hold the router bias its experts are chosen with; resume with a rate > 0 '
                     f'(--config.model.router_bias_rate={before:g}, or another to move the bias faster or slower), '
                     f'or use a fresh --workdir to train without it; nothing was changed.')
-  raise UserError(f'--workdir {directory.parent} was trained with model.router_bias_rate={before:g}, so its '
+  raise UserError(f'--workdir {workdir} was trained with model.router_bias_rate={before:g}, so its '
                   f'checkpoints hold no router bias; resume with --config.model.router_bias_rate={before:g}, or use a '
                   f'fresh --workdir to train with model.router_bias_rate={now:g} from step 0; nothing was changed.')
 
@@ -185,9 +186,10 @@ def _as_saved(value):
   return json.loads(json.dumps(value))
 
 
-def check_same_model(saved: dict[str, Any], manifest: dict[str, Any], directory) -> None:
+def check_same_model(saved: dict[str, Any], manifest: dict[str, Any], directory, workdir) -> None:
   """Raises UserError when the checkpoint's manifest `saved` holds another model, optimizer, average or objective
-  than `manifest` describes (the checkpoints in `directory` could not be restored into it)."""
+  than `manifest` describes (the checkpoints in `directory`, of the run in `workdir`, could not be restored into
+  it)."""
   # A key newer than the checkpoint (absent from its manifest) is what the key's default says: the model it built.
   defaults = base_config.get_config().model.to_dict()
   diffs = [f'model.{k}: checkpoint {saved["model"].get(k)!r} vs config {v!r}'
@@ -195,13 +197,32 @@ def check_same_model(saved: dict[str, Any], manifest: dict[str, Any], directory)
            if saved['model'].get(k, _as_saved(defaults.get(k))) != _as_saved(v)
            and k not in _KERNEL_ONLY_KEYS + _LOGGED_MODEL_KEYS]
   if not diffs:  # Before the shapes: it names the key that changes them.
-    _check_same_router_bias(saved, manifest, directory)
+    _check_same_router_bias(saved, manifest, workdir)
   if not diffs and saved['param_shapes'] != manifest['param_shapes']:
     diffs = ['parameter shapes differ']
   if diffs:
     raise UserError(f'--workdir holds checkpoints of a different model ({"; ".join(diffs[:4])}) in '
                     f'{directory}. Resume with the config it was trained with, or use a fresh --workdir; '
                     f'nothing was changed.')
-  _check_same_optimizer(saved, manifest, directory)
-  _check_same_average(saved, manifest, directory)
-  _check_same_objective(saved, manifest, directory)
+  _check_same_optimizer(saved, manifest, workdir)
+  _check_same_average(saved, manifest, workdir)
+  _check_same_objective(saved, manifest, workdir)
+
+
+def check_resume(step: int, saved: dict[str, Any], manifest: dict[str, Any], directory, workdir,
+                 training: bool = True) -> None:
+  """What a launch described by `manifest` may change since checkpoint `step` (its manifest `saved`, in `directory`,
+  of either tier): another model, optimizer, average or objective refused (UserError); with `training`, a
+  learning-rate jump at `step` refused unless accepted, and a change of quantization noted; every other difference
+  logged in one line. `training=False`: a tool reading the parameters, which applies no schedule."""
+  check_same_model(saved, manifest, directory, workdir)
+  if training:
+    check_schedule(step, saved, manifest)
+    quantized = quantization.resume_note(step, *(m.get('config', {}).get('train', {}).get('quantization')
+                                                 for m in (saved, manifest)))
+    if quantized:
+      logging.info(quantized)
+  changes = safe_differences(saved, manifest)
+  if changes:
+    logging.info('%s step %d with %d setting(s) changed since it was saved: %s',
+                 'Resuming' if training else 'Reading', step, len(changes), '; '.join(changes))
