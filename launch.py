@@ -239,9 +239,15 @@ def main(argv):
   from trainer.supervision import attempt
   if not _PLAN.value and _MAX_RESTARTS.value > 0 and not attempt.supervised():
     from trainer.supervision import supervisor
-    sys.exit(supervisor.Supervisor([sys.executable, *sys.argv], _WORKDIR.value, _MAX_RESTARTS.value,
+    from trainer.safety import startup_signals
+    startup_signals.hand_over()  # The supervisor's handlers answer the stop signals until it returns.
+    try:
+      code = supervisor.Supervisor([sys.executable, *sys.argv], _WORKDIR.value, _MAX_RESTARTS.value,
                                    _RESTART_BACKOFF_S.value, writes_record=_PROCESS_ID.value in (None, 0),
-                                   preemption_signals=tuple(_CONFIG.value.train.preemption_signals)).run())
+                                   preemption_signals=tuple(_CONFIG.value.train.preemption_signals)).run()
+    finally:
+      startup_signals.take_back()
+    sys.exit(code)
   from parallel import distributed, platforms, watchdog  # After flag parsing, so --help does not wait for jax.
   if not _TOPOLOGY.value:  # No TPU asked for: libtpu's start-up lines stay off a machine without one.
     platforms.skip_absent_tpu()

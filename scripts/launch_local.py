@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from trainer.base import interpreter  # noqa: E402
 interpreter.require_packages('launch_local.py')  # Its launch.py processes need them.
-from trainer.supervision import supervisor  # noqa: E402  (die_with_parent)
+from trainer.supervision import supervisor  # noqa: E402  (die_with_parent, signals_held)
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _SAVE_GRACE_S = 60  # After a forwarded stop signal, the processes get this long to save before SIGKILL.
@@ -131,10 +131,12 @@ def run(cmds: list[list[str]], env: dict[str, str], timeout_s: float, restarts: 
     signal.signal(sig, lambda signum, frame: received.append(signum))
 
   def start(i: int) -> subprocess.Popen:
-    # Own session per process: stopping it takes its children too, and Ctrl-C reaches only this script.
-    p = subprocess.Popen(cmds[i], env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, bufsize=1, start_new_session=True,
-                         preexec_fn=supervisor.die_with_parent(signal.SIGTERM))
+    # Own session per process: stopping it takes its children too, and Ctrl-C reaches only this script. A stop
+    # forwarded while it still starts Python waits for launch.py's handlers (signals_held), not a traceback.
+    with supervisor.signals_held(_STOP_SIGNALS):
+      p = subprocess.Popen(cmds[i], env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, bufsize=1, start_new_session=True,
+                           preexec_fn=supervisor.die_with_parent(signal.SIGTERM))
     for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
       relays.append(threading.Thread(target=_relay, args=(stream, sink, f'[{i}] '), daemon=True))
       relays[-1].start()

@@ -4,12 +4,14 @@ Each launch runs under the supervisor (--max_restarts=1), so the signal goes to 
 user's `kill` or a scheduler's would. A `sitecustomize` module put on the path of both processes holds one phase
 open (an import, the compile, the first step, the final eval) and prints a marker line from the process it holds; the
 test sends the signal when it reads the marker, so the signal lands in that phase by construction, however fast or
-slow this machine is.
+slow this machine is. Two more phases are made the same way: the child held before its handlers are in, and the
+supervisor's own signal watcher scheduled late, after the supervisor returned (the CI flake: two lines).
 """
 
 import os
 import re
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -19,9 +21,10 @@ from conftest import REPO, launcher_env, make_text_dir, watch_command
 TIMEOUT_S = 300
 
 HOLD = r'''
-import importlib.abc, importlib.util, os, sys, time
+import importlib.abc, importlib.util, os, signal, sys, threading, time
 
 _where = os.environ.get('TEST_HOLD')
+_in_child = 'LAUNCH_ATTEMPT' in os.environ  # Set by the supervisor for the training process it starts.
 
 
 def _marker(what):
@@ -34,7 +37,32 @@ def _hold(seconds):
     time.sleep(0.05)
 
 
+_supervisor_returned = threading.Event()
+
+
 def _patch(name, module):
+  if os.environ.get('TEST_LATE_WATCH') and name == 'trainer.safety.startup_signals' and not _in_child:
+    # The supervisor's stop-signal watcher, as a loaded machine may schedule it: what it reads reaches it only once
+    # the supervisor has returned (and put launch.py's handlers back), before the process exits.
+    watch = module._watch
+    def late_watch(read_fd):
+      relay_read, relay_write = os.pipe()
+      def relay():
+        while received := os.read(read_fd, 64):
+          _supervisor_returned.wait(10)
+          os.write(relay_write, received)
+      threading.Thread(target=relay, daemon=True).start()
+      watch(relay_read)
+    module._watch = late_watch
+  if os.environ.get('TEST_LATE_WATCH') and name == 'trainer.supervision.supervisor':
+    run = module.Supervisor.run
+    def returns_late(self):
+      try:
+        return run(self)
+      finally:
+        _supervisor_returned.set()
+        time.sleep(0.5)  # A slow exit: time for a watcher that got something to act on it.
+    module.Supervisor.run = returns_late
   if _where == 'compile' and name == 'trainer.run.preflight':
     original = module.compile_checked
     def compile_checked(job):
@@ -58,6 +86,10 @@ def _patch(name, module):
     module.held_out = evaluate
 
 
+_PATCHED = ('trainer.run.preflight', 'trainer.supervision.faults', 'trainer.run.evaluation',
+            'trainer.safety.startup_signals', 'trainer.supervision.supervisor')
+
+
 class _Finder(importlib.abc.MetaPathFinder):
   def find_spec(self, name, path, target=None):
     # The child imports numpy (through jax); the supervisor, which imports no jax, its own module. One of the two:
@@ -66,7 +98,12 @@ class _Finder(importlib.abc.MetaPathFinder):
     if name == held and 'trainer.safety.startup_signals' in sys.modules:
       _marker(f'import of {name}')
       _hold(60)  # Inside the import machinery, where a raised exception became an ImportError.
-    if name not in ('trainer.run.preflight', 'trainer.supervision.faults', 'trainer.run.evaluation'):
+    if _where == 'before_handlers' and name == 'trainer.safety.startup_signals' and _in_child:
+      _marker('start-up before the stop handlers')  # launch.py's own first lines, before install_early().
+      deadline = time.monotonic() + 60
+      while not signal.sigpending() and time.monotonic() < deadline:  # Held until the forwarded signal came.
+        time.sleep(0.05)
+    if name not in _PATCHED:
       return None
     sys.meta_path.remove(self)
     try:
@@ -138,6 +175,49 @@ def test_a_stop_signal_while_the_child_still_imports_ends_in_one_line(text_dir, 
   line = _assert_one_clean_line(result, sig)
   assert 'No step of this launch was left unsaved' in line
   assert not (tmp_path / 'checkpoints').exists() or not any((tmp_path / 'checkpoints').iterdir())
+
+
+@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_stop_signal_forwarded_before_the_child_has_its_handlers_ends_in_one_line(text_dir, hook_dir, tmp_path, sig):
+  # Held in launch.py's own first lines, before install_early(): the forwarded signal waits for the handlers (it was
+  # a KeyboardInterrupt traceback for SIGINT, a death without a word for SIGTERM).
+  result = _launch(tmp_path, text_dir, hook_dir, 'before_handlers', sig)
+  assert 'No step of this launch was left unsaved' in _assert_one_clean_line(result, sig)
+
+
+def test_a_stop_signal_the_supervisor_answered_is_not_answered_again_by_its_late_watcher(text_dir, hook_dir, tmp_path,
+                                                                                        monkeypatch):
+  # The CI flake: the supervisor's C-level watcher read the signal only after the supervisor had returned and put
+  # launch.py's start-up handlers back, and printed a second line after the child's.
+  monkeypatch.setenv('TEST_LATE_WATCH', '1')
+  _assert_one_clean_line(_launch(tmp_path, text_dir, hook_dir, 'import', signal.SIGINT), signal.SIGINT)
+
+
+_CHILD = '''
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # As launch.py's start-up handlers, then unblocked as they are.
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
+time.sleep(20)
+'''
+
+
+def test_a_stop_signal_while_the_supervisor_starts_its_child_reaches_the_child_once_it_can_answer(monkeypatch):
+  from trainer.supervision import supervisor
+  run = supervisor.Supervisor([sys.executable, '-c', _CHILD], '/tmp/unused', 0, 0.0, writes_record=False)
+  popen = subprocess.Popen
+
+  def popen_with_a_signal_meanwhile(*args, **kwargs):
+    started = popen(*args, **kwargs)
+    # Handed to the handler directly (no real signal reaches pytest), as Python runs it in Popen's last bytecodes,
+    # before the child is known; the child has not installed its handler yet (Python takes ~20 ms to start).
+    run._on_signal(signal.SIGTERM, None)  # pylint: disable=protected-access
+    return started
+
+  monkeypatch.setattr(subprocess, 'Popen', popen_with_a_signal_meanwhile)
+  assert run.run() == 143
+  # Its own handler answered (it was lost, and the child slept its 20 s; or, forwarded at once, it killed it).
+  assert run.records[0]['cause'] == ('stopped by SIGTERM, which the supervisor received and forwarded to the '
+                                     'training process; it stopped with it (exit 143)'), run.records
 
 
 def test_a_stop_signal_while_the_supervisor_itself_imports_ends_in_one_line(text_dir, hook_dir, tmp_path):

@@ -163,6 +163,7 @@ def test_launch_locals_processes_end_with_it(tmp_path, signum):
 _CHILD = '''
 import signal, sys, time
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # As launch.py's training process stops before its loop.
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])  # Held back by the supervisor until the handler is in.
 print('ready', file=sys.stderr, flush=True)
 time.sleep(60)
 '''

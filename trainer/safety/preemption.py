@@ -29,7 +29,7 @@ import threading
 import jax
 from jax.experimental import multihost_utils
 
-from trainer.safety import sigterm_handoff
+from trainer.safety import sigterm_handoff, startup_signals
 
 
 INTERRUPTED_EXIT_CODE = 130
@@ -58,6 +58,7 @@ class PreemptionWatch:
     _interrupted.clear()
     self._previous_hup = None
     if threading.current_thread() is threading.main_thread():
+      startup_signals.hand_over()  # These handlers answer the stop signals until close().
       if self._use_jax:
         self._previous = signal.getsignal(signal.SIGTERM)  # The launcher's handler (Python's view), for close().
         sigterm_handoff.hand_to_jax()
@@ -132,3 +133,4 @@ class PreemptionWatch:
     if self._previous_hup is not None:
       signal.signal(signal.SIGHUP, self._previous_hup)
       self._previous_hup = None
+      startup_signals.take_back()

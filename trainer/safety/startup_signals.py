@@ -16,7 +16,17 @@ Why the process ends with `os._exit` from here rather than an exception:
   shutdown: the kernel closes the files and drops the workdir lock (a flock).
 Python runs a handler only between bytecodes of the main thread, so a watcher thread
 also reads the signal numbers the C-level handler writes to a wakeup pipe: the line
-comes at once even while the main thread sits in a long C++ call.
+comes at once even while the main thread sits in a long C++ call. Whoever takes the
+stop signals over for a while (launch.py's supervisor, the step loop) does it between
+`hand_over()` and `take_back()`, which keep the pipe shut meanwhile: the C-level handler
+writes a byte for every signal, whoever's Python handler answers it, and a watcher that
+read the supervisor's byte only after the supervisor had put these handlers back (a
+loaded machine, the child already stopped with its own line) printed a second line.
+
+A launch started by the supervisor starts with its stop signals blocked (the
+supervisor blocks them while it spawns it); `install_early()` unblocks them once its
+handlers are in, so a signal forwarded while the child still started Python waits for
+them (it was a KeyboardInterrupt traceback, or a SIGTERM that killed without a word).
 
 A SIGUSR1 (a profile request; `pkill -USR1` on a pod reaches workers still
 compiling), which would otherwise kill the process, is kept for
@@ -48,6 +58,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 _stopping = watchdog.EXITING
 _program = 'launch.py'  # Who the line names: launch.py, or the tool that called install_for_tool.
 _before_exit: list = []  # A tool's cleanups (its partial output removed), run before os._exit.
+_wakeup_fd: int | None = None  # The watcher's pipe, once installed; shut (-1) between hand_over() and take_back().
 
 
 class OutsideTheLoop(BaseException):
@@ -133,6 +144,21 @@ def install_early() -> None:
     return
   watchdog.on_peer_stop(_peer_stopped)
   signal.signal(signal.SIGUSR1, lambda signum, frame: _profile_requested_early.set())
+  # Every handler a launch has is in: what its supervisor held back while it spawned this process is delivered now.
+  signal.pthread_sigmask(signal.SIG_SETMASK, ())
+
+
+def hand_over() -> None:
+  """Before another handler takes a stop signal over (the supervisor, the step loop): the watcher is given no
+  signal until `take_back()`, so one that handler answered is never answered here too."""
+  if _wakeup_fd is not None and threading.current_thread() is threading.main_thread():
+    signal.set_wakeup_fd(-1)
+
+
+def take_back() -> None:
+  """After these handlers were put back: the watcher answers a stop signal again, also inside C++."""
+  if _wakeup_fd is not None and threading.current_thread() is threading.main_thread():
+    signal.set_wakeup_fd(_wakeup_fd, warn_on_full_buffer=False)
 
 
 def install_for_tool(program: str) -> None:
@@ -150,14 +176,17 @@ def on_stop(cleanup) -> None:
 
 def _install_stop_handlers() -> bool:
   """The handlers, and the watcher thread for a signal that comes while the main thread is inside C++."""
+  global _wakeup_fd
   if threading.current_thread() is not threading.main_thread():
     return False
   read_fd, write_fd = os.pipe()
   os.set_blocking(write_fd, False)  # set_wakeup_fd's requirement: a full pipe must never block a handler.
   signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+  _wakeup_fd = write_fd
   threading.Thread(target=_watch, args=(read_fd,), daemon=True, name='stop-signal-watch').start()
   for sig in STOP_SIGNALS:
     signal.signal(sig, _on_stop_signal)
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # Blocked by a supervisor that spawned this process.
   return True
 
 

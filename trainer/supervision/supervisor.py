@@ -29,6 +29,7 @@ step the child had reported (at most a second stale for one killed without a wor
 (trainer/observe/goodput.py reads them from metrics.jsonl).
 """
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -105,6 +106,22 @@ def die_with_parent(signum: int = signal.SIGKILL):
   return preexec
 
 
+@contextlib.contextmanager
+def signals_held(signals):
+  """`signals` blocked in this thread meanwhile, and so in a process started meanwhile, from its first line.
+
+  A stop forwarded to a launch.py that still starts Python (before its handlers: a KeyboardInterrupt traceback, or a
+  SIGTERM that killed it without a word) then waits until trainer/safety/startup_signals.py has its handlers in and
+  unblocks them. The child must unblock them itself once it can answer them, as launch.py does; one that never does
+  never sees them.
+  """
+  before = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+  try:
+    yield
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 class Supervisor:
   """Runs `command` (a launch.py command line) until it ends for good; `run()` returns the exit code to use."""
 
@@ -115,6 +132,7 @@ class Supervisor:
     self.writes_record = writes_record
     self.records: list[dict] = []
     self._child: subprocess.Popen | None = None
+    self._unforwarded: list[int] = []  # Signals that came while the child was being started.
     self._stop = threading.Event()
     self._stop_signal = None
     # The run's own preemption notices (train.preemption_signals, e.g. SLURM's --signal=USR2@120) stop it too.
@@ -126,7 +144,9 @@ class Supervisor:
     if signum in self._stops:
       self._stop_signal = signal.Signals(signum).name
       self._stop.set()
-    if self._child is not None and self._child.poll() is None:
+    if self._child is None:
+      self._unforwarded.append(signum)  # The child is being started: _one forwards it once Popen returned.
+    elif self._child.poll() is None:
       os.kill(self._child.pid, signum)
 
   def run(self) -> int:
@@ -182,8 +202,13 @@ class Supervisor:
            'LAUNCH_RESTART_GAP_S': f'{gap:.3f}', heartbeat.ENV: beat_file}
     started = time.time()
     try:
-      # Its own process group: a terminal's Ctrl-C reaches this parent alone, which forwards it once.
-      self._child = subprocess.Popen(self.command_for(n), env=env, process_group=0, preexec_fn=die_with_parent())
+      self._child = None  # A signal from here until the child is known is forwarded to it once it is.
+      with signals_held(self._forwarded):
+        # Its own process group: a terminal's Ctrl-C reaches this parent alone, which forwards it once.
+        self._child = subprocess.Popen(self.command_for(n), env=env, process_group=0, preexec_fn=die_with_parent())
+      for signum in self._unforwarded:
+        os.kill(self._child.pid, signum)
+      self._unforwarded.clear()
       returncode, frozen = self._wait(n, beat_file, started)
       if returncode - 128 in self._stops and returncode not in _NOT_RETRIED and not self._stop.is_set():
         self._stop.wait(_PEER_STOP_GRACE_S)
