@@ -133,8 +133,8 @@ def run(cmds: list[list[str]], env: dict[str, str], timeout_s: float, restarts: 
   def start(i: int) -> subprocess.Popen:
     # Own session per process: stopping it takes its children too, and Ctrl-C reaches only this script. A stop
     # forwarded while it still starts Python waits for launch.py's handlers (signals_held), not a traceback.
-    with supervisor.signals_held(_STOP_SIGNALS):
-      p = subprocess.Popen(cmds[i], env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    with supervisor.signals_held(_STOP_SIGNALS) as held:
+      p = subprocess.Popen(cmds[i], env={**os.environ, **env, **held}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, bufsize=1, start_new_session=True,
                            preexec_fn=supervisor.die_with_parent(signal.SIGTERM))
     for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):

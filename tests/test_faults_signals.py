@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -201,9 +202,10 @@ time.sleep(20)
 '''
 
 
-def test_a_stop_signal_while_the_supervisor_starts_its_child_reaches_the_child_once_it_can_answer(monkeypatch):
+def _supervised_with_a_sigterm_while_starting(child: str, monkeypatch):
+  """A Supervisor of `python -c child` whose SIGTERM comes as Popen returns, before the child is known."""
   from trainer.supervision import supervisor
-  run = supervisor.Supervisor([sys.executable, '-c', _CHILD], '/tmp/unused', 0, 0.0, writes_record=False)
+  run = supervisor.Supervisor([sys.executable, '-c', child], '/tmp/unused', 0, 0.0, writes_record=False)
   popen = subprocess.Popen
 
   def popen_with_a_signal_meanwhile(*args, **kwargs):
@@ -214,6 +216,11 @@ def test_a_stop_signal_while_the_supervisor_starts_its_child_reaches_the_child_o
     return started
 
   monkeypatch.setattr(subprocess, 'Popen', popen_with_a_signal_meanwhile)
+  return run
+
+
+def test_a_stop_signal_while_the_supervisor_starts_its_child_reaches_the_child_once_it_can_answer(monkeypatch):
+  run = _supervised_with_a_sigterm_while_starting(_CHILD, monkeypatch)
   assert run.run() == 143
   # Its own handler answered (it was lost, and the child slept its 20 s; or, forwarded at once, it killed it).
   assert run.records[0]['cause'] == ('stopped by SIGTERM, which the supervisor received and forwarded to the '
@@ -249,3 +256,23 @@ def test_a_stop_signal_during_the_final_eval_says_what_was_kept(text_dir, hook_d
   line = _assert_one_clean_line(result, sig)
   assert 'during the final eval or save' in line and 'the newest checkpoint is step 8' in line, line
   assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()) == [4, 8]
+
+
+_HUNG_CHILD = '''
+import time
+time.sleep(60)  # Hung while starting: it never installs a handler nor unblocks what its supervisor held.
+'''
+
+
+def test_a_stop_signal_to_a_child_hung_while_starting_ends_it_after_a_grace_in_one_line(monkeypatch, capsys):
+  from trainer.supervision import supervisor
+  monkeypatch.setattr(supervisor, '_STARTING_STOP_GRACE_S', 0.5)
+  run = _supervised_with_a_sigterm_while_starting(_HUNG_CHILD, monkeypatch)
+  began = time.monotonic()
+  code = run.run()
+  # Blocked, SIGTERM never reached it: without the grace the supervisor waited out its 60 s sleep.
+  assert time.monotonic() - began < 15
+  lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith('launch.py: ')]
+  assert len(lines) == 1 and lines[0].startswith('launch.py: interrupted: attempt 1: asked to stop (SIGTERM), the '
+                                                 'training process was still starting'), lines
+  assert code == 128 + signal.SIGTERM, (code, run.records)

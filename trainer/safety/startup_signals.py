@@ -51,6 +51,7 @@ import signal
 import threading
 
 from parallel import watchdog
+from trainer.supervision import attempt
 
 _profile_requested_early = threading.Event()  # A SIGUSR1 before the profiler's handler: trace from the first step.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -145,7 +146,10 @@ def install_early() -> None:
   watchdog.on_peer_stop(_peer_stopped)
   signal.signal(signal.SIGUSR1, lambda signum, frame: _profile_requested_early.set())
   # Every handler a launch has is in: what its supervisor held back while it spawned this process is delivered now.
-  signal.pthread_sigmask(signal.SIG_SETMASK, ())
+  # Those alone (the supervisor names them): a signal its user blocked on purpose stays blocked.
+  held = [int(s) for s in os.environ.pop(attempt.HELD_SIGNALS_ENV, '').split(',') if s.isdigit()]
+  if held:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 def hand_over() -> None:

@@ -23,6 +23,7 @@ from trainer.base import confined
 _ATTEMPT_ENV = 'LAUNCH_ATTEMPT'
 _STATUS_ENV = 'LAUNCH_STATUS_FILE'
 _RESTART_GAP_ENV = 'LAUNCH_RESTART_GAP_S'
+HELD_SIGNALS_ENV = 'LAUNCH_HELD_SIGNALS'  # Signals the supervisor blocked while it spawned this attempt (numbers).
 _status: dict = {}
 _lock = threading.Lock()  # The status is changed by the loop and written by the progress thread.
 _write_lock = threading.Lock()

@@ -51,6 +51,9 @@ _FORWARDED = _STOP_SIGNALS + (signal.SIGUSR1, signal.SIGUSR2)
 # A child that stopped on a stop signal this parent did not forward stopped with a peer that received it
 # (trainer/safety/startup_signals.py); a group-wide preemption reaches this parent too, a little later.
 _PEER_STOP_GRACE_S = 5.0
+# A child asked to stop that still holds the stop signals blocked after this long never reached its handlers (hung
+# while starting Python: a stalled filesystem under its imports): nothing of it to save, so it is killed.
+_STARTING_STOP_GRACE_S = 20.0
 _NOT_RETRIED = {0: 'finished', 2: 'user error', 3: 'non-finite loss', 130: 'interrupted (Ctrl-C)',
                 # An elastic run's processes that did not all rejoin: the launcher starts a smaller job (elastic.py).
                 76: 'processes missing (elastic: the launcher starts the others as a smaller job)'}
@@ -108,7 +111,8 @@ def die_with_parent(signum: int = signal.SIGKILL):
 
 @contextlib.contextmanager
 def signals_held(signals):
-  """`signals` blocked in this thread meanwhile, and so in a process started meanwhile, from its first line.
+  """`signals` blocked in this thread meanwhile, and so in a process started meanwhile, from its first line; yields
+  the environment entry that tells the child which to unblock.
 
   A stop forwarded to a launch.py that still starts Python (before its handlers: a KeyboardInterrupt traceback, or a
   SIGTERM that killed it without a word) then waits until trainer/safety/startup_signals.py has its handlers in and
@@ -117,9 +121,19 @@ def signals_held(signals):
   """
   before = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
   try:
-    yield
+    yield {attempt.HELD_SIGNALS_ENV: ','.join(str(int(s)) for s in signals)}  # For the child's environment.
   finally:
     signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _blocks(pid: int, signal_name: str | None) -> bool:
+  """Whether process `pid` has `signal_name` blocked (Linux's /proc; elsewhere False: it is waited for)."""
+  try:
+    with open(f'/proc/{pid}/status') as f:
+      mask = next(int(line.split()[1], 16) for line in f if line.startswith('SigBlk:'))
+  except (OSError, StopIteration, ValueError):
+    return False
+  return bool(signal_name) and bool(mask >> (signal.Signals[signal_name] - 1) & 1)
 
 
 class Supervisor:
@@ -133,6 +147,7 @@ class Supervisor:
     self.records: list[dict] = []
     self._child: subprocess.Popen | None = None
     self._unforwarded: list[int] = []  # Signals that came while the child was being started.
+    self._killed_starting = False  # Asked to stop, the child never reached its handlers and was killed (_wait).
     self._stop = threading.Event()
     self._stop_signal = None
     # The run's own preemption notices (train.preemption_signals, e.g. SLURM's --signal=USR2@120) stop it too.
@@ -166,8 +181,9 @@ class Supervisor:
       n += 1
       returncode, record = self._one(n, gap)
       ended = time.monotonic()
-      if self._stop.is_set():
-        return _exit_code(returncode)  # Asked to stop from outside: the child has saved; nothing to retry.
+      if self._stop.is_set():  # Asked to stop from outside: the child has saved; nothing to retry.
+        # One killed while still starting ends as a stop does: 128 + the signal (its own SIGKILL is the record's).
+        return 128 + signal.Signals[self._stop_signal] if self._killed_starting else _exit_code(returncode)
       if not record['retried']:
         return _exit_code(returncode)
       failures = [r for r in self.records if r['retried']]
@@ -203,9 +219,10 @@ class Supervisor:
     started = time.time()
     try:
       self._child = None  # A signal from here until the child is known is forwarded to it once it is.
-      with signals_held(self._forwarded):
+      with signals_held(self._forwarded) as held:
         # Its own process group: a terminal's Ctrl-C reaches this parent alone, which forwards it once.
-        self._child = subprocess.Popen(self.command_for(n), env=env, process_group=0, preexec_fn=die_with_parent())
+        self._child = subprocess.Popen(self.command_for(n), env={**env, **held}, process_group=0,
+                                       preexec_fn=die_with_parent())
       for signum in self._unforwarded:
         os.kill(self._child.pid, signum)
       self._unforwarded.clear()
@@ -248,11 +265,21 @@ class Supervisor:
 
   def _wait(self, n: int, beat_file: str, started: float) -> tuple[int, str | None]:
     """The child's exit code, and why the supervisor ended it if it did: no progress past its hang limit."""
+    stop_seen = None
     while True:
       try:
         return self._child.wait(timeout=1.0), None
       except subprocess.TimeoutExpired:
         why = None if self._stop.is_set() else heartbeat.overdue(beat_file, started)
+      if self._stop.is_set():
+        stop_seen = stop_seen or time.monotonic()
+        if time.monotonic() - stop_seen > _STARTING_STOP_GRACE_S and _blocks(self._child.pid, self._stop_signal):
+          _say(f'attempt {n}: asked to stop ({self._stop_signal}), the training process was still starting after '
+               f'{_STARTING_STOP_GRACE_S:g}s with the signal held (never reached its handlers: check the filesystem '
+               'its Python imports from); killed it (SIGKILL), nothing of it to save.', 'interrupted')
+          self._child.kill()
+          self._killed_starting = True
+          return self._child.wait(), None
       if why:
         break
     _say(f'attempt {n}: {why}, and its own hang watch did not end it (the process is frozen: stopped, or stuck where '
