@@ -158,21 +158,29 @@ def _dropped_by_rule(chosen_BLK, layout, exchange, factor):
 
 @pytest.mark.parametrize('layout,exchange', OVER_EXPERT)
 def test_balanced_buffer_drops_the_overflow(setup, layout, exchange):
-  """Factor 1.0 under the peaked router: some device overflows; the layer's output is the dense one-device
-  computation without exactly the dropped assignments, and its dropped fraction is their count."""
+  """Factor 1.0 under the peaked router: some device overflows; the layer's output and gradients are the dense
+  one-device computation's without exactly the dropped assignments, and its dropped fraction is their count."""
   x, params, _ = setup
-  probs = jax.nn.softmax(x @ params['router'], axis=-1)
-  top, chosen = jax.lax.top_k(probs, K)
+  _, chosen = jax.lax.top_k(jax.nn.softmax(x @ params['router'], axis=-1), K)
   drop_BLK = _dropped_by_rule(np.asarray(chosen), layout, exchange, 1.0)
   assert 0 < drop_BLK.sum() < drop_BLK.size / 2  # Some, not most: the test tells kept from dropped rows.
-  weights = jnp.where(drop_BLK, 0.0, top / top.sum(-1, keepdims=True))
-  combine_BLE = jnp.einsum('blk,blke->ble', weights, jax.nn.one_hot(chosen, E))
-  hidden_BLEF = jax.nn.silu(jnp.einsum('bld,edf->blef', x, params['gate'])) * jnp.einsum('bld,edf->blef', x,
-                                                                                       params['up'])
-  want = jnp.einsum('ble,blef,efd->bld', combine_BLE, hidden_BLEF, params['down'])
-  out, dropped = jax.jit(_layer(None, _mesh(*LAYOUTS[layout]), exchange, buffer_factor=1.0))(params, x)
+
+  def reference(p):
+    top, _ = jax.lax.top_k(jax.nn.softmax(x @ p['router'], axis=-1), K)
+    weights = jnp.where(drop_BLK, 0.0, top / top.sum(-1, keepdims=True))
+    combine_BLE = jnp.einsum('blk,blke->ble', weights, jax.nn.one_hot(chosen, E))
+    hidden_BLEF = jax.nn.silu(jnp.einsum('bld,edf->blef', x, p['gate'])) * jnp.einsum('bld,edf->blef', x, p['up'])
+    return jnp.einsum('ble,blef,efd->bld', combine_BLE, hidden_BLEF, p['down'])
+
+  layer = _layer(None, _mesh(*LAYOUTS[layout]), exchange, buffer_factor=1.0)
+  loss = lambda p: jnp.sum(jnp.sin(layer(p, x)[0]))
+  (out, dropped), grads = jax.jit(lambda p: (layer(p, x), jax.grad(loss)(p)))(params)
+  want = reference(params)
   assert float(dropped) == pytest.approx(drop_BLK.mean(), abs=1e-6)
   np.testing.assert_allclose(out, want, atol=1e-5 * float(jnp.max(jnp.abs(want))), rtol=0)
+  want_grads = jax.grad(lambda p: jnp.sum(jnp.sin(reference(p))))(params)
+  for name in params:
+    assert np.linalg.norm(grads[name] - want_grads[name]) <= 1e-5 * np.linalg.norm(want_grads[name]), name
 
 
 def test_buffer_factor_is_checked_and_logged():
