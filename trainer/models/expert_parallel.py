@@ -29,7 +29,8 @@ Static shapes, and what they cost. XLA:CPU has no `ragged_all_to_all` ("HLO opco
 supported by XLA:CPU ThunkEmitter", jax 0.10.2), so there the exchange is the fixed-size `all_to_all`:
 - dropless: each device sends every peer a buffer of its A = T*K assignments' rows (only those routed there filled,
   the rest zeros), the worst case that keeps every token: N*A rows sent and received per device, N times the rows
-  routed. Exact at any load.
+  routed. Exact at any load. model.expert_buffer_factor f gives each peer's chunk ceil(f*A/N) places instead (about
+  f*A rows received): a device's assignments to one peer past that drop, in token order.
 - capacity: each device's tokens compete for C = ceil(factor * T*K / E) slots per expert among themselves (GShard's
   groups: the device's tokens are the group), so it sends E*C rows in all, factor * A, whatever N is. Dropped tokens
   can therefore differ from the one-device layer, where all tokens compete; when nothing drops the two are equal.
@@ -66,28 +67,30 @@ def one_device_for_counting():
     _COUNTING.reset(token)
 
 
-def _send_dropless(x_TD, experts_TK, num_devices: int, local_experts: int):
-  """Per-device buffers of the assignments routed to each device: (rows (N, A, D), local expert (N, A), each
-  assignment's place in the flattened buffers (A,), and the assignment in each place (N*A,), A for none). Unused
-  places hold zeros and the local expert id E/N (none). Filled by gathers (trainer/models/row_permute.py)."""
+def _send_dropless(x_TD, experts_TK, num_devices: int, local_experts: int, places: int):
+  """Per-device buffers of the assignments routed to each device: (rows (N, P, D), local expert (N, P), each
+  assignment's place in the flattened buffers (A,), N*P for a dropped one, and the assignment in each place (N*P,),
+  A for none). P = `places` per peer: an assignment past its device's first P (in token order) drops. Unused places
+  hold zeros and the local expert id E/N (none). Filled by gathers (trainer/models/row_permute.py)."""
   T, K = experts_TK.shape
-  A = T * K
+  A, P = T * K, places
   experts_A = experts_TK.reshape(-1)
   device_A = experts_A // local_experts
   # Place within its device's buffer: its rank among the assignments bound to the same device, in token order.
   onehot_AN = jax.nn.one_hot(device_A, num_devices, dtype=jnp.int32)
   place_A = jnp.sum((jnp.cumsum(onehot_AN, axis=0) - onehot_AN) * onehot_AN, axis=-1)
-  slot_A = device_A * A + place_A
-  # The inverse: device n's place a holds the a-th of its assignments in token order (a stable sort by device).
+  slot_A = jnp.where(place_A < P, device_A * P + place_A, num_devices * P)
+  # The inverse: device n's place p holds the p-th of its assignments in token order (a stable sort by device).
   by_device_A = jnp.argsort(device_A, stable=True)
   count_N = jnp.sum(onehot_AN, axis=0)
   first_N = jnp.cumsum(count_N) - count_N
-  device_S, place_S = jnp.divmod(jnp.arange(num_devices * A), A)  # S = N*A places, device-major.
+  device_S, place_S = jnp.divmod(jnp.arange(num_devices * P), P)  # S = N*P places, device-major.
   held_S = place_S < count_N[device_S]
   source_S = jnp.where(held_S, by_device_A[jnp.minimum(first_N[device_S] + place_S, A - 1)], A)
-  rows_NAD = row_permute.take(row_permute.repeat(x_TD, K), source_S, slot_A).reshape(num_devices, A, -1)
-  ids_NA = jnp.where(held_S, experts_A[jnp.minimum(source_S, A - 1)] % local_experts, local_experts)
-  return rows_NAD, ids_NA.reshape(num_devices, A), slot_A, source_S
+  rows_NPD = row_permute.take(row_permute.repeat(x_TD, K), source_S, slot_A).reshape(num_devices, P, -1)
+  ids_NP = jnp.where(held_S, experts_A[jnp.minimum(source_S, A - 1)] % local_experts, local_experts)
+  dropped = jnp.mean((place_A >= P).astype(jnp.float32))
+  return rows_NPD, ids_NP.reshape(num_devices, P), slot_A, source_S, dropped
 
 
 def _local_dropless(rows_RD, ids_R, gate_EDF, up_EDF, down_EFD, local_experts: int, kernel: str):
@@ -101,19 +104,23 @@ def _local_dropless(rows_RD, ids_R, gate_EDF, up_EDF, down_EFD, local_experts: i
   return row_permute.unsort(out_RD, order_R, inverse_R)
 
 
-def _dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, kernel: str):
+def _dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, kernel: str,
+              buffer_factor: float | None = None):
+  """((T, D), dropped fraction): each peer's chunk has room for all A assignments, or with `buffer_factor`
+  ceil(factor * A / N) places (a receive buffer of about factor * A rows); those past it drop."""
   T, K = experts_TK.shape
   N = jax.lax.axis_size(AXIS)
   local = gate_EDF.shape[0]
-  rows_NAD, ids_NA, slot_A, source_S = _send_dropless(x_TD, experts_TK, N, local)
+  places = T * K if buffer_factor is None else math.ceil(buffer_factor * T * K / N)
+  rows_NPD, ids_NP, slot_A, source_S, dropped = _send_dropless(x_TD, experts_TK, N, local, places)
   # Chunk j to device j; what arrives is stacked by source device.
-  got_NAD = jax.lax.all_to_all(rows_NAD, AXIS, 0, 0)
-  got_ids_NA = jax.lax.all_to_all(ids_NA, AXIS, 0, 0)
-  out_RD = _local_dropless(got_NAD.reshape(-1, got_NAD.shape[-1]), got_ids_NA.reshape(-1), gate_EDF, up_EDF,
+  got_NPD = jax.lax.all_to_all(rows_NPD, AXIS, 0, 0)
+  got_ids_NP = jax.lax.all_to_all(ids_NP, AXIS, 0, 0)
+  out_RD = _local_dropless(got_NPD.reshape(-1, got_NPD.shape[-1]), got_ids_NP.reshape(-1), gate_EDF, up_EDF,
                            down_EFD, local, kernel)
-  back_NAD = jax.lax.all_to_all(out_RD.reshape(got_NAD.shape), AXIS, 0, 0)  # Results home, by the same chunks.
-  out_TKD = row_permute.take(back_NAD.reshape(-1, back_NAD.shape[-1]), slot_A, source_S).reshape(T, K, -1)
-  return jnp.einsum('tkd,tk->td', out_TKD, weights_TK.astype(out_TKD.dtype)), None
+  back_NPD = jax.lax.all_to_all(out_RD.reshape(got_NPD.shape), AXIS, 0, 0)  # Results home, by the same chunks.
+  out_TKD = row_permute.take(back_NPD.reshape(-1, back_NPD.shape[-1]), slot_A, source_S).reshape(T, K, -1)
+  return jnp.einsum('tkd,tk->td', out_TKD, weights_TK.astype(out_TKD.dtype)), dropped
 
 
 def _with_capacity(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, capacity_factor: float):
@@ -165,13 +172,16 @@ def exchange_of(requested: str, platform: str) -> str:
 
 
 def dispatch(x_BLD, experts_BLK, weights_BLK, gate_EDF, up_EDF, down_EFD, *, mesh: Mesh,
-             capacity_factor: float | None, kernel: str = 'ragged_dot', exchange: str = 'padded'):
+             capacity_factor: float | None, kernel: str = 'ragged_dot', exchange: str = 'padded',
+             buffer_factor: float | None = None):
   """(output (B, L, D), dropped fraction or None): the experts' weighted outputs, each device running its own tokens;
-  over `expert` (N > 1 devices) tokens travel to their experts' devices and back."""
+  over `expert` (N > 1 devices) tokens travel to their experts' devices and back. Dropless, `buffer_factor` (None:
+  room for every assignment) sizes the exchange's receive buffer; the fraction is then reported (0 at N = 1)."""
   tokens = PartitionSpec(mesh_lib.BATCH_AXES, 'context')
   weight_in = PartitionSpec(AXIS, None, TENSOR)  # The model dimension gathered (as fsdp does), the hidden width split.
   weight_out = PartitionSpec(AXIS, TENSOR, None)
   token_axes = mesh_lib.BATCH_AXES + ('context',)
+  reported = bool(capacity_factor) or buffer_factor is not None
 
   def local(x_bld, experts_blk, weights_blk, gate, up, down):
     b, l, d = x_bld.shape
@@ -184,19 +194,19 @@ def dispatch(x_BLD, experts_BLK, weights_BLK, gate_EDF, up_EDF, down_EFD, *, mes
         k, experts = args[1].shape[1], gate.shape[0]
         out_TD, dropped = expert_math.with_capacity(
             *args, expert_math.capacity_of(capacity_factor, b * l, k, experts))
-      dropped = jax.lax.pmean(dropped, token_axes)  # Every device's share of the batch is the same size.
+    elif n == 1:  # Every expert here: this device's tokens sorted and run on its own.
+      out_TD, dropped = expert_math.dropless(*args, kernel), jnp.zeros((), jnp.float32)
+    elif exchange in ('ragged', 'emulated'):
+      out_TD, dropped = expert_ragged.dropless(*args, kernel, AXIS, emulate=exchange == 'emulated',
+                                               buffer_factor=buffer_factor)
     else:
-      if n == 1:  # Every expert here: this device's tokens sorted and run on its own.
-        out_TD = expert_math.dropless(*args, kernel)
-      elif exchange in ('ragged', 'emulated'):
-        out_TD = expert_ragged.dropless(*args, kernel, AXIS, emulate=exchange == 'emulated')
-      else:
-        out_TD, _ = _dropless(*args, kernel)
-      dropped = jnp.zeros((), jnp.float32)
+      out_TD, dropped = _dropless(*args, kernel, buffer_factor)
+    # Every device's share of the batch is the same size; unreported, a constant (the output is replicated).
+    dropped = jax.lax.pmean(dropped, token_axes) if reported else jnp.zeros((), jnp.float32)
     # Each device's hidden slice gives a partial down projection: summed over `tensor`.
     return jax.lax.psum(out_TD, TENSOR).reshape(b, l, d), dropped
 
   out_BLD, dropped = jax.shard_map(
       local, mesh=mesh, in_specs=(tokens, tokens, tokens, weight_in, weight_in, weight_out),
       out_specs=(tokens, PartitionSpec()))(x_BLD, experts_BLK, weights_BLK, gate_EDF, up_EDF, down_EFD)
-  return out_BLD, dropped if capacity_factor else None
+  return out_BLD, dropped if reported else None

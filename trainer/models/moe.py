@@ -69,6 +69,9 @@ class MoeConfig:
   router_bias_rate: float = 0.0  # > 0: trainer/models/router_bias.py's balancing bias, moved this much a step.
   kernel: str = 'ragged_dot'  # Dropless grouped matmuls: 'ragged_dot' (jax.lax) or 'triton' (grouped_matmul.py).
   exchange: str = 'auto'  # Dropless tokens over mesh.expert (expert_parallel.exchange_of); for_platform resolves it.
+  # Dropless over mesh.expert: None, a receive buffer for the worst case (nothing drops); f > 0, for f times the
+  # balanced load, the overflow dropped (expert_parallel.py, expert_ragged.py).
+  buffer_factor: float | None = None
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
@@ -97,6 +100,9 @@ def dispatch_note(cfg: MoeConfig, platform: str) -> str:
   kernel = grouped_matmul.NAME if cfg.kernel == 'triton' else 'jax.lax.ragged_dot'
   note = f'MoE: {cfg.num_experts} experts, top-{cfg.experts_per_token}, dropless on {kernel} (grouped matmuls)'
   note += f'; over mesh.expert tokens travel by {expert_parallel.EXCHANGE_NAMES[cfg.exchange]}'
+  if cfg.buffer_factor is not None:
+    note += (f' into receive buffers of {cfg.buffer_factor:g}x the balanced load (model.expert_buffer_factor): '
+             'overflow is dropped and logged as */dropped_fraction; None keeps it exact')
   if platform == 'cpu':
     note += ('; on cpu XLA pads ragged_dot to every expert, about 7x the time of the active FLOPs (BENCHMARKS.md "MoE '
              'dispatch"): --config.model.expert_capacity_factor=1.25 runs near 1.3x')
@@ -133,10 +139,13 @@ class MoeMlp(nn.Module):
     if expert_parallel.splits(self.mesh, x_BLD.shape):  # Each device its own tokens (over `expert`: all-to-all).
       out_BLD, dropped = expert_parallel.dispatch(
           x_BLD, experts_TK.reshape(B, L, K), weights_TK.reshape(B, L, K), gate_EDF, up_EDF, down_EFD,
-          mesh=self.mesh, capacity_factor=cfg.capacity_factor, kernel=cfg.kernel, exchange=cfg.exchange)
+          mesh=self.mesh, capacity_factor=cfg.capacity_factor, kernel=cfg.kernel, exchange=cfg.exchange,
+          buffer_factor=cfg.buffer_factor if cfg.dropless else None)
       out_TD = out_BLD.reshape(B * L, D)
     elif cfg.dropless:
       out_TD = dropless(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD, cfg.kernel)
+      if cfg.buffer_factor is not None:  # No exchange, nothing dropped: the same metrics as over `expert`.
+        dropped = jnp.zeros((), jnp.float32)
     else:
       out_TD, dropped = with_capacity(x_TD, experts_TK, weights_TK, gate_EDF, up_EDF, down_EFD,
                                       cfg.capacity(B * L))
@@ -184,7 +193,7 @@ def from_model_config(model_config, dtype=jnp.float32, param_dtype=jnp.float32) 
                    aux_loss_weight=float(m.router_aux_loss_weight), z_loss_weight=float(m.router_z_loss_weight),
                    router_bias_rate=float(m.get('router_bias_rate', 0.0)),  # A config.json from before it: none.
                    num_moe_layers=max(1, m.num_layers // _interval(m)), dtype=dtype, param_dtype=param_dtype,
-                   exchange=m.get('expert_exchange', 'auto'))
+                   exchange=m.get('expert_exchange', 'auto'), buffer_factor=m.get('expert_buffer_factor'))
 
 
 def llama_fields(model_config, dtype, param_dtype) -> dict:
@@ -231,3 +240,7 @@ def check_config(model_config, scanned: bool) -> None:
   factor = m.expert_capacity_factor
   if factor is not None and (not isinstance(factor, (int, float)) or factor < 0):
     raise UserError(f'model.expert_capacity_factor={factor!r} must be > 0 (capacity mode) or None/0 (dropless).')
+  buffer = m.get('expert_buffer_factor')
+  if buffer is not None and (isinstance(buffer, bool) or not isinstance(buffer, (int, float)) or not buffer > 0):
+    raise UserError(f'model.expert_buffer_factor={buffer!r} must be > 0 (receive buffers of that many times the '
+                    'balanced load over mesh.expert, the overflow dropped) or None (room for all: exact).')
