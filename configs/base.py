@@ -196,7 +196,7 @@ def get_config() -> config_dict.ConfigDict:
   c.model.expert_mlp_dim = 0  # Hidden width of each expert's SwiGLU MLP; 0 = model.mlp_dim.
   c.model.expert_capacity_factor = config_dict.placeholder(float)  # None/0: dropless (grouped matmuls); > 0: each expert takes ceil(factor x tokens x k / experts) assignments, the rest dropped and counted.
   c.model.expert_exchange = 'auto'  # Dropless tokens over mesh.expert: 'ragged' (ragged_all_to_all, only the rows routed), 'padded' (all_to_all of worst-case buffers), 'auto' (ragged on NVIDIA GPUs, padded elsewhere).
-  c.model.expert_buffer_factor = config_dict.placeholder(float)  # Dropless over mesh.expert: None, receive buffers with room for every assignment (exact); f > 0, for f x the balanced load (tokens x k), the overflow dropped and counted.
+  c.model.expert_buffer_factor = config_dict.placeholder(float)  # Dropless over mesh.expert: None or 0, receive buffers with room for every assignment (exact); f > 0, for f x the balanced load (tokens x k), the overflow dropped and counted.
   c.model.router_aux_loss_weight = 0.01  # Weight of the Switch load-balancing loss (1.0 when balanced), mean over MoE layers.
   c.model.router_z_loss_weight = 0.001  # Weight of the router z-loss mean(logsumexp(router logits)^2), mean over MoE layers.
   c.model.router_bias_rate = 0.0  # > 0: DeepSeek-V3's load-balancing bias on expert choice, moved this much per step.

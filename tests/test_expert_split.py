@@ -186,13 +186,19 @@ def test_balanced_buffer_drops_the_overflow(setup, layout, exchange):
 def test_buffer_factor_is_checked_and_logged():
   """A bad model.expert_buffer_factor is one line naming it; a good one is named in the MoE log line."""
   m = {'num_experts': E, 'experts_per_token': K, 'moe_layers': 'all', 'num_layers': 2, 'expert_capacity_factor': None}
-  for bad in (0, -1.0, 'big', True):
+  for bad in (-1.0, 'big', True):
     with pytest.raises(moe.UserError, match=r'^model\.expert_buffer_factor=.* must be > 0 .* or None'):
       moe.check_config(ml_collections.ConfigDict({**m, 'expert_buffer_factor': bad}), scanned=False)
   moe.check_config(ml_collections.ConfigDict({**m, 'expert_buffer_factor': 1.25}), scanned=False)
   note = moe.dispatch_note(moe.MoeConfig(E, K, F, exchange='padded', buffer_factor=1.25), 'gpu')
   assert 'receive buffers of 1.25x the balanced load' in note and 'overflow is dropped' in note
   assert 'buffer' not in moe.dispatch_note(moe.MoeConfig(E, K, F, exchange='padded'), 'gpu')
+  # The note's way back to exact, as a command line gives it (a float flag cannot say None): 0 is room for all.
+  assert '--config.model.expert_buffer_factor=0 keeps it exact' in note
+  moe.check_config(ml_collections.ConfigDict({**m, 'expert_buffer_factor': 0}), scanned=False)
+  model = {**m, 'expert_mlp_dim': F, 'mlp_dim': F, 'router_aux_loss_weight': 0.0, 'router_z_loss_weight': 0.0}
+  assert moe.from_model_config(ml_collections.ConfigDict({**model, 'expert_buffer_factor': 0})).buffer_factor is None
+  assert moe.from_model_config(ml_collections.ConfigDict({**model, 'expert_buffer_factor': 1.25})).buffer_factor == 1.25
 
 
 @pytest.mark.skipif(not gpu_targets.cuda_plugin_installed(),

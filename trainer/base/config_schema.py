@@ -180,7 +180,7 @@ SCHEMA: dict[str, Check] = {
     'model.num_experts': COUNT_OR_OFF, 'model.experts_per_token': COUNT,
     'model.moe_layers': either(one_of('all'), COUNT), 'model.shared_expert': BOOL,
     'model.expert_mlp_dim': COUNT_OR_OFF, 'model.expert_capacity_factor': optional(NON_NEGATIVE),
-    'model.expert_exchange': one_of('auto', 'padded', 'ragged'), 'model.expert_buffer_factor': optional(POSITIVE),
+    'model.expert_exchange': one_of('auto', 'padded', 'ragged'), 'model.expert_buffer_factor': optional(NON_NEGATIVE),
     'model.router_aux_loss_weight': NON_NEGATIVE, 'model.router_z_loss_weight': NON_NEGATIVE,
     'model.router_bias_rate': NON_NEGATIVE,
     'model.lora_rank': COUNT_OR_OFF, 'model.lora_targets': either(TEXT, sequence(TEXT)), 'model.lora_alpha': POSITIVE,

@@ -96,13 +96,14 @@ def dispatch_note(cfg: MoeConfig, platform: str) -> str:
   if not cfg.dropless:
     return (f'MoE: {cfg.num_experts} experts, top-{cfg.experts_per_token}, capacity mode (factor '
             f'{cfg.capacity_factor:g}: (experts, capacity, d_model) buffers on batched matmuls, overflow dropped and '
-            f'logged as */dropped_fraction)')
+            f'logged as */dropped_fraction)' + ('; model.expert_buffer_factor applies to dropless routing only, unused '
+                                                'here' if cfg.buffer_factor is not None else ''))
   kernel = grouped_matmul.NAME if cfg.kernel == 'triton' else 'jax.lax.ragged_dot'
   note = f'MoE: {cfg.num_experts} experts, top-{cfg.experts_per_token}, dropless on {kernel} (grouped matmuls)'
   note += f'; over mesh.expert tokens travel by {expert_parallel.EXCHANGE_NAMES[cfg.exchange]}'
   if cfg.buffer_factor is not None:
     note += (f' into receive buffers of {cfg.buffer_factor:g}x the balanced load (model.expert_buffer_factor): '
-             'overflow is dropped and logged as */dropped_fraction; None keeps it exact')
+             'overflow is dropped and logged as */dropped_fraction; --config.model.expert_buffer_factor=0 keeps it exact')
   if platform == 'cpu':
     note += ('; on cpu XLA pads ragged_dot to every expert, about 7x the time of the active FLOPs (BENCHMARKS.md "MoE '
              'dispatch"): --config.model.expert_capacity_factor=1.25 runs near 1.3x')
@@ -193,7 +194,7 @@ def from_model_config(model_config, dtype=jnp.float32, param_dtype=jnp.float32) 
                    aux_loss_weight=float(m.router_aux_loss_weight), z_loss_weight=float(m.router_z_loss_weight),
                    router_bias_rate=float(m.get('router_bias_rate', 0.0)),  # A config.json from before it: none.
                    num_moe_layers=max(1, m.num_layers // _interval(m)), dtype=dtype, param_dtype=param_dtype,
-                   exchange=m.get('expert_exchange', 'auto'), buffer_factor=m.get('expert_buffer_factor'))
+                   exchange=m.get('expert_exchange', 'auto'), buffer_factor=m.get('expert_buffer_factor') or None)  # 0: exact, as None.
 
 
 def llama_fields(model_config, dtype, param_dtype) -> dict:
@@ -241,6 +242,6 @@ def check_config(model_config, scanned: bool) -> None:
   if factor is not None and (not isinstance(factor, (int, float)) or factor < 0):
     raise UserError(f'model.expert_capacity_factor={factor!r} must be > 0 (capacity mode) or None/0 (dropless).')
   buffer = m.get('expert_buffer_factor')
-  if buffer is not None and (isinstance(buffer, bool) or not isinstance(buffer, (int, float)) or not buffer > 0):
+  if buffer is not None and (isinstance(buffer, bool) or not isinstance(buffer, (int, float)) or not buffer >= 0):
     raise UserError(f'model.expert_buffer_factor={buffer!r} must be > 0 (receive buffers of that many times the '
-                    'balanced load over mesh.expert, the overflow dropped) or None (room for all: exact).')
+                    'balanced load over mesh.expert, the overflow dropped), or 0 or None (room for all: exact).')
