@@ -149,7 +149,8 @@ def _dropped_by_rule(chosen_BLK, layout, exchange, factor):
     for j in range(n):
       taken = 0
       for b in range(group * n, group * n + n):
-        rows = sorted((chosen_BLK[b, t, k], t, k) for t in range(L) for k in range(K) if chosen_BLK[b, t, k] // local == j)
+        rows = sorted((chosen_BLK[b, t, k], t, k) for t in range(L) for k in range(K)
+                      if chosen_BLK[b, t, k] // local == j)
         for _, t, k in rows:
           drop[b, t, k] = taken >= room
           taken += 1

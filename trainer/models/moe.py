@@ -103,7 +103,8 @@ def dispatch_note(cfg: MoeConfig, platform: str) -> str:
   note += f'; over mesh.expert tokens travel by {expert_parallel.EXCHANGE_NAMES[cfg.exchange]}'
   if cfg.buffer_factor is not None:
     note += (f' into receive buffers of {cfg.buffer_factor:g}x the balanced load (model.expert_buffer_factor): '
-             'overflow is dropped and logged as */dropped_fraction; --config.model.expert_buffer_factor=0 keeps it exact')
+             'overflow is dropped and logged as */dropped_fraction; '
+             '--config.model.expert_buffer_factor=0 keeps it exact')
   if platform == 'cpu':
     note += ('; on cpu XLA pads ragged_dot to every expert, about 7x the time of the active FLOPs (BENCHMARKS.md "MoE '
              'dispatch"): --config.model.expert_capacity_factor=1.25 runs near 1.3x')
@@ -194,7 +195,8 @@ def from_model_config(model_config, dtype=jnp.float32, param_dtype=jnp.float32) 
                    aux_loss_weight=float(m.router_aux_loss_weight), z_loss_weight=float(m.router_z_loss_weight),
                    router_bias_rate=float(m.get('router_bias_rate', 0.0)),  # A config.json from before it: none.
                    num_moe_layers=max(1, m.num_layers // _interval(m)), dtype=dtype, param_dtype=param_dtype,
-                   exchange=m.get('expert_exchange', 'auto'), buffer_factor=m.get('expert_buffer_factor') or None)  # 0: exact, as None.
+                   exchange=m.get('expert_exchange', 'auto'),
+                   buffer_factor=m.get('expert_buffer_factor') or None)  # 0: exact, as None.
 
 
 def llama_fields(model_config, dtype, param_dtype) -> dict:
